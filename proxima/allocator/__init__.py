@@ -1,0 +1,5 @@
+"""Proxima's allocator core: pure Python, imports neither torch nor vllm."""
+
+from proxima.allocator.buddy import AllocationError, BuddyAllocator
+
+__all__ = ["AllocationError", "BuddyAllocator"]

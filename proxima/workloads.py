@@ -1,0 +1,169 @@
+"""Synthetic workloads and user traces, shared by `proxima replay` and `proxima bench`.
+
+Everything is generated from a seed (nothing is downloaded): prompts are token ids, so no
+tokenizer is needed. The same (name, requests, seed) always gives the same requests.
+
+Workloads:
+  chat       the seed article's benchmark: short prompts, 100 output tokens, 20 in flight.
+  sharegpt   ShareGPT-like lognormal prompt/output lengths, all submitted at once.
+  multiturn  conversations whose turns resend the growing history (prefix-cache hits).
+  pressure   500-style mixed lengths (prompt U[64,1024], output U[32,512]), all at once,
+             meant for a small pool (1,920 blocks) so that requests get preempted.
+
+A trace file is JSON Lines, one request a line:
+  {"prompt_len": 812, "output_len": 128, "prefix_id": "sys-a", "prefix_len": 256, "arrival_step": 40}
+Only prompt_len and output_len are required. Requests with the same prefix_id share their first
+prefix_len tokens (default: 256, capped at the prompt); arrival_step (default 0) is the
+scheduler step at which the request arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxima.errors import UserError
+
+WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure")
+VOCAB = (3, 31999)          # token ids drawn here: clear of bos/eos (1, 2) of the tiny models
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt_token_ids: list[int] = field(repr=False)
+    max_tokens: int
+    arrival_step: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[RequestSpec]
+    concurrency: int | None = None   # closed loop: at most this many in flight (None: open)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    lo, hi = VOCAB
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def make_workload(name: str, requests: int | None = None, seed: int = 0,
+                  max_model_len: int = 8192) -> Workload:
+    """Build a named workload. ``requests`` defaults per workload (100 chat, 1000 sharegpt,
+    400 multiturn turns, 500 pressure)."""
+    if name not in WORKLOADS:
+        raise UserError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)} "
+                        f"or pass --trace FILE")
+    if requests is not None and requests < 1:
+        raise UserError(f"--requests must be >= 1, got {requests}")
+    rng = random.Random(f"{name}:{seed}")
+    specs: list[RequestSpec] = []
+    concurrency = None
+    if name == "chat":
+        n = requests or 100
+        concurrency = 20
+        for i in range(n):
+            specs.append(RequestSpec(f"chat-{i}", _tokens(rng, rng.randint(16, 160)), 100))
+    elif name == "sharegpt":
+        n = requests or 1000
+        for i in range(n):
+            prompt = _lognormal(rng, 220, 1.0, 4, max_model_len // 2)
+            out = _lognormal(rng, 180, 0.9, 1, min(2048, max_model_len - prompt))
+            specs.append(RequestSpec(f"sharegpt-{i}", _tokens(rng, prompt), out))
+    elif name == "multiturn":
+        n = requests or 400
+        turns = 4
+        system = _tokens(rng, 200)          # shared by every conversation
+        conv = 0
+        while len(specs) < n:
+            history = list(system)
+            start = rng.randint(0, 60)
+            for t in range(turns):
+                if len(specs) >= n:
+                    break
+                history += _tokens(rng, rng.randint(20, 120))     # the user's new message
+                out = rng.randint(40, 160)
+                if len(history) + out > max_model_len:
+                    break
+                specs.append(RequestSpec(f"conv{conv}-turn{t}", list(history), out,
+                                         arrival_step=start + 60 * t))
+                history += _tokens(rng, out)                       # the reply, resent next turn
+            conv += 1
+    else:  # pressure
+        n = requests or 500
+        for i in range(n):
+            specs.append(RequestSpec(f"pressure-{i}", _tokens(rng, rng.randint(64, 1024)),
+                                     rng.randint(32, 512)))
+    return Workload(name, specs, concurrency)
+
+
+def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192) -> Workload:
+    """Read a JSONL trace (see the module docstring). Errors name the line and the field."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    rng = random.Random(f"trace:{seed}")
+    prefixes: dict[str, list[int]] = {}
+    specs = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected an object like "
+                            f'{{"prompt_len": 100, "output_len": 50}}, got {line.strip()[:60]}')
+        values = {}
+        for key, required, low in (("prompt_len", True, 1), ("output_len", True, 1),
+                                   ("arrival_step", False, 0), ("prefix_len", False, 0)):
+            value = row.get(key)
+            if value is None:
+                if required:
+                    raise UserError(f"{where}: missing {key!r}")
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise UserError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+            values[key] = value
+        prompt_len, output_len = values["prompt_len"], values["output_len"]
+        if prompt_len + output_len > max_model_len:
+            raise UserError(f"{where}: prompt_len + output_len = {prompt_len + output_len} "
+                            f"exceeds the model length {max_model_len}")
+        tokens: list[int] = []
+        if row.get("prefix_id") is not None:
+            key = str(row["prefix_id"])
+            shared = min(values.get("prefix_len", 256), prompt_len)
+            prefix = prefixes.setdefault(key, [])
+            if len(prefix) < shared:
+                prefix += _tokens(rng, shared - len(prefix))
+            tokens = prefix[:shared]
+        tokens = tokens + _tokens(rng, prompt_len - len(tokens))
+        specs.append(RequestSpec(f"trace-{lineno}", tokens, output_len,
+                                 values.get("arrival_step", 0)))
+    if not specs:
+        raise UserError(f"trace {path} holds no requests")
+    return Workload(f"trace:{path.name}", specs)
