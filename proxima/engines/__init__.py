@@ -1,0 +1,1 @@
+"""Thin adapters that put proxima.allocator inside an engine (one module per generation)."""
