@@ -1,0 +1,251 @@
+"""`proxima bench`: arguments, validation and dispatch to the online or offline mode.
+
+Every check on the arguments happens before any load is sent or engine built, and ends
+in a UserError (one line, exit 2). Exit status of a finished run: 0; 1 when a server
+completed no request at all, or ``--check-outputs`` found differing outputs (the report
+is still printed and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import proxima
+from proxima.bench import report as report_mod
+from proxima.bench.stats import ratios
+from proxima.errors import UserError
+from proxima.workloads import WORKLOADS, RequestSpec, Workload, load_trace, make_workload
+
+ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout")
+OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "repeat", "check_outputs",
+                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "online:  proxima bench --base-url http://127.0.0.1:8000 --label stock "
+        "--base-url http://127.0.0.1:8001 --label proxima --model M --workload chat\n"
+        "offline: proxima bench --offline --model CONFIG_DIR --load-format dummy "
+        "--workload pressure --kv-cache-memory-bytes 4026531840 --repeat 3 --check-outputs")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    src = parser.add_argument_group("requests (shared with `proxima replay`)")
+    which = src.add_mutually_exclusive_group()
+    which.add_argument("--workload", choices=WORKLOADS, default=None,
+                       help="synthetic workload (default: chat)")
+    which.add_argument("--trace", metavar="FILE", help="JSON Lines trace (see proxima.workloads)")
+    src.add_argument("--requests", "-n", type=int, metavar="N",
+                     help="number of requests (default: the workload's; with --trace: its first N)")
+    src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
+    src.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                     help="longest prompt+output the workload may build (default 8192); "
+                          "offline: also passed to LLM")
+    src.add_argument("--model", required=True,
+                     help="online: the served model name; offline: a model path or config dir")
+
+    on = parser.add_argument_group("online mode (OpenAI-compatible servers)")
+    on.add_argument("--base-url", action="append", metavar="URL",
+                    help="server to load, e.g. http://127.0.0.1:8000; give twice to compare "
+                         "(the first is the baseline of the ratio)")
+    on.add_argument("--label", action="append", metavar="NAME",
+                    help="name of each --base-url in the report, in the same order")
+    pace = on.add_mutually_exclusive_group()
+    pace.add_argument("--concurrency", "-c", type=int, metavar="C",
+                      help="closed loop, C requests in flight (default: the workload's, "
+                           "else all at once)")
+    pace.add_argument("--request-rate", type=float, metavar="R",
+                      help="open loop: Poisson arrivals at R requests/s (seeded)")
+    on.add_argument("--endpoint", choices=("completions", "chat"),
+                    help="completions (prompt as token ids; default) or chat (prompt as text)")
+    on.add_argument("--timeout", type=float, metavar="S",
+                    help="per-request timeout in seconds (default 600)")
+
+    off = parser.add_argument_group("offline mode (vLLM LLM in this process, stock vs Proxima)")
+    off.add_argument("--offline", action="store_true", help="run vLLM in-process instead")
+    off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only")
+    off.add_argument("--kv-cache-memory-bytes", type=int, metavar="B",
+                     help="fix the KV cache size (e.g. to force preemption)")
+    off.add_argument("--gpu-memory-utilization", type=float, metavar="F")
+    off.add_argument("--tensor-parallel-size", type=int, metavar="TP")
+    off.add_argument("--enforce-eager", action="store_true", default=None,
+                     help="no torch.compile / CUDA graphs")
+    off.add_argument("--repeat", type=int, metavar="K",
+                     help="run each allocator K times, alternating (default 1)")
+    off.add_argument("--check-outputs", action="store_true", default=None,
+                     help="compare generated token ids of every run with the first stock run")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _given(args, names) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
+
+
+def request_list(args) -> tuple[Workload, list[RequestSpec]]:
+    """The workload and its requests in dispatch order.
+
+    Requests are sent in ``arrival_step`` order (stable), so later turns of a conversation
+    follow earlier ones; beyond that order, pacing comes from the concurrency or rate
+    (online) or from vLLM's scheduler (offline, all submitted at once)."""
+    if args.requests is not None and args.requests < 1:
+        raise UserError(f"--requests must be >= 1, got {args.requests}")
+    max_len = args.max_model_len or 8192
+    if args.trace:
+        workload = load_trace(args.trace, seed=args.seed, max_model_len=max_len)
+        specs = workload.requests[: args.requests] if args.requests else workload.requests
+    else:
+        workload = make_workload(args.workload or "chat", args.requests, seed=args.seed,
+                                 max_model_len=max_len)
+        specs = workload.requests
+    return workload, sorted(specs, key=lambda s: s.arrival_step)
+
+
+def _targets(args):
+    from proxima.bench.online import Target, normalize_base_url
+    urls = [normalize_base_url(u) for u in args.base_url]
+    labels = args.label
+    if labels is None:
+        labels = ["A", "B", "C", "D"][: len(urls)] if len(urls) <= 4 else \
+            [f"S{i + 1}" for i in range(len(urls))]
+    if len(labels) != len(urls):
+        raise UserError(f"got {len(labels)} --label for {len(urls)} --base-url: give one "
+                        f"label per server, in the same order")
+    if len(set(labels)) != len(labels):
+        raise UserError(f"--label values must differ, got {', '.join(labels)}")
+    return [Target(label, url) for label, url in zip(labels, urls)]
+
+
+def environment(offline: bool) -> dict:
+    """Where the numbers came from: versions, commit, host (best effort, never fails)."""
+    env = {"proxima": proxima.__version__, "python": platform.python_version(),
+           "host": platform.node(), "commit": None, "dirty": None}
+    root = Path(proxima.__file__).resolve().parent.parent
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                       text=True, timeout=5).stdout.strip() or None
+        if env["commit"]:
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=root, capture_output=True, text=True, timeout=5)
+            env["dirty"] = bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if offline:
+        for name in ("vllm", "torch"):
+            module = sys.modules.get(name)
+            env[name] = getattr(module, "__version__", None)
+        torch = sys.modules.get("torch")
+        try:  # after all runs: initialising CUDA here can no longer harm a forked engine
+            env["gpu"] = torch.cuda.get_device_name(0) if torch and torch.cuda.is_available() else None
+            env["gpu_count"] = torch.cuda.device_count() if torch else None
+        except Exception:  # noqa: BLE001 - informative only
+            env["gpu"] = None
+    return env
+
+
+def _workload_info(args, workload: Workload, specs, mode: str) -> dict:
+    return {"name": workload.name, "requests": len(specs), "seed": args.seed,
+            "trace": args.trace, "model": args.model,
+            "prompt_tokens": sum(s.prompt_len for s in specs),
+            "max_tokens_total": sum(s.max_tokens for s in specs), "mode": mode}
+
+
+def run_online_mode(args) -> int:
+    stray = _given(args, OFFLINE_ONLY)
+    if stray:
+        raise UserError(f"{', '.join(stray)} only apply with --offline")
+    if not args.base_url:
+        raise UserError("give --base-url URL (a server to load) or --offline")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise UserError(f"--request-rate must be > 0 requests/s, got {args.request_rate}")
+    timeout = 600.0 if args.timeout is None else args.timeout
+    if not timeout > 0:
+        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    report_mod.check_writable(args.json, "--json")
+    report_mod.check_writable(args.plot, "--plot")
+    targets = _targets(args)
+    workload, specs = request_list(args)
+    try:
+        from proxima.bench.online import run_online
+    except ModuleNotFoundError as exc:
+        raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
+    concurrency = None
+    if args.request_rate is None:
+        concurrency = args.concurrency or workload.concurrency or len(specs)
+    endpoint = args.endpoint or "completions"
+    results = run_online(targets, specs, args.model, endpoint=endpoint, concurrency=concurrency,
+                         rate=args.request_rate, seed=args.seed, timeout_s=timeout,
+                         progress=not args.no_progress)
+    info = _workload_info(args, workload, specs, "online")
+    info.update(endpoint=endpoint, concurrency=concurrency, request_rate=args.request_rate,
+                timeout_s=timeout)
+    rep = {"mode": "online", "workload": info, "environment": environment(False),
+           "results": results, "ratios": ratios(results, report_mod.RATIO_KEYS["online"])}
+    status = 0
+    for label, result in results.items():
+        if result["completed"] == 0:
+            print(f"proxima bench: server {label} completed no request", file=sys.stderr)
+            status = 1
+    return _emit(rep, args) or status
+
+
+def run_offline_mode(args) -> int:
+    stray = _given(args, ONLINE_ONLY)
+    if stray:
+        raise UserError(f"{', '.join(stray)} do not apply with --offline (no server is used)")
+    from proxima.bench.offline import OfflineConfig, run_offline, validate
+    config = OfflineConfig(
+        model=args.model, load_format=args.load_format,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
+        enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
+        seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress)
+    validate(config)
+    report_mod.check_writable(args.json, "--json")
+    report_mod.check_writable(args.plot, "--plot")
+    workload, specs = request_list(args)
+    try:
+        import vllm  # noqa: F401 - fail here, in one line, not inside the first run
+    except ModuleNotFoundError:
+        raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
+    measured = run_offline(config, specs)
+    status = _emit(offline_report(args, config, workload, specs, measured), args)
+    check = measured["check_outputs"]
+    if check and any(c["differing"] for c in check["runs"].values()):
+        print("proxima bench: generated tokens differ between runs (see the table)",
+              file=sys.stderr)
+        status = 1
+    return status
+
+
+def offline_report(args, config, workload: Workload, specs, measured: dict) -> dict:
+    """The offline report dict from what :func:`run_offline` measured."""
+    info = _workload_info(args, workload, specs, "offline")
+    info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
+    return {"mode": "offline", "workload": info, "environment": environment(True),
+            "results": measured["results"],
+            "ratios": ratios(measured["results"], report_mod.RATIO_KEYS["offline"]),
+            "check_outputs": measured["check_outputs"], "runs": measured["runs"]}
+
+
+def _emit(rep: dict, args) -> int:
+    print(report_mod.format_table(rep))
+    if args.json:
+        report_mod.write_json(rep, args.json)
+        print(f"proxima bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        report_mod.write_plot(rep, args.plot)
+        print(f"proxima bench: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run(args) -> int:
+    return run_offline_mode(args) if args.offline else run_online_mode(args)

@@ -1,0 +1,338 @@
+"""Offline mode: vLLM's ``LLM`` in this process, stock block pool vs Proxima, same prompts.
+
+Why the order and the environment matter:
+
+* ``PROXIMA_ALLOCATOR`` is read by the Proxima plugin when vLLM loads general plugins in
+  the *engine-core child process*, which V1 starts anew for every ``LLM``. So the variable
+  is set before each ``LLM`` is built and every run gets a fresh engine; an in-process
+  engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would load the plugin once for the
+  whole process and is refused.
+* With ``--repeat K`` the runs alternate (stock, proxima, stock, proxima, ...) so slow
+  drift of the machine (clocks, heat) falls on both sides; each run rebuilds the engine,
+  so no run inherits another's prefix cache, and every run gets the identical prompts.
+  The stock runs among themselves give the noise band (``spread_pct``).
+* The engine is shut down and collected before the next is built: two engines would not
+  fit on one GPU with default memory settings.
+
+Per run: elapsed wall time of ``LLM.generate`` (engine start-up excluded), requests/s,
+output and total tokens/s, preemptions (``vllm:num_preemptions`` via ``get_metrics``,
+difference across the run), the KV-cache block count, and contiguity read from the
+Proxima status file (``PROXIMA_STATS_FILE``, sampled while the run goes; the stock pool
+writes none, so its contiguity is n/a). ``--check-outputs`` compares every run's token
+ids with the first stock run's, request by request.
+
+Everything except :func:`default_build_llm` is plain Python, so the orchestration and the
+arithmetic are tested on CPU with a stand-in ``build_llm``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from proxima.bench.stats import median, spread
+from proxima.engines.status import STATS_ENV, read_status
+from proxima.errors import UserError
+from proxima.workloads import RequestSpec
+
+ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
+ALLOCATORS = ("stock", "proxima")
+STATUS_POLL_S = 0.5
+MAX_DIFFERING_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    """Settings shared by every run: only the allocator differs between runs."""
+    model: str
+    load_format: str | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    repeat: int = 1
+    seed: int = 0
+    check_outputs: bool = False
+    progress: bool = True
+
+
+def validate(config: OfflineConfig) -> None:
+    """Refuse settings that cannot give a fair comparison, before any engine starts."""
+    if config.repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {config.repeat}")
+    if config.kv_cache_memory_bytes is not None and config.kv_cache_memory_bytes < 1:
+        raise UserError(f"--kv-cache-memory-bytes must be >= 1, got {config.kv_cache_memory_bytes}")
+    if config.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be >= 1, got {config.tensor_parallel_size}")
+    if config.gpu_memory_utilization is not None and not 0 < config.gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization must be in (0, 1], got "
+                        f"{config.gpu_memory_utilization}")
+    if config.max_model_len is not None and config.max_model_len < 2:
+        raise UserError(f"--max-model-len must be >= 2, got {config.max_model_len}")
+    path = Path(config.model)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {config.model}: no config.json in that directory "
+                            f"(a config.json is enough with --load-format dummy)")
+    elif config.model.startswith((".", "/", "~")):
+        raise UserError(f"--model {config.model}: no such directory")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip() == "0":
+        raise UserError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core in this process, "
+                        "where the Proxima plugin is loaded once for both runs: unset it")
+
+
+def plan_runs(repeat: int) -> list[tuple[str, int]]:
+    """``[("stock", 1), ("proxima", 1), ("stock", 2), ...]``: alternating, stock first."""
+    return [(allocator, rep) for rep in range(1, repeat + 1) for allocator in ALLOCATORS]
+
+
+def llm_kwargs(config: OfflineConfig) -> dict:
+    """Keyword arguments of ``LLM``, identical for both allocators.
+
+    Prompts are token ids, so no tokenizer is loaded (``skip_tokenizer_init``) and
+    stats logging is on so that ``get_metrics`` has the preemption counter."""
+    kwargs = dict(model=config.model, skip_tokenizer_init=True, seed=config.seed,
+                  disable_log_stats=False, tensor_parallel_size=config.tensor_parallel_size,
+                  enforce_eager=config.enforce_eager)
+    optional = dict(load_format=config.load_format,
+                    kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    max_model_len=config.max_model_len)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def metric_total(metrics: Sequence, name: str) -> int | None:
+    """Sum of a counter over its label sets in ``LLM.get_metrics()``; None if absent."""
+    values = [m.value for m in metrics if getattr(m, "name", None) == name
+              and isinstance(getattr(m, "value", None), (int, float))]
+    return int(sum(values)) if values else None
+
+
+def kv_blocks_of(llm) -> int | None:
+    """The KV-cache block count the engine settled on at start-up.
+
+    Read from the front end's config (the engine core reports it back at start), else
+    from the ``vllm:cache_config_info`` metric's ``num_gpu_blocks`` label."""
+    try:
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        if blocks:
+            return int(blocks)
+    except AttributeError:
+        pass
+    try:
+        for m in llm.get_metrics():
+            if m.name == "vllm:cache_config_info" and m.labels.get("num_gpu_blocks") not in (None, "None"):
+                return int(m.labels["num_gpu_blocks"])
+    except Exception:  # noqa: BLE001 - metrics are a best-effort extra
+        pass
+    return None
+
+
+class StatusSampler:
+    """Reads the Proxima status file every ``STATUS_POLL_S`` while a run goes.
+
+    The engine writes a snapshot at most once a second; the last one may be taken when
+    few requests are still running, so contiguity is averaged over all snapshots of the
+    run rather than read from the last. Each distinct snapshot (by its ``time``) is kept
+    once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.snapshots: list[dict] = []
+        self._seen: set = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="proxima-status", daemon=True)
+
+    def __enter__(self) -> "StatusSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()                        # the final snapshot, if a new one came
+
+    def _take(self) -> None:
+        snap = read_status(self.path)
+        if snap is not None and snap.get("time") not in self._seen:
+            self._seen.add(snap.get("time"))
+            self.snapshots.append(snap)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(STATUS_POLL_S):
+            self._take()
+
+
+def contiguity(snapshots: Sequence[dict]) -> dict:
+    """Contiguity figures from status snapshots; every value None when there are none.
+
+    ``blocks_per_run``: mean over all ``running_blocks_per_run`` entries of all snapshots
+    (each entry: one running request's blocks divided by its runs; 1.0 = fully scattered).
+    ``largest_free_run`` and ``fragmentation``: the allocator's, from the last snapshot."""
+    values = [float(v) for s in snapshots
+              for v in (s.get("running_blocks_per_run") or [])
+              if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    last_alloc = next((s["allocator"] for s in reversed(snapshots)
+                       if isinstance(s.get("allocator"), dict)), {})
+    checks = [s["invariants_ok"] for s in snapshots if isinstance(s.get("invariants_ok"), bool)]
+    return {
+        "active": any(s.get("active") is True for s in snapshots) if snapshots else None,
+        "snapshots": len(snapshots),
+        "blocks_per_run": sum(values) / len(values) if values else None,
+        "blocks_per_run_samples": len(values),
+        "largest_free_run": last_alloc.get("largest_free_run"),
+        "fragmentation": last_alloc.get("fragmentation"),
+        "invariants_ok": all(checks) if checks else None,
+    }
+
+
+def compare_tokens(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]],
+                   request_ids: Sequence[str]) -> dict:
+    """Request-by-request equality of generated token ids (order = the request list)."""
+    if len(reference) != len(other):
+        raise ValueError(f"cannot compare {len(other)} outputs with {len(reference)}")
+    differing = [rid for rid, a, b in zip(request_ids, reference, other) if list(a) != list(b)]
+    return {"identical": len(reference) - len(differing), "differing": len(differing),
+            "first_differing": differing[:MAX_DIFFERING_SHOWN]}
+
+
+def default_build_llm(kwargs: dict):
+    """Build vLLM's ``LLM`` (imported here: the rest of this module needs no vLLM)."""
+    from vllm import LLM
+    try:
+        return LLM(**kwargs)
+    except ValueError as exc:               # vLLM's own argument checks, e.g. KV too small
+        raise UserError(f"vLLM refused the settings: {exc}") from None
+
+
+def default_sampling_params(max_tokens: int):
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False)
+
+
+def release(llm) -> None:
+    """Stop the engine-core processes and give the GPU memory back before the next run."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+    torch = sys.modules.get("torch")       # never import (or initialise CUDA) just for this
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec],
+             status_dir: Path, build_llm: Callable, sampling_params: Callable,
+             rep: int) -> tuple[dict, list[list[int]]]:
+    """One engine, one ``generate`` over all requests; returns (figures, token ids)."""
+    status_path = status_dir / f"{allocator}-{rep}.json"
+    saved = {k: os.environ.get(k) for k in (ALLOCATOR_ENV, STATS_ENV)}
+    os.environ[ALLOCATOR_ENV] = "1" if allocator == "proxima" else "0"
+    os.environ[STATS_ENV] = str(status_path)
+    try:
+        llm = build_llm(llm_kwargs(config))
+    finally:
+        for key, value in saved.items():   # the child has its copy; restore ours
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        blocks = kv_blocks_of(llm)
+        before = metric_total(llm.get_metrics(), "vllm:num_preemptions")
+        prompts = [{"prompt_token_ids": list(s.prompt_token_ids)} for s in specs]
+        params = [sampling_params(s.max_tokens) for s in specs]
+        with StatusSampler(status_path) as sampler:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=config.progress)
+            elapsed = time.perf_counter() - start
+        after = metric_total(llm.get_metrics(), "vllm:num_preemptions")
+    finally:
+        release(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in specs)
+    output_tokens = sum(len(t) for t in tokens)
+    figures = {
+        "allocator": allocator,
+        "rep": rep,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(specs) / elapsed if elapsed > 0 else None,
+        "output_tokens_per_s": output_tokens / elapsed if elapsed > 0 else None,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed if elapsed > 0 else None,
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "short_outputs": sum(1 for s, t in zip(specs, tokens) if len(t) != s.max_tokens),
+        "preemptions": None if before is None or after is None else after - before,
+        "kv_blocks": blocks,
+        "contiguity": contiguity(sampler.snapshots),
+    }
+    return figures, tokens
+
+
+def summarize(runs: Sequence[dict]) -> dict:
+    """One allocator's runs -> medians, the min-max spread of throughput, and the values
+    that must not vary (KV blocks: None with ``kv_blocks_per_run`` listed if they do)."""
+    blocks = [r["kv_blocks"] for r in runs]
+    cont = [r["contiguity"] for r in runs]
+    return {
+        "runs": len(runs),
+        "elapsed_s": median(r["elapsed_s"] for r in runs),
+        "requests_per_s": median(r["requests_per_s"] for r in runs),
+        "output_tokens_per_s": median(r["output_tokens_per_s"] for r in runs),
+        "total_tokens_per_s": median(r["total_tokens_per_s"] for r in runs),
+        "output_tokens_per_s_spread": spread(r["output_tokens_per_s"] for r in runs),
+        "preemptions": median(r["preemptions"] for r in runs),
+        "preemptions_per_run": [r["preemptions"] for r in runs],
+        "kv_blocks": blocks[0] if len(set(blocks)) == 1 else None,
+        "kv_blocks_per_run": blocks,
+        "blocks_per_run": median(c["blocks_per_run"] for c in cont),
+        "largest_free_run": median(c["largest_free_run"] for c in cont),
+        "proxima_active": (None if all(c["active"] is None for c in cont)
+                           else all(c["active"] is True for c in cont)),
+        "short_outputs": max(r["short_outputs"] for r in runs),
+    }
+
+
+def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
+                build_llm: Callable = default_build_llm,
+                sampling_params: Callable = default_sampling_params) -> dict:
+    """All runs of :func:`plan_runs`; returns ``{"runs", "results", "check_outputs"}``."""
+    validate(config)
+    if not specs:
+        raise UserError("the request list is empty: --requests must be >= 1")
+    # Greedy decoding never uses the FlashInfer top-k/top-p sampler, but vLLM 0.26.0 builds
+    # it at start-up and fails where FlashInfer is missing (the offline GPU host).
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    request_ids = [s.request_id for s in specs]
+    runs: list[dict] = []
+    reference: list[list[int]] | None = None
+    check: dict | None = None
+    if config.check_outputs:
+        check = {"reference": "stock#1", "requests": len(specs), "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="proxima-bench-") as tmp:
+        for allocator, rep in plan_runs(config.repeat):
+            print(f"proxima bench: {allocator} run {rep}/{config.repeat}", file=sys.stderr,
+                  flush=True)
+            figures, tokens = run_once(allocator, config, specs, Path(tmp), build_llm,
+                                       sampling_params, rep)
+            runs.append(figures)
+            if check is not None:
+                if reference is None:
+                    reference = tokens
+                else:
+                    check["runs"][f"{allocator}#{rep}"] = compare_tokens(reference, tokens,
+                                                                       request_ids)
+    results = {a: summarize([r for r in runs if r["allocator"] == a]) for a in ALLOCATORS}
+    return {"runs": runs, "results": results, "check_outputs": check}

@@ -1,0 +1,212 @@
+"""`proxima bench` online mode end to end, against real HTTP servers on 127.0.0.1.
+
+Timing assertions use only bounds that sleeping guarantees (a stream cannot end before
+the server has slept between its chunks), never upper bounds on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from proxima.cli import main
+from proxima.workloads import load_trace
+
+PAIRS = [(12, 5), (30, 8), (7, 3), (50, 6), (21, 4), (9, 7)]      # (prompt_len, output_len)
+
+
+def bench(tmp_path, *argv):
+    """Run the CLI; return (exit status, parsed JSON or None)."""
+    out = tmp_path / "result.json"
+    rc = main(["bench", "--no-progress", "--json", str(out), *argv])
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_figures_match_what_the_server_streamed(fake_server, trace_file, tmp_path):
+    server = fake_server(delay=0.002, preemptions_per_request=2)
+    trace = trace_file(PAIRS)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny", "--trace", trace,
+                    "--concurrency", "2")
+    assert rc == 0
+    res = rep["results"]["A"]
+    n, want_out = len(PAIRS), sum(o for _, o in PAIRS)
+    assert (res["requests"], res["completed"], res["errors"]) == (n, n, 0)
+    assert res["output_tokens"] == want_out == server.state.tokens_streamed
+    assert res["output_tokens_source"] == "usage"
+    assert res["short_outputs"] == 0
+    assert res["prompt_tokens"] == sum(p for p, _ in PAIRS)
+    assert res["preemptions"] == 2 * n
+    assert res["requests_per_s"] == pytest.approx(n / res["duration_s"])
+    assert res["output_tokens_per_s"] == pytest.approx(want_out / res["duration_s"])
+    assert res["total_tokens_per_s"] == pytest.approx(
+        (want_out + res["prompt_tokens"]) / res["duration_s"])
+    # every stream slept output_len times `delay`: a lower bound on e2e, and with 2 in
+    # flight an upper bound on the request rate
+    min_e2e = min(o for _, o in PAIRS) * 0.002
+    assert res["e2e_ms"]["p50"] >= min_e2e * 1000
+    assert res["requests_per_s"] <= 2 / min_e2e
+    for q in ("p50", "p90", "p99"):
+        assert 0 < res["ttft_ms"][q] <= res["e2e_ms"][q]
+        assert res["itl_ms"][q] <= res["e2e_ms"][q]
+    assert res["ttft_ms"]["n"] == res["e2e_ms"]["n"] == n
+    assert res["itl_ms"]["n"] == sum(o - 1 for _, o in PAIRS)   # one gap between each chunk
+    # the server saw exactly the workload, as token ids, with the vLLM extensions
+    specs = load_trace(trace).requests
+    received = sorted((b["prompt"], b["max_tokens"]) for b in server.state.bodies)
+    assert received == sorted((s.prompt_token_ids, s.max_tokens) for s in specs)
+    for body in server.state.bodies:
+        assert body["ignore_eos"] is True and body["temperature"] == 0 and body["stream"] is True
+
+
+def test_output_tokens_come_from_usage_not_chunk_count(fake_server, trace_file, tmp_path):
+    server = fake_server(tokens_per_chunk=3)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS))
+    res = rep["results"]["A"]
+    assert rc == 0
+    assert res["output_tokens"] == sum(o for _, o in PAIRS)
+    assert server.state.chunks_streamed < res["output_tokens"]
+    assert res["itl_ms"]["n"] == server.state.chunks_streamed - len(PAIRS)
+    assert res["short_outputs"] == 0
+
+
+def test_two_servers_get_identical_request_lists_and_a_ratio(fake_server, trace_file, tmp_path,
+                                                             capsys):
+    a = fake_server(delay=0.001, preemptions_per_request=0)
+    b = fake_server(delay=0.003, preemptions_per_request=1)
+    rc, rep = bench(tmp_path, "--base-url", a.url, "--label", "stock", "--base-url", b.url,
+                    "--label", "proxima", "--model", "tiny", "--trace", trace_file(PAIRS),
+                    "--concurrency", "3", "--plot", str(tmp_path / "p.png"))
+    assert rc == 0
+    key = lambda body: (tuple(body["prompt"]), body["max_tokens"])  # noqa: E731
+    assert Counter(map(key, a.state.bodies)) == Counter(map(key, b.state.bodies))
+    assert len(a.state.bodies) == len(PAIRS)
+    assert list(rep["results"]) == ["stock", "proxima"]
+    assert list(rep["ratios"]) == ["proxima/stock"]
+    ratios, sa, sb = rep["ratios"]["proxima/stock"], rep["results"]["stock"], rep["results"]["proxima"]
+    assert ratios["output_tokens_per_s"] == pytest.approx(sb["output_tokens_per_s"] / sa["output_tokens_per_s"])
+    assert ratios["e2e_ms.p90"] == pytest.approx(sb["e2e_ms"]["p90"] / sa["e2e_ms"]["p90"])
+    assert sa["preemptions"] == 0 and sb["preemptions"] == len(PAIRS)
+    assert rep["mode"] == "online"
+    assert rep["workload"]["requests"] == len(PAIRS) and rep["workload"]["concurrency"] == 3
+    out = capsys.readouterr().out
+    assert "proxima/stock" in out and "TTFT p99 (ms)" in out and "preemptions" in out
+    png = (tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_second_bad_server_stops_before_any_load(fake_server, trace_file, tmp_path, capsys):
+    good = fake_server()
+    other = fake_server(models=("other-model",))
+    rc = main(["bench", "--no-progress", "--base-url", good.url, "--base-url", other.url,
+               "--model", "tiny", "--trace", trace_file(PAIRS)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert good.state.bodies == []                     # checked first, loaded never
+    assert "does not serve model 'tiny'" in err and "other-model" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_failed_requests_are_counted_not_raised(fake_server, trace_file, tmp_path, capsys):
+    server = fake_server(fail_every=3)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS), "--concurrency", "2")
+    res = rep["results"]["A"]
+    assert rc == 0
+    assert res["errors"] == len(PAIRS) // 3 and res["completed"] == len(PAIRS) - len(PAIRS) // 3
+    assert res["output_tokens"] == server.state.tokens_streamed
+    [(message, count)] = res["error_samples"].items()
+    assert message.startswith("HTTP 500") and count == res["errors"]
+    assert res["e2e_ms"]["n"] == res["completed"]
+    assert "HTTP 500" in capsys.readouterr().out
+
+
+def test_error_inside_the_stream_is_an_error(fake_server, trace_file, tmp_path):
+    server = fake_server(stream_error_every=2)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS), "--concurrency", "1")
+    res = rep["results"]["A"]
+    assert res["errors"] == len(PAIRS) // 2
+    assert all("injected stream error" in m for m in res["error_samples"])
+    assert res["output_tokens"] == server.state.tokens_streamed
+
+
+def test_every_request_failing_exits_1_with_a_report(fake_server, trace_file, tmp_path, capsys):
+    server = fake_server(fail_every=1)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS[:2]))
+    assert rc == 1
+    res = rep["results"]["A"]
+    assert res["completed"] == 0 and res["requests_per_s"] == 0
+    assert res["ttft_ms"]["p50"] is None
+    assert "completed no request" in capsys.readouterr().err
+
+
+def test_timeout_is_an_error_per_request(fake_server, trace_file, tmp_path):
+    server = fake_server(delay=0.2)               # 5 tokens take 1 s; the limit is 0.1 s
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file([(5, 5), (5, 5)]), "--timeout", "0.1")
+    res = rep["results"]["A"]
+    assert rc == 1 and res["errors"] == 2
+    assert all("timed out after 0.1 s" in m for m in res["error_samples"])
+
+
+@pytest.mark.parametrize("style", ["bare", "none"])
+def test_preemption_metric_names(fake_server, trace_file, tmp_path, capsys, style):
+    server = fake_server(metrics=style, preemptions_per_request=1)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS[:3]))
+    assert rc == 0
+    if style == "bare":
+        assert rep["results"]["A"]["preemptions"] == 3
+    else:
+        assert rep["results"]["A"]["preemptions"] is None
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("preemptions"))
+        assert line.split()[-1] == "unknown"
+
+
+def test_chat_endpoint_sends_the_same_text_to_both_servers(fake_server, trace_file, tmp_path):
+    a, b = fake_server(), fake_server()
+    rc, rep = bench(tmp_path, "--base-url", a.url, "--base-url", b.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS), "--endpoint", "chat", "--concurrency", "1")
+    assert rc == 0
+    texts = [body["messages"][0]["content"] for body in a.state.bodies]
+    assert texts == [body["messages"][0]["content"] for body in b.state.bodies]
+    assert len(set(texts)) == len(PAIRS)
+    for label in ("A", "B"):
+        res = rep["results"][label]
+        assert res["output_tokens"] == sum(o for _, o in PAIRS) and res["short_outputs"] == 0
+        assert res["prompt_tokens"] == sum(p for p, _ in PAIRS)   # one word per token id
+        assert res["itl_ms"]["n"] == sum(o - 1 for _, o in PAIRS)  # the role chunk is no token
+
+
+def test_server_without_usage_counts_one_token_per_chunk(fake_server, trace_file, tmp_path):
+    server = fake_server(usage=False, tokens_per_chunk=2)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS), "--endpoint", "chat")
+    res = rep["results"]["A"]
+    assert res["output_tokens_source"] == "chunks"
+    assert res["output_tokens"] == server.state.chunks_streamed
+    assert res["short_outputs"] == sum(1 for _, o in PAIRS if o > 1)  # visible, not hidden
+    assert res["prompt_tokens"] is None and res["total_tokens_per_s"] is None
+
+
+def test_request_rate_mode_runs_every_request(fake_server, trace_file, tmp_path):
+    server = fake_server()
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
+                    "--trace", trace_file(PAIRS), "--request-rate", "200")
+    assert rc == 0
+    assert rep["results"]["A"]["completed"] == len(PAIRS)
+    assert rep["workload"]["request_rate"] == 200 and rep["workload"]["concurrency"] is None
+
+
+def test_synthetic_workload_and_request_count(fake_server, tmp_path):
+    server = fake_server(delay=0.0005)
+    rc, rep = bench(tmp_path, "--base-url", server.url + "/v1/", "--model", "tiny",
+                    "--workload", "chat", "--requests", "4")
+    assert rc == 0
+    assert rep["workload"]["name"] == "chat" and rep["workload"]["concurrency"] == 20
+    assert rep["results"]["A"]["output_tokens"] == 4 * 100 == server.state.tokens_streamed
+    assert rep["results"]["A"]["base_url"] == server.url
