@@ -2,8 +2,8 @@
 
 Every check on the arguments happens before any load is sent or engine built, and ends
 in a UserError (one line, exit 2). Exit status of a finished run: 0; 1 when a server
-completed no request at all, or ``--check-outputs`` found differing outputs (the report
-is still printed and written).
+completed no request at all, when ``--check-outputs`` found differing outputs, or when
+the Proxima runs did not report Proxima active (the report is still printed and written).
 """
 
 from __future__ import annotations
@@ -223,6 +223,10 @@ def run_offline_mode(args) -> int:
         print("proxima bench: generated tokens differ between runs (see the table)",
               file=sys.stderr)
         status = 1
+    if measured["results"]["proxima"]["proxima_active"] is not True:
+        print("proxima bench: Proxima did not report itself active in the 'proxima' runs",
+              file=sys.stderr)
+        status = 1
     return status
 
 
@@ -230,7 +234,18 @@ def offline_report(args, config, workload: Workload, specs, measured: dict) -> d
     """The offline report dict from what :func:`run_offline` measured."""
     info = _workload_info(args, workload, specs, "offline")
     info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
-    return {"mode": "offline", "workload": info, "environment": environment(True),
+    results = measured["results"]
+    notes = []
+    if results["proxima"]["proxima_active"] is not True:
+        notes.append("the 'proxima' runs wrote no active Proxima status: the plugin did not "
+                     "activate (is proxima installed where vLLM finds its entry point?), so "
+                     "they may have run the stock pool")
+    if results["stock"]["proxima_active"]:
+        notes.append("the 'stock' runs reported Proxima active: the comparison is invalid")
+    if results["stock"]["kv_blocks_per_run"] != results["proxima"]["kv_blocks_per_run"]:
+        notes.append(f"KV-cache block counts differ: stock {results['stock']['kv_blocks_per_run']}, "
+                     f"proxima {results['proxima']['kv_blocks_per_run']}")
+    return {"mode": "offline", "notes": notes, "workload": info, "environment": environment(True),
             "results": measured["results"],
             "ratios": ratios(measured["results"], report_mod.RATIO_KEYS["offline"]),
             "check_outputs": measured["check_outputs"], "runs": measured["runs"]}

@@ -305,9 +305,13 @@ def summarize(runs: Sequence[dict]) -> dict:
 
 
 def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
-                build_llm: Callable = default_build_llm,
-                sampling_params: Callable = default_sampling_params) -> dict:
-    """All runs of :func:`plan_runs`; returns ``{"runs", "results", "check_outputs"}``."""
+                build_llm: Callable | None = None,
+                sampling_params: Callable | None = None) -> dict:
+    """All runs of :func:`plan_runs`; returns ``{"runs", "results", "check_outputs"}``.
+
+    ``build_llm(kwargs)`` and ``sampling_params(max_tokens)`` default to vLLM's."""
+    build_llm = build_llm or default_build_llm
+    sampling_params = sampling_params or default_sampling_params
     validate(config)
     if not specs:
         raise UserError("the request list is empty: --requests must be >= 1")

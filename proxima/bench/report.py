@@ -53,6 +53,7 @@ OFFLINE_ROWS = [
     ("blocks per run (mean)", "blocks_per_run", "{:.2f}", "n/a"),
     ("largest free run", "largest_free_run", "{:g}", "n/a"),
     ("short outputs", "short_outputs", "{:d}", "n/a"),
+    ("Proxima active", "proxima_active", "yesno", "n/a"),
 ]
 
 # Ratio columns are shown for these keys only: a ratio of error counts means nothing.
@@ -68,6 +69,8 @@ RATIO_KEYS = {
 def _fmt(value, fmt: str, missing: str) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return missing
+    if fmt == "yesno":
+        return "yes" if value else "no"
     if fmt == "{:d}":
         value = int(value)
     return fmt.format(value)

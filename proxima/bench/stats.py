@@ -69,11 +69,11 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 def flatten(result: dict, keys: Sequence[str]) -> dict:
     """Pick ``keys`` from a result; a key ``"ttft_ms.p50"`` reads a nested summary."""
     out = {}
-    for key in keys:
+    for key in keys:          # bools pass (a yes/no row); ratios never ask for them
         value = result
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        out[key] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        out[key] = value if isinstance(value, (int, float)) else None
     return out
 
 

@@ -1,0 +1,267 @@
+"""Offline mode's orchestration and report on CPU, with a stand-in for vLLM's ``LLM``.
+
+The stand-in does what the real engine does at the boundary bench relies on: it reads
+PROXIMA_ALLOCATOR when built (as the engine-core child does), writes the status file
+only when Proxima is on, counts preemptions in ``get_metrics``, and returns token ids in
+request order. Real vLLM runs in tests/gpu/test_bench_offline_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from proxima.bench import offline, report
+from proxima.bench.cli import offline_report
+from proxima.engines.status import write_status
+from proxima.workloads import make_workload
+
+
+class StandInLLM:
+    """Greedy 'model': output token i of a request is (sum of its prompt + i) % 1000."""
+
+    built: list = []            # (allocator env, stats path) per construction, in order
+    events: list = []           # "build:<alloc>" / "shutdown:<alloc>" in order
+    corrupt_index = -1          # proxima runs alter this request's last token (-1: none)
+    blocks = {"0": 1000, "1": 1000}
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+        self.allocator = os.environ["PROXIMA_ALLOCATOR"]
+        self.stats_path = os.environ["PROXIMA_STATS_FILE"]
+        StandInLLM.built.append((self.allocator, self.stats_path))
+        StandInLLM.events.append(f"build:{self.allocator}")
+        self.preempted = 0
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(cache_config=SimpleNamespace(
+                num_gpu_blocks=self.blocks[self.allocator])),
+            engine_core=SimpleNamespace(shutdown=lambda: StandInLLM.events.append(
+                f"shutdown:{self.allocator}")))
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:num_preemptions", labels={"engine": "0"},
+                                value=self.preempted),
+                SimpleNamespace(name="vllm:num_requests_running", labels={}, value=3.0)]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        assert len(prompts) == len(params)
+        if self.allocator == "1":
+            write_status({"active": True, "running_blocks_per_run": [4.0, 8.0],
+                          "allocator": {"largest_free_run": 512, "fragmentation": 0.1},
+                          "invariants_ok": True}, path=Path(self.stats_path))
+        self.preempted += 7 if self.allocator == "0" else 5
+        outs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            ids = p["prompt_token_ids"]
+            tokens = [(sum(ids) + k) % 1000 for k in range(sp["max_tokens"])]
+            if self.allocator == "1" and i == self.corrupt_index:
+                tokens[-1] += 1
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)]))
+        return outs
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(StandInLLM, "built", [])
+    monkeypatch.setattr(StandInLLM, "events", [])
+    monkeypatch.setattr(StandInLLM, "corrupt_index", -1)
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "outer")
+    monkeypatch.delenv("PROXIMA_STATS_FILE", raising=False)
+    return StandInLLM
+
+
+def config(tmp_path, **kw):
+    (tmp_path / "config.json").write_text("{}")
+    return offline.OfflineConfig(model=str(tmp_path), load_format="dummy", progress=False, **kw)
+
+
+def run(tmp_path, stand_in, specs, **kw):
+    return offline.run_offline(config(tmp_path, **kw), specs, build_llm=stand_in,
+                               sampling_params=lambda n: {"max_tokens": n})
+
+
+def test_runs_alternate_with_the_flag_set_for_each_engine(tmp_path, stand_in):
+    specs = make_workload("chat", 6).requests
+    measured = run(tmp_path, stand_in, specs, repeat=2)
+    assert [a for a, _ in stand_in.built] == ["0", "1", "0", "1"]
+    assert len({p for _, p in stand_in.built}) == 4          # a fresh status file per run
+    # each engine is shut down before the next one is built
+    assert stand_in.events == ["build:0", "shutdown:0", "build:1", "shutdown:1"] * 2
+    assert os.environ["PROXIMA_ALLOCATOR"] == "outer"       # restored
+    assert "PROXIMA_STATS_FILE" not in os.environ
+    assert [(r["allocator"], r["rep"]) for r in measured["runs"]] == [
+        ("stock", 1), ("proxima", 1), ("stock", 2), ("proxima", 2)]
+
+
+def test_llm_settings_are_identical_for_both_allocators(tmp_path, monkeypatch):
+    seen = []
+
+    class Recorder(StandInLLM):
+        def __init__(self, kwargs):
+            seen.append(dict(kwargs))
+            super().__init__(kwargs)
+
+    monkeypatch.setattr(StandInLLM, "built", [])
+    monkeypatch.setattr(StandInLLM, "events", [])
+    offline.run_offline(config(tmp_path, kv_cache_memory_bytes=4096, seed=3),
+                        make_workload("chat", 2).requests, build_llm=Recorder,
+                        sampling_params=lambda n: {"max_tokens": n})
+    assert seen[0] == seen[1]
+    assert seen[0]["kv_cache_memory_bytes"] == 4096 and seen[0]["load_format"] == "dummy"
+    assert seen[0]["skip_tokenizer_init"] is True and seen[0]["disable_log_stats"] is False
+    assert "gpu_memory_utilization" not in seen[0]           # vLLM's default unless given
+
+
+def test_figures_per_run_and_summary(tmp_path, stand_in):
+    specs = make_workload("pressure", 5, seed=1).requests
+    measured = run(tmp_path, stand_in, specs, repeat=3)
+    want_out = sum(s.max_tokens for s in specs)
+    for r in measured["runs"]:
+        assert r["output_tokens"] == want_out and r["short_outputs"] == 0
+        assert r["output_tokens_per_s"] == pytest.approx(want_out / r["elapsed_s"])
+        assert r["requests_per_s"] == pytest.approx(len(specs) / r["elapsed_s"])
+        assert r["preemptions"] == (7 if r["allocator"] == "stock" else 5)
+        assert r["kv_blocks"] == 1000
+    stock, prox = measured["results"]["stock"], measured["results"]["proxima"]
+    assert stock["runs"] == prox["runs"] == 3
+    assert stock["preemptions_per_run"] == [7, 7, 7] and prox["preemptions"] == 5
+    tps = sorted(r["output_tokens_per_s"] for r in measured["runs"] if r["allocator"] == "stock")
+    assert stock["output_tokens_per_s"] == tps[1]
+    assert stock["output_tokens_per_s_spread"]["spread_pct"] == pytest.approx(
+        (tps[2] - tps[0]) / tps[1] * 100)
+    # contiguity: from Proxima's status file; the stock pool writes none
+    assert prox["blocks_per_run"] == 6.0 and prox["largest_free_run"] == 512
+    assert prox["proxima_active"] is True
+    assert stock["blocks_per_run"] is None and stock["proxima_active"] is None
+    assert measured["check_outputs"] is None
+
+
+def test_check_outputs_counts_identical_and_differing(tmp_path, stand_in):
+    specs = make_workload("sharegpt", 8, seed=2).requests
+    stand_in.corrupt_index = 3
+    measured = run(tmp_path, stand_in, specs, repeat=2, check_outputs=True)
+    check = measured["check_outputs"]
+    assert check["reference"] == "stock#1" and check["requests"] == 8
+    assert check["runs"]["proxima#1"] == {"identical": 7, "differing": 1,
+                                          "first_differing": [specs[3].request_id]}
+    assert check["runs"]["stock#2"] == {"identical": 8, "differing": 0, "first_differing": []}
+    assert check["runs"]["proxima#2"]["differing"] == 1
+
+
+def test_differing_kv_block_counts_are_not_hidden(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setattr(StandInLLM, "blocks", {"0": 1000, "1": 998})
+    specs = make_workload("chat", 2).requests
+    cfg = config(tmp_path)
+    measured = offline.run_offline(cfg, specs, build_llm=stand_in,
+                                   sampling_params=lambda n: {"max_tokens": n})
+    assert measured["results"]["stock"]["kv_blocks"] == 1000
+    assert measured["results"]["proxima"]["kv_blocks"] == 998
+    rep = offline_report(SimpleNamespace(seed=0, trace=None, model=cfg.model), cfg,
+                         make_workload("chat", 2), specs, measured)
+    assert rep["notes"] == ["KV-cache block counts differ: stock [1000], proxima [998]"]
+    assert "note: KV-cache block counts differ" in report.format_table(rep)
+
+
+def test_a_proxima_run_without_proxima_is_called_out(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setattr(StandInLLM, "generate", _generate_without_status)
+    specs = make_workload("chat", 2).requests
+    cfg = config(tmp_path)
+    measured = offline.run_offline(cfg, specs, build_llm=stand_in,
+                                   sampling_params=lambda n: {"max_tokens": n})
+    assert measured["results"]["proxima"]["proxima_active"] is None
+    rep = offline_report(SimpleNamespace(seed=0, trace=None, model=cfg.model), cfg,
+                         make_workload("chat", 2), specs, measured)
+    assert any("plugin did not activate" in n for n in rep["notes"])
+    row = next(l for l in report.format_table(rep).splitlines() if l.startswith("Proxima active"))
+    assert row.split()[-2:] == ["n/a", "n/a"]
+
+
+def _generate_without_status(self, prompts, params, use_tqdm=False):
+    return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * sp["max_tokens"])])
+            for sp in params]
+
+
+def test_offline_report_table_json_and_plot(tmp_path, stand_in):
+    specs = make_workload("chat", 4).requests
+    stand_in.corrupt_index = 0
+    cfg = config(tmp_path, repeat=2, check_outputs=True)
+    measured = offline.run_offline(cfg, specs, build_llm=stand_in,
+                                   sampling_params=lambda n: {"max_tokens": n})
+    args = SimpleNamespace(seed=0, trace=None, model=cfg.model)
+    rep = offline_report(args, cfg, make_workload("chat", 4), specs, measured)
+    assert list(rep["ratios"]) == ["proxima/stock"]
+    ratio = rep["ratios"]["proxima/stock"]
+    res = rep["results"]
+    assert ratio["output_tokens_per_s"] == pytest.approx(
+        res["proxima"]["output_tokens_per_s"] / res["stock"]["output_tokens_per_s"])
+    assert ratio["blocks_per_run"] is None                  # stock has none: unknown, not 0
+    table = report.format_table(rep)
+    row = next(line for line in table.splitlines() if line.startswith("blocks per run"))
+    assert row.split()[-3:] == ["n/a", "6.00", "n/a"]
+    assert "proxima#1: 3 identical, 1 differing; first differing: chat-0" in table
+    assert "run-to-run spread (%)" in table
+    assert rep["notes"] == []
+    row = next(l for l in table.splitlines() if l.startswith("Proxima active"))
+    assert row.split()[-2:] == ["n/a", "yes"]
+    path = tmp_path / "r.json"
+    report.write_json(rep, str(path))
+    back = json.loads(path.read_text())
+    assert back["mode"] == "offline" and len(back["runs"]) == 4
+    assert back["workload"]["settings"]["repeat"] == 2
+    report.write_plot(rep, str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_contiguity_pools_every_snapshot():
+    snaps = [{"time": 1, "active": True, "running_blocks_per_run": [1.0, 3.0],
+              "allocator": {"largest_free_run": 10}},
+             {"time": 2, "active": True, "running_blocks_per_run": [],
+              "allocator": {"largest_free_run": 40, "fragmentation": 0.5},
+              "invariants_ok": True},
+             {"time": 3, "running_blocks_per_run": [5.0, "x", True]}]
+    c = offline.contiguity(snaps)
+    assert c["blocks_per_run"] == 3.0 and c["blocks_per_run_samples"] == 3
+    assert c["largest_free_run"] == 40 and c["fragmentation"] == 0.5
+    assert c["active"] is True and c["snapshots"] == 3 and c["invariants_ok"] is True
+    assert offline.contiguity([])["blocks_per_run"] is None
+    assert offline.contiguity([])["active"] is None
+
+
+def test_metric_total_sums_label_sets_and_tells_absent():
+    m = [SimpleNamespace(name="vllm:num_preemptions", value=3),
+         SimpleNamespace(name="vllm:num_preemptions", value=4),
+         SimpleNamespace(name="vllm:other", value=100)]
+    assert offline.metric_total(m, "vllm:num_preemptions") == 7
+    assert offline.metric_total(m[2:], "vllm:num_preemptions") is None
+
+
+def test_compare_tokens_refuses_mismatched_lengths():
+    with pytest.raises(ValueError):
+        offline.compare_tokens([[1]], [[1], [2]], ["a"])
+
+
+def test_plan_runs():
+    assert offline.plan_runs(1) == [("stock", 1), ("proxima", 1)]
+    assert offline.plan_runs(2)[2:] == [("stock", 2), ("proxima", 2)]
+
+
+def test_cli_offline_end_to_end_exit_status(tmp_path, stand_in, monkeypatch, capsys):
+    """Through `proxima bench --offline`: table, JSON, and exit 1 on differing tokens."""
+    from proxima.cli import main
+    monkeypatch.setattr(offline, "default_build_llm", stand_in)
+    monkeypatch.setattr(offline, "default_sampling_params", lambda n: {"max_tokens": n})
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["bench", "--offline", "--no-progress", "--model", str(tmp_path), "--workload",
+            "multiturn", "--requests", "9", "--check-outputs", "--json", str(tmp_path / "o.json")]
+    assert main(argv) == 0
+    rep = json.loads((tmp_path / "o.json").read_text())
+    assert rep["check_outputs"]["runs"]["proxima#1"]["identical"] == 9
+    assert rep["workload"]["requests"] == 9 and rep["workload"]["name"] == "multiturn"
+    assert "proxima/stock" in capsys.readouterr().out
+    stand_in.corrupt_index = 4
+    assert main(argv) == 1
+    assert "generated tokens differ" in capsys.readouterr().err
