@@ -1,0 +1,102 @@
+# The appliance's OCI image: Proxima + vLLM 0.6.3.post1 + torch on CUDA 12.1, nothing else.
+#
+#   stream = true   dockerTools.streamLayeredImage: `result` is a script that writes the image
+#                   to stdout, never storing the multi-GB tarball:  ./result | docker load
+#   stream = false  dockerTools.buildLayeredImage: `result` is the image tarball in the store:
+#                   docker load < result
+#
+# Layers hold store paths only (popular paths get their own layer, so an update of Proxima
+# re-ships one small layer, not torch). Timestamps are fixed (`created` below and the store's
+# epoch mtimes), so the same inputs give the same image digest.
+#
+# The image has no shell and no package manager: the entrypoint is Proxima's own executable.
+{
+  lib,
+  dockerTools,
+  python,
+  sources,
+  nixpkgsRev ? "unknown",
+  stream ? true,
+}:
+
+let
+  env = python.withPackages (ps: [ ps.proxima ]);
+  proxima = python.pkgs.proxima;
+  inherit (python.pkgs) vllm torch;
+
+  imageConfig = {
+    # `proxima serve` runs the self-check first and exits non-zero before accepting traffic if
+    # it fails; arguments of `docker run IMAGE ...` are appended (model path, vLLM options).
+    Entrypoint = [
+      "${env}/bin/proxima"
+      "serve"
+    ];
+    Cmd = [ ];
+    Env = [
+      "PATH=${env}/bin"
+      "PROXIMA_ALLOCATOR=1"
+      # Air-gapped by default: models come from /models, never from a hub.
+      "HF_HUB_OFFLINE=1"
+      "TRANSFORMERS_OFFLINE=1"
+      "HF_HOME=/tmp/huggingface"
+      # Caches of triton, torch.compile and vLLM go to the writable /tmp.
+      "HOME=/tmp"
+      "PYTHONDONTWRITEBYTECODE=1"
+      # The NVIDIA driver's user-space libraries (libcuda.so.1, libnvidia-ml.so.1, ...) are not
+      # in the image: they must match the host's kernel driver, so the NVIDIA Container Toolkit
+      # bind-mounts the host's copies at start (`docker run --gpus all`). It puts them in
+      # /usr/lib64, or in /usr/lib/x86_64-linux-gnu when that directory exists in the image.
+      # Nix-built binaries do not search those directories (their glibc has no ld.so.cache of
+      # the host's layout): CUDA binaries built with autoAddDriverRunpath look in
+      # /run/opengl-driver/lib, which the image links to /usr/lib64, and LD_LIBRARY_PATH covers
+      # both toolkit locations for everything that dlopen()s the driver (torch, pynvml, triton).
+      "LD_LIBRARY_PATH=/usr/lib64:/usr/lib/x86_64-linux-gnu"
+      "NVIDIA_VISIBLE_DEVICES=all"
+      "NVIDIA_DRIVER_CAPABILITIES=compute,utility"
+    ];
+    ExposedPorts = {
+      "8000/tcp" = { };
+    };
+    Volumes = {
+      "/models" = { };
+    };
+    WorkingDir = "/models";
+    Labels = {
+      "org.opencontainers.image.title" = "proxima";
+      "org.opencontainers.image.description" = proxima.meta.description;
+      "org.opencontainers.image.version" = proxima.version;
+      "org.opencontainers.image.licenses" = "Apache-2.0";
+      "org.opencontainers.image.base.name" = "nixpkgs/nixos-24.11@${nixpkgsRev}";
+      "ai.proxima.stack" = "card";
+      "ai.proxima.cuda.version" = sources.cuda.version;
+      "ai.proxima.cuda.capabilities" = lib.concatStringsSep "," sources.cuda.capabilities;
+      "ai.proxima.vllm.version" = vllm.version;
+      "ai.proxima.torch.version" = torch.version;
+      "ai.proxima.python.version" = python.pythonVersion;
+    };
+  };
+
+  args = {
+    name = "proxima";
+    tag = "${proxima.version}-cuda${sources.cuda.version}";
+    contents = [
+      env
+      # /etc/passwd and /etc/group with root and nobody: torch's inductor and triton look the
+      # user up (getpass.getuser()) and fail without an entry.
+      dockerTools.fakeNss
+    ];
+    # A writable /tmp, the model mount point and the driver path that CUDA binaries search.
+    extraCommands = ''
+      mkdir -p tmp models usr/lib64 run/opengl-driver
+      chmod 1777 tmp
+      ln -s /usr/lib64 run/opengl-driver/lib
+    '';
+    config = imageConfig;
+    created = "1970-01-01T00:00:01Z";
+    maxLayers = 100;
+    passthru = {
+      inherit imageConfig env;
+    };
+  };
+in
+if stream then dockerTools.streamLayeredImage args else dockerTools.buildLayeredImage args
