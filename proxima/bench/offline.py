@@ -7,6 +7,12 @@ Why the order and the environment matter:
   is set before each ``LLM`` is built and every run gets a fresh engine; an in-process
   engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would load the plugin once for the
   whole process and is refused.
+* The engine core is *spawned* (``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unless set): this
+  process loads the general plugins while building the first ``LLM`` (vLLM loads them once
+  per process, then sets a flag), and a *forked* engine core would inherit that flag and
+  that state, so the second run's plugin would never see its own ``PROXIMA_ALLOCATOR``.
+  A spawned child is a fresh interpreter that loads the plugin with this run's flag.
+  Whatever the method, each run's report says whether Proxima reported itself active.
 * With ``--repeat K`` the runs alternate (stock, proxima, stock, proxima, ...) so slow
   drift of the machine (clocks, heat) falls on both sides; each run rebuilds the engine,
   so no run inherits another's prefix cache, and every run gets the identical prompts.
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -46,6 +53,14 @@ ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
 ALLOCATORS = ("stock", "proxima")
 STATUS_POLL_S = 0.5
 MAX_DIFFERING_SHOWN = 5
+# Set for the engines of a bench run unless the user set them (restored afterwards).
+ENGINE_DEFAULTS = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",        # see the module docstring
+    # Greedy decoding never uses the FlashInfer top-k/top-p sampler, but vLLM 0.26.0 builds
+    # it at start-up and fails where FlashInfer is missing (the offline GPU host).
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -220,16 +235,37 @@ def default_sampling_params(max_tokens: int):
                           detokenize=False)
 
 
-def release(llm) -> None:
-    """Stop the engine-core processes and give the GPU memory back before the next run."""
+def shutdown(llm) -> None:
+    """Stop the engine-core processes (they hold the GPU memory, not this process)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
-    del llm
+
+
+def collect() -> None:
+    """Drop what this process still holds before the next engine is built."""
     gc.collect()
     torch = sys.modules.get("torch")       # never import (or initialise CUDA) just for this
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@contextmanager
+def scoped_env(values: dict[str, str], defaults: dict[str, str] | None = None):
+    """Set ``values`` (and ``defaults`` where unset) for the block, then restore exactly."""
+    defaults = defaults or {}
+    saved = {k: os.environ.get(k) for k in [*values, *defaults]}
+    os.environ.update(values)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec],
@@ -237,17 +273,9 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
              rep: int) -> tuple[dict, list[list[int]]]:
     """One engine, one ``generate`` over all requests; returns (figures, token ids)."""
     status_path = status_dir / f"{allocator}-{rep}.json"
-    saved = {k: os.environ.get(k) for k in (ALLOCATOR_ENV, STATS_ENV)}
-    os.environ[ALLOCATOR_ENV] = "1" if allocator == "proxima" else "0"
-    os.environ[STATS_ENV] = str(status_path)
-    try:
+    flags = {ALLOCATOR_ENV: "1" if allocator == "proxima" else "0", STATS_ENV: str(status_path)}
+    with scoped_env(flags):                 # the engine core copies them when it starts
         llm = build_llm(llm_kwargs(config))
-    finally:
-        for key, value in saved.items():   # the child has its copy; restore ours
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         blocks = kv_blocks_of(llm)
         before = metric_total(llm.get_metrics(), "vllm:num_preemptions")
@@ -259,7 +287,9 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
             elapsed = time.perf_counter() - start
         after = metric_total(llm.get_metrics(), "vllm:num_preemptions")
     finally:
-        release(llm)
+        shutdown(llm)
+        del llm
+        collect()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens = sum(len(s.prompt_token_ids) for s in specs)
     output_tokens = sum(len(t) for t in tokens)
@@ -315,17 +345,14 @@ def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
     validate(config)
     if not specs:
         raise UserError("the request list is empty: --requests must be >= 1")
-    # Greedy decoding never uses the FlashInfer top-k/top-p sampler, but vLLM 0.26.0 builds
-    # it at start-up and fails where FlashInfer is missing (the offline GPU host).
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     request_ids = [s.request_id for s in specs]
     runs: list[dict] = []
     reference: list[list[int]] | None = None
     check: dict | None = None
     if config.check_outputs:
         check = {"reference": "stock#1", "requests": len(specs), "runs": {}}
-    with tempfile.TemporaryDirectory(prefix="proxima-bench-") as tmp:
+    with scoped_env({}, ENGINE_DEFAULTS), \
+            tempfile.TemporaryDirectory(prefix="proxima-bench-") as tmp:
         for allocator, rep in plan_runs(config.repeat):
             print(f"proxima bench: {allocator} run {rep}/{config.repeat}", file=sys.stderr,
                   flush=True)

@@ -25,6 +25,7 @@ class StandInLLM:
     """Greedy 'model': output token i of a request is (sum of its prompt + i) % 1000."""
 
     built: list = []            # (allocator env, stats path) per construction, in order
+    mp_methods: list = []       # VLLM_WORKER_MULTIPROC_METHOD seen at each construction
     events: list = []           # "build:<alloc>" / "shutdown:<alloc>" in order
     corrupt_index = -1          # proxima runs alter this request's last token (-1: none)
     blocks = {"0": 1000, "1": 1000}
@@ -32,6 +33,8 @@ class StandInLLM:
     def __init__(self, kwargs):
         self.kwargs = kwargs
         self.allocator = os.environ["PROXIMA_ALLOCATOR"]
+        self.mp_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+        StandInLLM.mp_methods.append(self.mp_method)
         self.stats_path = os.environ["PROXIMA_STATS_FILE"]
         StandInLLM.built.append((self.allocator, self.stats_path))
         StandInLLM.events.append(f"build:{self.allocator}")
@@ -68,7 +71,9 @@ class StandInLLM:
 def stand_in(monkeypatch):
     monkeypatch.setattr(StandInLLM, "built", [])
     monkeypatch.setattr(StandInLLM, "events", [])
+    monkeypatch.setattr(StandInLLM, "mp_methods", [])
     monkeypatch.setattr(StandInLLM, "corrupt_index", -1)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "outer")
     monkeypatch.delenv("PROXIMA_STATS_FILE", raising=False)
     return StandInLLM
@@ -91,13 +96,16 @@ def test_runs_alternate_with_the_flag_set_for_each_engine(tmp_path, stand_in):
     assert len({p for _, p in stand_in.built}) == 4          # a fresh status file per run
     # each engine is shut down before the next one is built
     assert stand_in.events == ["build:0", "shutdown:0", "build:1", "shutdown:1"] * 2
+    # engine cores are spawned: a forked one would inherit this process's loaded plugin
+    assert stand_in.mp_methods == ["spawn"] * 4
     assert os.environ["PROXIMA_ALLOCATOR"] == "outer"       # restored
     assert "PROXIMA_STATS_FILE" not in os.environ
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
     assert [(r["allocator"], r["rep"]) for r in measured["runs"]] == [
         ("stock", 1), ("proxima", 1), ("stock", 2), ("proxima", 2)]
 
 
-def test_llm_settings_are_identical_for_both_allocators(tmp_path, monkeypatch):
+def test_llm_settings_are_identical_for_both_allocators(tmp_path, stand_in):
     seen = []
 
     class Recorder(StandInLLM):
@@ -105,8 +113,6 @@ def test_llm_settings_are_identical_for_both_allocators(tmp_path, monkeypatch):
             seen.append(dict(kwargs))
             super().__init__(kwargs)
 
-    monkeypatch.setattr(StandInLLM, "built", [])
-    monkeypatch.setattr(StandInLLM, "events", [])
     offline.run_offline(config(tmp_path, kv_cache_memory_bytes=4096, seed=3),
                         make_workload("chat", 2).requests, build_llm=Recorder,
                         sampling_params=lambda n: {"max_tokens": n})
@@ -265,3 +271,10 @@ def test_cli_offline_end_to_end_exit_status(tmp_path, stand_in, monkeypatch, cap
     stand_in.corrupt_index = 4
     assert main(argv) == 1
     assert "generated tokens differ" in capsys.readouterr().err
+
+
+def test_a_users_multiproc_method_is_kept(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    run(tmp_path, stand_in, make_workload("chat", 2).requests)
+    assert stand_in.mp_methods == ["fork", "fork"]
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
