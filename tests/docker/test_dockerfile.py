@@ -1,0 +1,63 @@
+"""The three images (Nix, docker/Dockerfile, daemonless OCI) share one entrypoint and one
+environment: docker/image-config.env. These checks need no tools."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def image_env() -> dict[str, str]:
+    lines = (REPO / "docker" / "image-config.env").read_text().splitlines()
+    pairs = [l.split("=", 1) for l in lines if l.strip() and not l.startswith("#")]
+    return dict(pairs)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)  # join continuation lines
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_the_environment_is_the_appliance_one():
+    env = image_env()
+    assert env["PROXIMA_ALLOCATOR"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_dockerfile_starts_from_the_tested_vllm_image():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    tested = re.search(r'"vllm==([0-9.]+)"', pyproject)[1]
+    ins = dockerfile_instructions()
+    args = dict(rest.split("=", 1) for word, rest in ins if word == "ARG" and "=" in rest)
+    assert args["VLLM_IMAGE"] == f"vllm/vllm-openai:v{tested}"
+    assert ("FROM", "${VLLM_IMAGE}") in ins
+    run = " ".join(rest for word, rest in ins if word == "RUN")
+    assert f"vllm.__version__ == '{tested}'" in run
+
+
+def test_dockerfile_has_the_appliance_entrypoint_env_port_and_volume():
+    ins = dockerfile_instructions()
+    entry = [json.loads(rest) for word, rest in ins if word == "ENTRYPOINT"]
+    assert entry == [["proxima", "serve"]]
+    env_text = " ".join(rest for word, rest in ins if word == "ENV")
+    set_env = dict(re.findall(r"(\w+)=(\S+)", env_text))
+    assert set_env == image_env()
+    assert ("EXPOSE", "8000") in ins
+    assert ("VOLUME", "/models") in ins
+
+
+def test_nix_image_sets_the_same_environment():
+    nix = (REPO / "nix" / "image.nix").read_text()
+    for key, value in image_env().items():
+        assert f'"{key}={value}"' in nix, f"nix/image.nix does not set {key}={value}"
+    assert re.search(r'"\$\{env\}/bin/proxima"\s*"serve"', nix)
