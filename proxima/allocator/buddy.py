@@ -17,12 +17,10 @@ contiguous free range?".
 Placement policy, in order:
 
 1. ``after=x`` and ``x+1 .. x+n`` free: those ids (the caller's run grows in place).
-2. The smallest free block whose order fits ``max(n, room)`` (buddy best fit): the ids
-   start at its head, so ``room - n`` ids stay free right behind them for later
-   growth, and big blocks stay whole.
-3. The smallest free run of length ``>= n`` (best fit over runs, which also catches
-   runs that no single block covers).
-4. Several runs, largest first, then the smallest run that fits the remainder.
+2. Best fit: the smallest free run of length ``>= max(n, room)`` (else ``>= n``), so big
+   runs stay whole. In a run much longer than needed, the ids start at the head of its
+   largest buddy block (see ``_place``), leaving room on both sides for growth.
+3. No single run holds ``n`` ids: whole runs, largest first, then the remainder by 2.
 
 The allocator never refuses while ``num_free >= n``.
 
@@ -188,14 +186,21 @@ class BuddyAllocator:
                     self._take(start, start + n, start, end)
                     return list(range(start, start + n))
         want = n if room is None or room < n else room
-        start = self._place(want)
-        if start < 0 and want > n:
-            start = self._place(n)
+        start, run_start = self._place(n, want)
         if start < 0:
             return self._allocate_from_runs(n)
-        run_start = self._run_containing(start)
         self._take(start, start + n, run_start, self._run_end[run_start])
         return list(range(start, start + n))
+
+    def take(self, block_id: int) -> None:
+        """Allocate one specific free id (a cached block that a prefix hit claims back).
+
+        O(log N). Raises :class:`AllocationError` if the id is not free.
+        """
+        if not 0 <= block_id < self.num_blocks or self._state[block_id] != FREE:
+            raise AllocationError(f"cannot take id {block_id}: it is not free")
+        run_start = self._run_containing(block_id)
+        self._take(block_id, block_id + 1, run_start, self._run_end[run_start])
 
     def free(self, ids: Sequence[int]) -> None:
         """Give ``ids`` back; each merges with its free neighbours and buddies.
@@ -274,26 +279,59 @@ class BuddyAllocator:
 
     # ------------------------------------------------------------- placement helpers
 
-    def _place(self, n: int) -> int:
-        """Where a new run of ``n`` ids starts: the head of the smallest free block of
-        order ``>= ceil(log2 n)``, else the start of the smallest free run ``>= n``; -1
-        when no single run holds ``n`` ids."""
-        order = (n - 1).bit_length()
-        areas = self._free_area
-        for k in range(order, self.max_order + 1):
-            if areas[k]:
-                return _pick(areas[k])
+    def _place(self, n: int, want: int) -> tuple[int, int]:
+        """Where a new run of ``n`` ids starts, and the free run it lies in.
+
+        Best fit over free runs: the smallest run of length ``>= want`` (else ``>= n``).
+        In a run of at least ``2 * want`` ids the new run starts at the head of the run's
+        largest buddy block that still leaves ``want`` ids to the run's end: the ids
+        before it stay free for the left neighbour's growth, those after it for ours.
+        Repeated, this halves the free space like a buddy split, so concurrent requests
+        end up spread ``~free/k`` apart instead of packed against each other. In a
+        shorter run the new run takes the last ``want`` ids, leaving the slack to the
+        left neighbour (whose run may still be growing).
+        Returns ``(-1, -1)`` when no single run holds ``n`` ids.
+        """
         lengths = self._lengths
-        i = bisect_left(lengths, n)
-        if i < len(lengths):
-            return _pick(self._runs_by_len[lengths[i]])
-        return -1
+        i = bisect_left(lengths, want)
+        if i == len(lengths):
+            if want == n:
+                return -1, -1
+            want = n
+            i = bisect_left(lengths, n)
+            if i == len(lengths):
+                return -1, -1
+        length = lengths[i]
+        run_start = _pick(self._runs_by_len[length])
+        if length < 2 * want:
+            return run_start + length - want, run_start
+        head_order = self._head_order
+        last = run_start + length - want       # the latest start that keeps `want` ids
+        best, best_order = run_start, head_order[run_start]
+        head = run_start
+        while head <= last:
+            order = head_order[head]
+            if order > best_order:
+                best, best_order = head, order
+            head += 1 << (order - 1)
+        return best, run_start
+
+    def _block_head(self, block_id: int) -> int:
+        """Head of the free block holding the free id ``block_id``: climb the orders."""
+        head_order = self._head_order
+        order = 0
+        head = block_id
+        while head_order[head] != order + 1:
+            order += 1
+            head = block_id & -(1 << order)
+        return head
 
     def _run_containing(self, block_id: int) -> int:
-        """Start of the free run holding the free id ``block_id``: walk left block by block."""
+        """Start of the free run holding the free id ``block_id``: from its block's head,
+        step left block by block (each block's last id records its head)."""
         run_end = self._run_end
         tail_head = self._tail_head
-        head = block_id
+        head = self._block_head(block_id)
         while not run_end[head]:
             head = tail_head[head - 1]
         return head
@@ -303,9 +341,8 @@ class BuddyAllocator:
         remainder fits one run, then place the remainder there."""
         ids: list[int] = []
         while True:
-            start = self._place(n)
+            start, run_start = self._place(n, n)
             if start >= 0:
-                run_start = self._run_containing(start)
                 self._take(start, start + n, run_start, self._run_end[run_start])
                 ids.extend(range(start, start + n))
                 return ids
@@ -362,16 +399,9 @@ class BuddyAllocator:
         """Remove ``[start, end)`` (all free) from the free blocks, splitting at both ends."""
         head_order = self._head_order
         areas = self._free_area
-        # The block holding `start` may begin before it (placement inside a block).
-        head = start
+        # The block holding `start` may begin before it (a take inside a block).
+        head = start if head_order[start] else self._block_head(start)
         order = head_order[head] - 1
-        if order < 0:
-            order = 0
-            while True:
-                order += 1
-                head = start & -(1 << order)
-                if head_order[head] == order + 1:
-                    break
         while True:
             size = 1 << order
             head_order[head] = 0

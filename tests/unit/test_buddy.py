@@ -1,0 +1,231 @@
+"""Behaviour of proxima.allocator.BuddyAllocator, one rule per test."""
+
+import subprocess
+import sys
+
+import pytest
+
+from proxima.allocator import AllocationError, BuddyAllocator
+from tests.unit.reference import free_runs, held_blocks, maximal_aligned_chunks
+
+
+def take_all_but(a: BuddyAllocator, keep_free: set[int]) -> list[int]:
+    """Allocate every free id outside ``keep_free`` (ids chosen one by one)."""
+    taken = []
+    all_free = [i for i in range(a.num_blocks) if a.is_free(i)]
+    for i in all_free:
+        if i not in keep_free:
+            a.take(i)
+            taken.append(i)
+    a.check()
+    return taken
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 12, 100, 1000, 4097])
+def test_new_pool_is_all_free_in_maximal_aligned_chunks(n):
+    a = BuddyAllocator(n)
+    a.check()
+    assert a.num_free == n
+    assert a.largest_free_run == n
+    assert a.num_free_runs == 1
+    assert a.fragmentation == 0.0
+    assert held_blocks(a) == maximal_aligned_chunks(n)
+    assert sum(a.free_blocks_by_order()) == bin(n).count("1")
+
+
+def test_reserved_ids_are_never_handed_out():
+    a = BuddyAllocator(10, reserved=[0, 5])
+    a.check()
+    assert a.num_free == 8
+    assert a.largest_free_run == 4          # 1..4 and 6..9
+    ids = a.allocate(8)
+    assert sorted(ids) == [1, 2, 3, 4, 6, 7, 8, 9]
+    with pytest.raises(AllocationError, match="cannot allocate 1 blocks: only 0 of 10"):
+        a.allocate(1)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_bad_pool_size_is_a_clear_error(bad):
+    with pytest.raises(AllocationError, match="num_blocks must be an integer >= 1"):
+        BuddyAllocator(bad)
+
+
+def test_reserved_id_outside_the_pool_is_a_clear_error():
+    with pytest.raises(AllocationError, match="reserved id 8 is outside the pool 0..7"):
+        BuddyAllocator(8, reserved=[8])
+
+
+def test_allocate_zero_returns_nothing_and_negative_is_an_error():
+    a = BuddyAllocator(8)
+    assert a.allocate(0) == []
+    with pytest.raises(AllocationError, match="n must be an integer >= 0"):
+        a.allocate(-1)
+    assert a.num_free == 8
+
+
+def test_allocate_more_than_free_names_both_numbers_and_changes_nothing():
+    a = BuddyAllocator(16)
+    a.allocate(10)
+    with pytest.raises(AllocationError, match="cannot allocate 7 blocks: only 6 of 16 are free"):
+        a.allocate(7)
+    assert a.num_free == 6
+    a.check()
+
+
+def test_a_fresh_allocation_is_one_contiguous_run():
+    a = BuddyAllocator(1000, reserved=[0])
+    ids = a.allocate(37)
+    assert ids == list(range(ids[0], ids[0] + 37))
+
+
+def test_grows_in_place_when_the_next_ids_are_free():
+    a = BuddyAllocator(1000, reserved=[0])
+    ids = a.allocate(5)
+    for step in range(20):
+        more = a.allocate(1, after=ids[-1])
+        assert more == [ids[-1] + 1]
+        ids += more
+    chunk = a.allocate(7, after=ids[-1])
+    assert chunk == list(range(ids[-1] + 1, ids[-1] + 8))
+    a.check()
+
+
+def test_does_not_grow_in_place_when_an_id_is_taken():
+    a = BuddyAllocator(64)
+    ids = a.allocate(4)
+    a.take(ids[-1] + 3)                      # blocks the third id after the run
+    more = a.allocate(3, after=ids[-1])
+    assert more != list(range(ids[-1] + 1, ids[-1] + 4))
+    assert not set(more) & set(ids) and ids[-1] + 3 not in more
+    a.check()
+
+
+def test_best_fit_uses_the_smallest_free_run_that_fits():
+    a = BuddyAllocator(64)
+    keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))   # runs of 3, 5, 10
+    take_all_but(a, keep)
+    assert sorted(e - s for s, e in free_runs(keep)) == [3, 5, 10]
+    ids = a.allocate(4)
+    assert set(ids) <= set(range(10, 15))
+    ids = a.allocate(3)
+    assert set(ids) == {2, 3, 4}
+    a.check()
+
+
+def test_room_prefers_a_run_where_the_request_can_grow():
+    a = BuddyAllocator(64)
+    keep = set(range(2, 5)) | set(range(30, 40))                      # runs of 3 and 10
+    take_all_but(a, keep)
+    ids = a.allocate(2, room=8)
+    assert set(ids) <= set(range(30, 40))
+    more = a.allocate(6, after=ids[-1])
+    assert more == list(range(ids[-1] + 1, ids[-1] + 7))
+
+
+def test_new_runs_are_spread_so_that_each_can_grow():
+    a = BuddyAllocator(4096, reserved=[0])
+    runs = [a.allocate(2, room=16) for _ in range(32)]
+    for ids in runs:                         # every request can grow to its room in place
+        assert a.allocate(14, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 15))
+    a.check()
+
+
+def test_combines_runs_largest_first_only_when_no_single_run_fits():
+    a = BuddyAllocator(64)
+    keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))
+    take_all_but(a, keep)
+    ids = a.allocate(13)                     # the 10-run whole, then best fit for 3
+    assert ids == list(range(30, 40)) + [2, 3, 4]
+    ids2 = a.allocate(5)                     # what is left: the 5-run
+    assert ids2 == list(range(10, 15))
+    assert a.num_free == 0 and a.largest_free_run == 0
+    a.check()
+
+
+def test_never_refuses_while_enough_ids_are_free():
+    a = BuddyAllocator(101, reserved=[0, 50])
+    held = [a.allocate(1) for _ in range(99)]
+    a.free([h[0] for h in held[::2]])        # every other id: maximal fragmentation
+    n = a.num_free
+    ids = a.allocate(n)
+    assert len(set(ids)) == n and a.num_free == 0
+    a.check()
+
+
+def test_free_merges_back_into_maximal_aligned_chunks():
+    a = BuddyAllocator(100, reserved=[0])
+    parts = [a.allocate(k) for k in (3, 17, 1, 40, 9)]
+    for part in (parts[1], parts[3], parts[0], parts[4], parts[2]):
+        a.free(part)
+        a.check()
+    assert held_blocks(a) == maximal_aligned_chunks(100, reserved=[0])
+    assert a.largest_free_run == 99 and a.num_free_runs == 1
+
+
+@pytest.mark.parametrize("bad_ids, message", [
+    ([5], "cannot free id 5: it is not allocated"),
+    ([0], "cannot free id 0: it is reserved"),
+    ([64], "cannot free id 64: the pool's ids are 0..63"),
+    ([-1], "cannot free id -1: the pool's ids are 0..63"),
+])
+def test_bad_free_is_a_clear_error_and_changes_nothing(bad_ids, message):
+    a = BuddyAllocator(64, reserved=[0])
+    ids = a.allocate(3)
+    before = (a.num_free, a.largest_free_run, held_blocks(a))
+    with pytest.raises(AllocationError, match=message):
+        a.free(ids + bad_ids if bad_ids != [5] or 5 not in ids else bad_ids)
+    assert (a.num_free, a.largest_free_run, held_blocks(a)) == before
+    a.check()
+
+
+def test_double_free_and_duplicate_ids_are_errors_that_change_nothing():
+    a = BuddyAllocator(64)
+    ids = a.allocate(4)
+    with pytest.raises(AllocationError, match="listed twice"):
+        a.free(ids + [ids[1]])
+    assert a.num_free == 60
+    a.free(ids)
+    with pytest.raises(AllocationError, match="not allocated"):
+        a.free(ids)
+    assert a.num_free == 64
+    a.check()
+
+
+def test_free_accepts_ids_in_any_order():
+    a = BuddyAllocator(64)
+    ids = a.allocate(10)
+    a.free(list(reversed(ids)))
+    assert a.num_free == 64 and a.num_free_runs == 1
+    a.check()
+
+
+def test_take_claims_one_specific_free_id():
+    a = BuddyAllocator(32)
+    a.take(17)
+    assert not a.is_free(17) and a.num_free == 31 and a.largest_free_run == 17
+    with pytest.raises(AllocationError, match="cannot take id 17: it is not free"):
+        a.take(17)
+    a.check()
+
+
+def test_stats_are_consistent():
+    a = BuddyAllocator(64)
+    keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))
+    take_all_but(a, keep)
+    s = a.stats()
+    assert s["num_free"] == 18
+    assert s["largest_free_run"] == 10
+    assert s["num_free_runs"] == 3
+    assert s["fragmentation"] == pytest.approx(1 - 10 / 18)
+    assert s["free_runs_by_order"][:4] == [0, 1, 1, 1]      # 3 -> order 1, 5 -> 2, 10 -> 3
+    assert sum((1 << k) * c for k, c in enumerate(s["free_blocks_by_order"])) == 18
+
+
+def test_a_million_blocks_build_fast_and_import_neither_torch_nor_vllm():
+    code = ("import sys, time; t = time.perf_counter();"
+            "from proxima.allocator import BuddyAllocator; a = BuddyAllocator(1_000_000, reserved=[0]);"
+            "print(time.perf_counter() - t, 'torch' in sys.modules, 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seconds, torch_loaded, vllm_loaded = out.stdout.split()
+    assert torch_loaded == "False" and vllm_loaded == "False"
+    assert float(seconds) < 1.0
