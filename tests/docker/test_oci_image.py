@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -151,3 +152,18 @@ def test_selfcheck_in_the_image_says_there_is_no_gpu(bundle, src):
         pytest.xfail("selfcheck reports the missing torch before the missing GPU: " + out[:200])
     assert "no NVIDIA GPU" in out, out
     assert "Traceback" not in out, out
+
+
+def test_bundle_carries_the_image(image, tmp_path):
+    """The air-gapped bundle of this image: archive, checksums, README with its tag."""
+    out, _ = image
+    done = subprocess.run([sys.executable, "-m", "proxima.bundle", "--out", str(tmp_path / "b"),
+                           "--image", str(out / "proxima-oci.tar"), "--tar"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    bundle = tmp_path / "b"
+    sums = (bundle / "SHA256SUMS").read_text()
+    assert "  image/proxima-oci.tar\n" in sums
+    assert (bundle / "image" / "proxima-oci.tar").read_bytes() == (out / "proxima-oci.tar").read_bytes()
+    assert f"docker.io/library/proxima:{VERSION}-slim" in (bundle / "README.md").read_text()
+    assert (tmp_path / "b.tar").is_file()
