@@ -193,12 +193,13 @@ def pip(args: list[str]) -> None:
 def add_image(image: Path, dest: Path) -> str:
     """Copy an image archive (or run a Nix stream script into one) and check it loads."""
     dest.mkdir(exist_ok=True)
+    name = archive_name(image)
     if tarfile.is_tarfile(image):
-        target = dest / image.name
+        target = dest / name
         shutil.copy2(image, target)
     elif os.access(image, os.X_OK):
         # nix build .#proxima-image: `result` is a script that writes the image to stdout.
-        target = dest / f"{image.name}.tar"
+        target = dest / f"{name}.tar"
         with open(target, "wb") as fh:
             done = subprocess.run([str(image)], stdout=fh, stderr=subprocess.PIPE)
         if done.returncode != 0:
@@ -214,6 +215,15 @@ def add_image(image: Path, dest: Path) -> str:
                         "(no manifest.json); make one with `skopeo copy oci:DIR:TAG "
                         "docker-archive:FILE.tar:NAME:TAG` or `docker save`")
     return f"{target.name} ({', '.join(tags) or 'untagged'})"
+
+
+def archive_name(image: Path) -> str:
+    """A readable file name: Nix's `result` link is named after its store path, less the hash."""
+    real = image.resolve()
+    name = real.name
+    if str(real).startswith("/nix/store/") and len(name) > 33 and name[32] == "-":
+        name = name[33:]
+    return name
 
 
 def docker_archive_tags(path: Path) -> list[str] | None:

@@ -185,3 +185,21 @@ def test_nix_closure_exports_and_imports_into_another_store(tmp_path, wheel):
     assert imp.returncode == 0, imp.stderr
     assert (other / store_path.lstrip("/")).read_text() == "proxima closure test\n"
     assert "nix-store --import < nix/closure.nar" in (out / "README.md").read_text()
+
+
+def test_a_streaming_image_script_is_run_and_its_archive_kept(tmp_path, wheel):
+    """`nix build .#proxima-image` leaves a script that writes the image to stdout."""
+    archive = docker_archive(tmp_path / "made.tar", tag="proxima:0.1.0-cuda12.1")
+    script = tmp_path / "result"
+    script.write_text(f"#!/bin/sh\nexec cat {archive}\n")
+    script.chmod(0o755)
+    out = write_bundle(tmp_path / "b", images=[script], wheel=wheel)
+    kept = out / "image" / "result.tar"
+    assert kept.read_bytes() == archive.read_bytes()
+    assert "docker load -i image/result.tar" in (out / "README.md").read_text()
+    assert "proxima:0.1.0-cuda12.1" in (out / "README.md").read_text()
+    failing = tmp_path / "broken"
+    failing.write_text("#!/bin/sh\necho 'no space left' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(UserError, match="exit 3.*no space left"):
+        write_bundle(tmp_path / "b2", images=[failing], wheel=wheel)
