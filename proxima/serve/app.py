@@ -1,0 +1,120 @@
+"""The ASGI app gunicorn's worker serves: a gate in front of vLLM's own OpenAI app.
+
+vLLM's app can only be built once its engine runs (its routes depend on the model's tasks),
+and the engine takes minutes to start. The gate answers from the first second:
+
+- ``GET /health``: 200 once the self-check passed and while the engine lives, else 503 with
+  ``{"status": <phase>}`` (phases in :mod:`proxima.serve.supervisor`).
+- ``GET /proxima/selfcheck``: the self-check report as JSON (``passed`` is null while running).
+- ``/metrics``: vLLM's exposition once its app exists; before that the same registry directly,
+  so Proxima's gauges and the process metrics are scrapeable during start-up.
+- anything else: vLLM's app when ready (and the self-check's canary while checking); 503 with
+  ``Retry-After`` otherwise, never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from proxima.serve import logs, metrics
+from proxima.serve.engine_checks import CANARY_HEADER
+from proxima.serve.supervisor import ENGINE_DEAD, FAILED, READY, Supervisor
+
+log = logging.getLogger("proxima.serve")
+
+RETRY_AFTER_S = "10"
+_WHY_UNAVAILABLE = {
+    "not-started": "the engine has not been started",
+    "starting": "the engine is starting (loading the model)",
+    "checking": "the start-up self-check is running",
+    FAILED: "the start-up self-check failed; see GET /proxima/selfcheck",
+    ENGINE_DEAD: "the engine died; a fresh worker with a new engine is starting",
+    "stopping": "the server is shutting down",
+}
+
+
+class ProximaApp:
+    """ASGI callable. ``supervisor`` owns the engine; this class only routes."""
+
+    def __init__(self, supervisor: Supervisor):
+        self.supervisor = supervisor
+        metrics.register()
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self._lifespan(receive, send)
+        path = scope.get("path", "")
+        if kind == "http":
+            if path == "/health":
+                return await self._health()(scope, receive, send)
+            if path == "/proxima/selfcheck":
+                return await JSONResponse(self.supervisor.status())(scope, receive, send)
+            if path == "/metrics" or path.startswith("/metrics/"):
+                # Scrapes are answered in every phase: metrics matter most when things go wrong.
+                if self.supervisor.inner is not None:
+                    return await self.supervisor.inner(scope, receive, send)
+                return await _metrics_response()(scope, receive, send)
+        canary = Request(scope).headers.get(CANARY_HEADER) if kind == "http" else None
+        inner = self.supervisor.inner
+        if inner is not None and self.supervisor.admits(canary):
+            return await inner(scope, receive, send)
+        if kind == "websocket":
+            return await send({"type": "websocket.close", "code": 1013})  # try again later
+        return await self._unavailable()(scope, receive, send)
+
+    def _health(self) -> Response:
+        if self.supervisor.healthy:
+            return Response(status_code=200)
+        phase = self.supervisor.phase
+        if phase == READY:  # the watchdog has not noticed yet, but the engine is gone
+            phase = ENGINE_DEAD
+        return JSONResponse({"status": phase, "detail": _WHY_UNAVAILABLE.get(phase, phase)},
+                            status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+
+    def _unavailable(self) -> Response:
+        phase = self.supervisor.phase
+        message = f"Service unavailable: {_WHY_UNAVAILABLE.get(phase, phase)}. Retry later."
+        return JSONResponse(
+            {"error": {"message": message, "type": "ServiceUnavailableError", "param": None,
+                       "code": 503}},
+            status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.supervisor.start()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.supervisor.stop()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _metrics_response() -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(args: argparse.Namespace, *, vllm_config=None, preflight=None,
+               preflight_time: float = 0.0, failure_file: Path | None = None) -> ProximaApp:
+    """The app factory gunicorn's worker loads. Starts nothing: the engine starts with the
+    ASGI lifespan, in the worker process, so gunicorn never forks a process holding CUDA."""
+    logs.setup()
+    supervisor = Supervisor(args, vllm_config=vllm_config, preflight=preflight,
+                            preflight_time=preflight_time, failure_file=failure_file)
+    return ProximaApp(supervisor)

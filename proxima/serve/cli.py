@@ -1,0 +1,139 @@
+"""``proxima serve [MODEL] [vllm serve options ...]``: vLLM's OpenAI server with Proxima on.
+
+Order of work, cheapest first, so bad input fails in seconds with one line:
+environment and install -> options on the raw command line (model path, block size, port)
+-> GPU pre-flight (a child process) -> vLLM's own parser and engine config -> gunicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from proxima.engines.status import STATS_ENV
+from proxima.errors import UserError
+from proxima.models import DEMO_SERVED_MODEL_NAME
+from proxima.serve import logs, validate
+
+HELP = f"""\
+usage: proxima serve [MODEL] [vllm serve options ...]
+
+Serve vLLM's OpenAI-compatible API (same routes, same options as `vllm serve`; see
+`vllm serve --help`) with Proxima's block allocator on (PROXIMA_ALLOCATOR=1 is set for the
+engine), under gunicorn: one worker, restarted when its engine dies.
+
+MODEL   a model directory (with config.json), a Hugging Face id, or nothing: then the
+        embedded demo model is served as {DEMO_SERVED_MODEL_NAME!r} (a tiny Llama with
+        RANDOM weights: its text is noise; for checking a machine, not for answers).
+
+Before serving, a self-check runs (gpu, cuda, versions, engine, proxima-active,
+allocator-invariants, canary); any failure stops the server with a non-zero exit.
+
+Endpoints added: GET /proxima/selfcheck (the report as JSON). GET /health answers 503 until the
+self-check passed and while the engine is down. Proxima's metrics (proxima_*) are on /metrics.
+
+Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_STATS_FILE (where the engine writes its
+status; default: a temporary file), VLLM_* as for vLLM.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every token after ``serve`` goes to vLLM's parser untouched (argparse would reject
+    options it does not know, and vLLM's parser can only be built on a GPU machine)."""
+    parser.usage = "proxima serve [MODEL] [vllm serve options ...]"
+    parser.add_argument("serve_argv", nargs="*", metavar="...",
+                        help="MODEL and `vllm serve` options")
+    parse_defaults = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, _ = parse_defaults([], namespace)  # the subcommand's defaults (its runner)
+        namespace.serve_argv = list(args or [])
+        return namespace, []
+
+    parser.parse_known_args = parse_known_args
+
+
+def run(args: argparse.Namespace) -> int:
+    argv = list(args.serve_argv)
+    if any(token in ("-h", "--help") or token.startswith("--help=") for token in argv):
+        print(HELP)
+        return 0
+    log = logs.setup()
+
+    validate.validate_environment()
+    scanned = validate.scan(argv)
+    validate.validate_options(scanned.model, scanned.block_size, scanned.host, scanned.port,
+                              scanned.uds)
+
+    from proxima.serve.preflight import run_preflight
+
+    log.info("pre-flight: probing the GPU in a child process")
+    checks = run_preflight()
+    preflight_time = time.time()
+    for check in checks:
+        log.info("self-check %s", check.line())
+    first = next((c for c in checks if c.failed), None)
+    if first is not None:
+        raise UserError(f"self-check failed, not serving: {first.line()}")
+    validate.check_plugin()
+
+    os.environ["PROXIMA_ALLOCATOR"] = "1"  # before vLLM loads its general plugins
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    from proxima.serve import vllm_args
+
+    cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
+    vargs = vllm_args.parse(argv)
+    vllm_args.check_supported(vargs)
+    demo = vllm_args.apply_demo_defaults(vargs, argv)
+    validate.validate_options(None if demo else vargs.model, vargs.block_size, vargs.host,
+                              vargs.port, vargs.uds)
+    if demo:
+        log.warning("no MODEL given: serving the embedded demo model as %r: a tiny Llama with "
+                    "RANDOM weights (load_format=dummy); its output is noise. Pass a MODEL to "
+                    "serve a real one.", vargs.served_model_name[0])
+    if importlib.util.find_spec("flashinfer") is None and \
+            "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # vLLM's sampler needs it otherwise
+        log.info("flashinfer is not installed: VLLM_USE_FLASHINFER_SAMPLER=0")
+
+    rundir = Path(tempfile.mkdtemp(prefix="proxima-serve-"))
+    owner = os.getpid()
+    try:
+        if not os.environ.get(STATS_ENV):
+            os.environ[STATS_ENV] = str(rundir / "engine-status.json")
+        log.info("engine status file: %s", os.environ[STATS_ENV])
+        vllm_config = vllm_args.engine_config(vargs)
+        return _run_gunicorn(vargs, vllm_config, checks, preflight_time, rundir / "failure.txt")
+    finally:
+        # gunicorn forks its workers from inside _run_gunicorn: a worker's exit unwinds this
+        # same stack in the worker process, and must not delete what the arbiter still uses.
+        if os.getpid() == owner:
+            shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _run_gunicorn(vargs, vllm_config, checks, preflight_time, failure_file: Path) -> int:
+    from proxima.serve.gunicorn_conf import ProximaApplication
+
+    application = ProximaApplication(vargs, vllm_config=vllm_config, preflight=checks,
+                                     preflight_time=preflight_time, failure_file=failure_file)
+    arbiter_pid = os.getpid()
+    try:
+        application.run()
+        code = 0
+    except SystemExit as exc:
+        if os.getpid() != arbiter_pid:
+            raise  # a forked worker leaving through the arbiter's stack: its exit code is its own
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code == 0:
+        return 0
+    reason = failure_file.read_text().strip() if failure_file.is_file() else ""
+    print(f"proxima serve: error: {reason or f'the server stopped with exit code {code} (see the log above)'}",
+          file=sys.stderr)
+    return 1

@@ -1,0 +1,150 @@
+"""``proxima selfcheck``: is this machine ready to serve with Proxima? One line per check.
+
+    proxima selfcheck               gpu, cuda, versions, then a small engine with the embedded
+                                    demo model: engine, proxima-active, allocator-invariants
+    proxima selfcheck --no-engine   only gpu, cuda, versions (seconds)
+    proxima selfcheck --url URL     the report of a running `proxima serve` (its canary too)
+
+Exit status: 0 when no check failed, 1 otherwise, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from proxima.engines.status import STATS_ENV, read_status
+from proxima.errors import UserError
+from proxima.serve.report import CHECK_ORDER, Check, Report, failed, ok, skipped
+
+ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants")
+CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-engine", action="store_true",
+                        help="only the checks that need no engine: gpu, cuda, versions")
+    parser.add_argument("--model", default=None,
+                        help="model for the engine checks (default: the embedded demo model, "
+                             "random weights, tiny)")
+    parser.add_argument("--url", default=None,
+                        help="print the self-check of a running `proxima serve` at URL "
+                             "(GET URL/proxima/selfcheck) instead of checking this machine")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.url:
+        data = fetch_remote(args.url)
+        checks = [Check(**c) for c in data.get("checks", [])]
+        _print(checks, data, args.json)
+        if data.get("passed") is None:
+            print(f"(the server is still in phase {data.get('phase')!r})")
+        return 0 if data.get("passed") is True else 1
+
+    from proxima.serve.preflight import run_preflight
+    from proxima.serve.validate import check_allocator_env
+
+    check_allocator_env()
+    report = Report()
+    report.extend(run_preflight())
+    if args.no_engine:
+        for name in ENGINE_CHECKS:
+            report.add(skipped(name, "--no-engine"))
+    elif report.any_failed:
+        for name in ENGINE_CHECKS:
+            report.add(skipped(name, f"not run: {report.first_failure().name} failed"))
+    else:
+        report.extend(engine_checks(args.model))
+    report.add(skipped("canary", CANARY_NOTE))
+    report.finish()
+    _print(report.checks, report.to_json(), args.json)
+    return 1 if report.any_failed else 0
+
+
+def _print(checks: list[Check], data: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        for check in checks:
+            print(check.line(), flush=True)
+
+
+def fetch_remote(url: str) -> dict:
+    import httpx
+
+    target = url.rstrip("/") + "/proxima/selfcheck"
+    try:
+        response = httpx.get(target, timeout=10)
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {target} ({type(exc).__name__}: {exc}): is proxima "
+                        f"serve running there?") from None
+    if response.status_code != 200:
+        raise UserError(f"{target} answered {response.status_code}: is this a proxima serve?")
+    try:
+        return response.json()
+    except ValueError:
+        raise UserError(f"{target} did not answer JSON: is this a proxima serve?") from None
+
+
+def engine_checks(model: str | None) -> list[Check]:
+    """Start a small engine in a child process (as vLLM does), read its status, generate once."""
+    from proxima.models import TINY_LLAMA_DIR
+    from proxima.serve import startup_errors
+    from proxima.serve.engine_checks import check_active, check_invariants
+    from proxima.serve.tee import OutputTee
+
+    os.environ["PROXIMA_ALLOCATOR"] = "1"
+    if not os.environ.get(STATS_ENV):
+        os.environ[STATS_ENV] = str(Path(tempfile.mkdtemp(prefix="proxima-selfcheck-"))
+                                    / "engine-status.json")
+    path = Path(os.environ[STATS_ENV])
+    path.unlink(missing_ok=True)
+    if model is None:
+        kwargs = dict(model=str(TINY_LLAMA_DIR), load_format="dummy", max_model_len=512,
+                      gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 * 2**20)
+    else:
+        kwargs = dict(model=model)
+    kwargs.update(enforce_eager=True, disable_log_stats=True)
+
+    from vllm import LLM, SamplingParams
+
+    started = time.time()
+    tee = OutputTee()
+    try:
+        with tee:
+            llm = LLM(**kwargs)
+    except Exception as exc:
+        why = startup_errors.explain(f"{tee.text()}\n{type(exc).__name__}: {exc}",
+                                     gpu_memory_utilization=kwargs.get("gpu_memory_utilization"),
+                                     max_model_len=kwargs.get("max_model_len"),
+                                     kv_cache_memory_bytes=kwargs.get("kv_cache_memory_bytes"))
+        return [failed("engine", why.why, why.fix)] + [
+            skipped(name, "not run: engine failed") for name in ENGINE_CHECKS[1:]]
+    checks = [ok("engine", f"started in {time.time() - started:.1f} s: {kwargs['model']}")]
+    try:
+        pids = [p.pid for p in llm.llm_engine.engine_core.resources.engine_manager.processes]
+    except AttributeError:
+        pids = []
+    checks.append(check_active(_wait_status(path, started), server_pid=os.getpid(),
+                               engine_pids=pids, since=started, path=path))
+    generated = time.time()
+    llm.generate(["Proxima self-check"], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    checks.append(check_invariants(_wait_status(path, generated, timeout=3)))
+    return checks
+
+
+def _wait_status(path: Path, newer_than: float, timeout: float = 30.0) -> dict | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = read_status(path)
+        if status and float(status.get("time", 0)) >= newer_than:
+            return status
+        if time.monotonic() >= deadline:
+            return status
+        time.sleep(0.2)

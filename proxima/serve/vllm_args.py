@@ -1,0 +1,118 @@
+"""vLLM's own ``vllm serve`` argument parser, and what ``proxima serve`` decides on top of it.
+
+Options pass through exactly as ``vllm serve`` reads them (same parser, same ``--config``
+files, same underscore/dash spelling). Building vLLM's parser needs a detected GPU platform, so
+``proxima serve`` calls it only after the GPU pre-flight passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from proxima.errors import UserError
+from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
+
+log = logging.getLogger("proxima.serve")
+
+# The embedded demo: enough KV cache for demos and tests, little GPU memory, no weights.
+DEMO_MAX_MODEL_LEN = 2048
+DEMO_KV_CACHE_BYTES = 256 * 2**20
+DEMO_GPU_MEMORY_UTILIZATION = 0.1
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text.removeprefix("Error: ")
+
+
+def given(argv: list[str], option: str) -> bool:
+    """Whether ``option`` (``--dash-form``) is on the command line, in any vLLM spelling."""
+    for token in argv:
+        if token.startswith("--"):
+            name = "--" + token[2:].partition("=")[0].replace("_", "-")
+            if name == option:
+                return True
+    return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        parser = make_arg_parser(FlexibleArgumentParser(prog="proxima serve"))
+    except RuntimeError as exc:  # "Failed to infer device type": vLLM found no GPU platform
+        raise UserError(f"vLLM cannot start its option parser: {one_line(exc)} — run on a "
+                        f"machine with an NVIDIA GPU") from None
+    parser.set_defaults(model=None)  # None = no model given: serve the embedded demo
+
+    def error(message: str):
+        raise UserError(f"{message} (the options are those of `vllm serve --help`)")
+
+    parser.error = error  # one line instead of argparse's usage dump and exit
+    return parser
+
+
+def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+
+    parser = parser or build_parser()
+    try:
+        args = parser.parse_args(list(argv))
+        if getattr(args, "model_tag", None):
+            args.model = args.model_tag
+        validate_parsed_serve_args(args)
+    except UserError:
+        raise
+    except (TypeError, ValueError, KeyError, AssertionError, OSError) as exc:
+        raise UserError(one_line(exc)) from None
+    return args
+
+
+def check_supported(args: argparse.Namespace) -> None:
+    """Modes of ``vllm serve`` that do not fit one engine behind one gunicorn worker."""
+    if getattr(args, "headless", False):
+        raise UserError("--headless runs an engine without an API server: use `vllm serve "
+                        "--headless` for that; proxima serve always serves HTTP")
+    if getattr(args, "grpc", False):
+        raise UserError("--grpc is not supported by proxima serve (HTTP only): drop --grpc")
+    if getattr(args, "api_server_count", None) not in (None, 1):
+        raise UserError(f"--api-server-count {args.api_server_count}: proxima serve runs exactly "
+                        f"one API server process (the gunicorn worker) per engine: drop it")
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise UserError(f"--data-parallel-size {args.data_parallel_size}: proxima serve runs one "
+                        f"engine; run one proxima serve per data-parallel rank instead (own "
+                        f"--port, own GPUs via CUDA_VISIBLE_DEVICES)")
+
+
+def apply_demo_defaults(args: argparse.Namespace, argv: list[str]) -> bool:
+    """No MODEL: serve the embedded random-weights demo. Options the user gave are kept."""
+    if args.model is not None:
+        return False
+    args.model = str(TINY_LLAMA_DIR)
+    if not given(argv, "--load-format"):
+        args.load_format = "dummy"
+    if not args.served_model_name:
+        args.served_model_name = [DEMO_SERVED_MODEL_NAME]
+    if args.max_model_len is None:
+        args.max_model_len = DEMO_MAX_MODEL_LEN
+    if not given(argv, "--gpu-memory-utilization"):
+        args.gpu_memory_utilization = DEMO_GPU_MEMORY_UTILIZATION
+        if args.kv_cache_memory_bytes is None:
+            args.kv_cache_memory_bytes = DEMO_KV_CACHE_BYTES
+    return True
+
+
+def engine_config(args: argparse.Namespace):
+    """vLLM's VllmConfig for these options, built where ``vllm serve`` builds it: in the API
+    server process, before any engine starts. Errors become one line."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    try:
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    except Exception as exc:
+        raise UserError(f"vLLM rejected the configuration ({type(exc).__name__}): "
+                        f"{one_line(exc)}") from None

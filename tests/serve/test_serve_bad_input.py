@@ -1,0 +1,126 @@
+"""Every bad input to ``proxima serve`` ends in one line on stderr and a non-zero exit, fast,
+before anything heavy starts. Each case runs the real command in a fresh interpreter."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from proxima.errors import UserError
+from proxima.serve import validate
+
+from .conftest import free_port, proxima_env, run_proxima
+
+
+def assert_one_line_error(done, *fragments: str, code: int = 2) -> str:
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("proxima serve: error:")]
+    assert len(errors) == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", ""])
+def test_bad_proxima_allocator_value(value):
+    done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR=value))
+    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be unset, 0 or 1", repr(value))
+
+
+def test_proxima_allocator_0_is_refused_with_the_alternative():
+    done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR="0"))
+    assert_one_line_error(done, "PROXIMA_ALLOCATOR=0", "vllm serve")
+
+
+def test_model_path_missing(tmp_path):
+    missing = tmp_path / "no-such-model"
+    done = run_proxima("serve", str(missing))
+    assert_one_line_error(done, f"model path {str(missing)!r} does not exist")
+
+
+def test_model_dir_without_config(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    done = run_proxima("serve", str(tmp_path), "--port", str(free_port()))
+    assert_one_line_error(done, "is not a model directory", "no config.json", "weights.bin")
+
+
+def test_model_path_is_a_plain_file(tmp_path):
+    path = tmp_path / "model.txt"
+    path.write_text("x")
+    done = run_proxima("serve", "--model", str(path))
+    assert_one_line_error(done, "is a file, not a model directory")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--block-size", "17"], "--block-size 17 is not supported"),
+    (["--block-size=8"], "--block-size 8 is not supported"),
+    (["--block_size", "512"], "--block-size 512 is not supported"),
+    (["--block-size", "abc"], "--block-size must be an integer, got 'abc'"),
+])
+def test_block_size_invalid(argv, fragment):
+    done = run_proxima("serve", *argv)
+    line = assert_one_line_error(done, fragment)
+    assert "16, 32, 64, 128, 256" in line
+
+
+def test_port_in_use():
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_proxima("serve", "--host", "127.0.0.1", "--port", str(port))
+    assert_one_line_error(done, f"port {port} on 127.0.0.1 is already in use", "--port")
+
+
+@pytest.mark.parametrize("port, fragment", [("70000", "out of range"), ("http", "must be an integer")])
+def test_port_invalid(port, fragment):
+    assert_one_line_error(run_proxima("serve", "--port", port), fragment)
+
+
+def test_unsupported_vllm_version(tmp_path):
+    # An older vLLM's metadata first on the path is what `importlib.metadata` reports.
+    dist = tmp_path / "vllm-0.6.3.post1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.6.3.post1\n")
+    env = proxima_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    done = run_proxima("serve", env=env)
+    assert_one_line_error(done, "vLLM 0.6.3.post1 is installed", "supports only vLLM 0.26.0")
+
+
+def test_no_gpu_stops_before_serving():
+    """Valid options on a machine without a GPU: the pre-flight says so, nothing is served."""
+    done = run_proxima("serve", "--host", "127.0.0.1", "--port", str(free_port()))
+    line = assert_one_line_error(done, "self-check failed, not serving", "no NVIDIA GPU",
+                                 "docker run --gpus all")
+    assert line.count("\n") == 0
+    assert "self-check versions: ok" in done.stderr  # the other pre-flight lines are logged
+
+
+def test_help_lists_usage_and_demo():
+    done = run_proxima("serve", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: proxima serve [MODEL]")
+    assert "proxima-demo-random-weights" in done.stdout and "RANDOM weights" in done.stdout
+
+
+def test_vllm_plugins_without_proxima_is_refused():
+    with pytest.raises(UserError, match="VLLM_PLUGINS='lora_filesystem_resolver' does not include 'proxima'"):
+        validate.check_plugin({"VLLM_PLUGINS": "lora_filesystem_resolver"})
+
+
+def test_stats_file_in_missing_directory(tmp_path):
+    with pytest.raises(UserError, match="does not exist or is not writable"):
+        validate.check_stats_file({"PROXIMA_STATS_FILE": str(tmp_path / "nope" / "s.json")})
+
+
+def test_scan_reads_options_in_any_vllm_spelling():
+    found = validate.scan(["m", "--max-model-len", "4k", "--block_size=32", "--port", "9000",
+                           "--host=::1"])
+    assert (found.model, found.block_size, found.port, found.host) == ("m", "32", "9000", "::1")
+    assert validate.scan(["--port", "1", "--model", "x"]).model == "x"
+    with pytest.raises(UserError, match="--port needs a value"):
+        validate.scan(["--port"])

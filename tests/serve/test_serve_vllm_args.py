@@ -1,0 +1,69 @@
+"""Options pass through vLLM's own ``vllm serve`` parser; proxima serve adds only its defaults
+for the embedded demo model and refuses modes that need more than one engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxima.errors import UserError
+from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
+from proxima.serve import vllm_args
+
+
+def test_vllm_options_pass_through(serve_args):
+    args = serve_args("/models/llama", "--max-model-len", "4k", "--enforce-eager",
+                      "--gpu_memory_utilization=0.5", "-tp", "2", "--block-size", "32")
+    assert args.model == "/models/llama"
+    assert (args.max_model_len, args.enforce_eager, args.gpu_memory_utilization) == (4000, True, 0.5)
+    assert (args.tensor_parallel_size, args.block_size) == (2, 32)
+    assert vllm_args.apply_demo_defaults(args, []) is False
+
+
+def test_model_option_and_config_file(serve_args, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 9100\nmax-model-len: 1024\n")
+    args = serve_args("--model", "org/name", "--config", str(config))
+    assert (args.model, args.port, args.max_model_len) == ("org/name", 9100, 1024)
+
+
+def test_unknown_option_is_one_line(serve_args):
+    with pytest.raises(UserError) as info:
+        serve_args("--max-modle-len", "10")
+    assert "unrecognized arguments: --max-modle-len" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_vllms_own_validation_errors_become_user_errors(serve_args):
+    with pytest.raises(UserError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        serve_args("--enable-auto-tool-choice")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--api-server-count", "2"], "--api-server-count 2"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2"),
+    (["--headless"], "--headless"),
+])
+def test_modes_needing_more_than_one_engine_are_refused(serve_args, argv, fragment):
+    with pytest.raises(UserError, match=fragment):
+        vllm_args.check_supported(serve_args(*argv))
+
+
+def test_no_model_serves_the_embedded_demo(serve_args):
+    argv = ["--port", "9000"]
+    args = serve_args(*argv)
+    assert vllm_args.apply_demo_defaults(args, argv) is True
+    assert args.model == str(TINY_LLAMA_DIR)
+    assert args.load_format == "dummy"
+    assert args.served_model_name == [DEMO_SERVED_MODEL_NAME]
+    assert args.max_model_len == 2048
+    assert args.kv_cache_memory_bytes == 256 * 2**20
+    assert args.gpu_memory_utilization == 0.1
+
+
+def test_demo_keeps_what_the_user_chose(serve_args):
+    argv = ["--served-model-name", "demo", "--gpu-memory-utilization", "0.5", "--max-model-len", "512"]
+    args = serve_args(*argv)
+    vllm_args.apply_demo_defaults(args, argv)
+    assert args.served_model_name == ["demo"]
+    assert (args.gpu_memory_utilization, args.max_model_len) == (0.5, 512)
+    assert args.kv_cache_memory_bytes is None  # sized by the utilization the user asked for
