@@ -1,0 +1,675 @@
+"""Proxima behind vLLM 0.6.x's V0 block manager (the card stack: torch 2.4, CUDA 12.1).
+
+The tested version is vLLM **0.6.3.post1**: the last PyPI release built against torch 2.4.0
+and CUDA 12.1 (0.6.4 moved to torch 2.5.1 / CUDA 12.4), and the first whose only block
+manager is ``SelfAttnBlockSpaceManager`` over the ``BlockAllocator`` interface of
+``vllm/core/block/``. nixos-24.11's vLLM 0.6.2 still defaults to ``block_manager_v1``,
+which has no such interface, so the Nix flake pins 0.6.3.post1 too.
+
+Where Proxima sits (the data flow of docs/architecture.md, V0 edition)::
+
+    Scheduler -> ProximaBlockSpaceManager (knows the sequence: sets the room hint)
+              -> BlockTable (passes the sequence's last block as ``prev_block``)
+              -> CpuGpuBlockAllocator -> GPU: ProximaNaiveBlockAllocator or
+                                              ProximaPrefixCachingBlockAllocator
+                                         CPU (swap space): vLLM's own allocator
+              -> proxima.allocator.BuddyAllocator (block ids only)
+
+V0 already hands every allocation the sequence's previous block (``prev_block``), so
+growing in place needs no new plumbing: ``after=prev_block.block_id``. What V0 does not
+pass down is how long the sequence will get; the block manager knows it (prompt length +
+``max_tokens``) and leaves it on the GPU allocator as ``room_hint`` before each call
+that may allocate, so a new run is placed where it can keep growing.
+
+Semantics kept from vLLM (the scheduler cannot tell the difference):
+
+* the free count is stock's (truly free + evictable cached blocks), so every admission,
+  preemption and swap decision is the same; an allocation never fails while stock's would
+  succeed;
+* ref counts, copy-on-write (``cow_block_if_not_appendable``), forks, swap in/out, the
+  null block of sliding windows: vLLM's own code, only the block ids differ;
+* prefix caching: cached blocks stay reusable after free and are evicted in the
+  evictor's LRU order, only when no truly free block is left (reserved room counts as
+  free, see :class:`ProximaNaiveBlockAllocator`), exactly as many as stock evicts. One
+  difference in *when*, never *which*: a prompt's cache hits are all taken before its
+  misses are placed (stock interleaves them, so a miss can evict a block that a later
+  block of the same prompt would have hit); the misses then get their ids at once, so
+  the blocks evicted for them, often one old sequence's run, are reused as a run.
+  Decode growth that needs eviction takes the one evicted id: in a pool full of cached
+  blocks (the ``pressure`` replay) contiguity is therefore no better than stock's; an
+  eviction-ahead variant was measured and lost prefix hits (docs/card-stack.md).
+
+Activation: ``PROXIMA_ALLOCATOR=1`` and :func:`activate`, called by the package's
+``vllm.general_plugins`` entry point (``proxima.engines.plugin:register``) in every vLLM
+process. It replaces one attribute, ``vllm.core.block_manager.SelfAttnBlockSpaceManager``
+(the scheduler looks it up there when it is built), and :func:`deactivate` puts it back.
+
+This module imports vLLM's V0 block modules; import it only under vLLM 0.6.x.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Iterator, List, Mapping, Optional
+
+from proxima.allocator.buddy import BuddyAllocator
+from proxima.engines import activation
+from proxima.engines import status as _status
+from proxima.engines.activation import ActivationError
+
+TESTED_VLLM_VERSIONS = activation.TESTED_VLLM["v0"]
+ENV_FLAG = activation.ENV
+LOG_LINE = activation.LOG_LINE
+ENGINE = "vllm-v0"
+
+# Under vLLM's own "vllm" logger, so the line shows in `vllm serve`'s output with vLLM's
+# format (vLLM configures only that logger; it does not propagate to the root).
+logger = logging.getLogger("vllm.proxima")
+
+try:
+    import vllm
+    import vllm.core.block_manager as _block_manager
+    from vllm.core.block.common import CopyOnWriteTracker, RefCounter
+    from vllm.core.block.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+    from vllm.core.block.interfaces import Block, BlockAllocator
+    from vllm.core.block.naive_block import BlockPool, NaiveBlock, NaiveBlockAllocator
+    from vllm.core.block.prefix_caching_block import (
+        ComputedBlocksTracker, LastAccessBlocksTracker, PrefixCachingBlockAllocator)
+    from vllm.core.block_manager import SelfAttnBlockSpaceManager
+    from vllm.core.evictor_v2 import EvictionPolicy
+    from vllm.sequence import Sequence, SequenceGroup, SequenceStatus
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # another vLLM generation: activate() explains, nothing else runs
+    _IMPORT_ERROR = exc
+    NaiveBlockAllocator = PrefixCachingBlockAllocator = SelfAttnBlockSpaceManager = object  # type: ignore
+    CpuGpuBlockAllocator = object  # type: ignore
+    EvictionPolicy = None  # type: ignore
+
+
+# ----------------------------------------------------------------------- GPU allocators
+
+
+class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
+    """vLLM's ``NaiveBlockAllocator`` with its free deque replaced by a buddy allocator.
+
+    Block ids are ``base .. base + num_blocks - 1`` (the GPU ids start at 0). Everything
+    but picking and returning ids (ref counts, CoW tracking, forks, the block-object pool)
+    is vLLM's code.
+
+    Room and reservations. ``room_hint`` is the number of blocks the sequence being served
+    expects to need from here on, set by :class:`ProximaBlockSpaceManager` and counted
+    down as ids are handed out. When a sequence starts a new run with ``room_hint`` above
+    what it takes now, the rest of the room is taken from the buddy too and *reserved*
+    behind the run's last id: ``_reservations[last] = end`` holds ``last+1 .. end-1`` for
+    the sequence whose last block is ``last``. Growing after ``last`` takes those ids
+    first. Reserved ids are free as far as vLLM can tell (``get_num_free_blocks`` counts
+    them), and any allocation that would otherwise fail takes them back (see
+    :meth:`_take_back`), so capacity is exactly stock's. A reservation ends when its
+    sequence's last block is freed (finish, preemption, swap out) or is taken back.
+    Without reservations the buddy's best fit would fill the free tail behind a growing
+    run with the next request (it is the smallest hole that fits).
+    """
+
+    def __init__(self, create_block, num_blocks: int, block_size: int,
+                 block_ids=None, block_pool=None):
+        ids = range(num_blocks) if block_ids is None else block_ids
+        base = min(ids) if num_blocks else 0
+        if len(ids) != num_blocks or set(ids) != set(range(base, base + num_blocks)):
+            raise ValueError(f"Proxima needs consecutive block ids; got {num_blocks} ids "
+                             f"that are not {base}..{base + num_blocks - 1}")
+        # NaiveBlockAllocator.__init__ minus its free deque, which the buddy replaces.
+        self._free_block_indices = None
+        self._all_block_indices = frozenset(ids)
+        self._refcounter = RefCounter(all_block_indices=self._all_block_indices)
+        self._block_size = block_size
+        self._cow_tracker = CopyOnWriteTracker(refcounter=self._refcounter.as_readonly())
+        if block_pool is None:
+            block_pool = BlockPool(block_size, create_block, self, num_blocks * 4)
+        self._block_pool = block_pool
+        self._base = base
+        self.buddy = BuddyAllocator(num_blocks)
+        self.room_hint: Optional[int] = None
+        self._reservations: dict[int, int] = {}    # last id of a run -> end of its room
+        self._births: dict[int, int] = {}          # last id of a run -> when it was placed
+        self._clock = 0
+        self.num_reserved = 0
+
+    # -- ids (local: 0 .. num_blocks - 1; vLLM's id = local + base)
+
+    def _allocate_block_ids(self, n: int, after: Optional[int] = None) -> List[int]:
+        """``n`` ids for the sequence whose last block is ``after`` (None: a new
+        sequence): its reserved room first, then in place, then a new run placed (and
+        reserved) for ``room_hint`` blocks. Each id's ref count goes to 1."""
+        buddy = self.buddy
+        if n > buddy.num_free + self.num_reserved:
+            raise BlockAllocator.NoFreeBlocksError()
+        base = self._base
+        room = self.room_hint
+        if room is not None:
+            self.room_hint = room - n if room > n else None
+        last = None if after is None else after - base
+        ids: List[int] = []
+        if last is not None:
+            end = self._reservations.pop(last, None)
+            if end is not None:
+                birth = self._births.pop(last)
+                take = min(n, end - last - 1)
+                ids = list(range(last + 1, last + 1 + take))
+                self.num_reserved -= take
+                last += take
+                if last + 1 < end:
+                    self._reservations[last] = end
+                    self._births[last] = birth
+                n -= take
+        if n:
+            if n > buddy.num_free:
+                self._take_back(n)
+            ids += self._place(n, last, room)
+        incr = self._refcounter.incr
+        if base:
+            ids = [i + base for i in ids]
+        for block_id in ids:
+            incr(block_id)
+        return ids
+
+    def _place(self, n: int, last: Optional[int], room: Optional[int]) -> List[int]:
+        """``n`` free ids from the buddy: in place after ``last`` if free, else a new run
+        with ``room`` ids reserved when one free run holds them."""
+        buddy = self.buddy
+        if last is not None:
+            is_free = buddy.is_free
+            if all(is_free(i) for i in range(last + 1, last + 1 + n)):
+                return buddy.allocate(n, last)
+        if room is not None and room > n and buddy.largest_free_run >= room:
+            ids = buddy.allocate(room, None, room)      # one run: a free run holds it
+            self._reservations[ids[n - 1]] = ids[-1] + 1
+            self._births[ids[n - 1]] = self._clock
+            self._clock += 1
+            self.num_reserved += room - n
+            return ids[:n]
+        return buddy.allocate(n, last, room)
+
+    def _take_back(self, n: int) -> None:
+        """Shrink reservations until the buddy has ``n`` free ids: the newest sequence's
+        first (V0 preempts the newest first, so the oldest keep their room), each from
+        its far end (what the sequence would need last)."""
+        buddy = self.buddy
+        reservations = self._reservations
+        births = self._births
+        while buddy.num_free < n:
+            last = max(reservations, key=births.__getitem__)
+            end = reservations[last]
+            cut = max(last + 1, end - (n - buddy.num_free))
+            if cut == last + 1:
+                del reservations[last]
+                del births[last]
+            else:
+                reservations[last] = cut
+            self.num_reserved -= end - cut
+            buddy.free(range(cut, end))
+
+    def _allocate_block_id(self, after: Optional[int] = None) -> int:
+        return self._allocate_block_ids(1, after)[0]
+
+    def _free_block_id(self, block: Block) -> None:
+        block_id = block.block_id
+        assert block_id is not None
+        if self._refcounter.decr(block_id) == 0:
+            local = block_id - self._base
+            end = self._reservations.pop(local, None)
+            if end is None:
+                self.buddy.free((local,))
+            else:
+                del self._births[local]
+                self.num_reserved -= end - local - 1
+                self.buddy.free(range(local, end))
+        block.block_id = None
+
+    def release_reservation(self, block_id: int) -> None:
+        """The run ending at ``block_id`` lost its last holder: give its room back."""
+        local = block_id - self._base
+        end = self._reservations.pop(local, None)
+        if end is not None:
+            del self._births[local]
+            self.num_reserved -= end - local - 1
+            self.buddy.free(range(local + 1, end))
+
+    def release_unreferenced(self, block_id: int) -> None:
+        """Give back an id whose ref count is already 0 (an evicted cached block)."""
+        self.buddy.free((block_id - self._base,))
+
+    # -- BlockAllocator
+
+    def allocate_immutable_blocks(self, prev_block: Optional[Block],
+                                  block_token_ids: List[List[int]],
+                                  device=None) -> List[Block]:
+        assert device is None
+        block_ids = self._allocate_block_ids(
+            len(block_token_ids), None if prev_block is None else prev_block.block_id)
+        init_block = self._block_pool.init_block
+        blocks = []
+        for token_ids, block_id in zip(block_token_ids, block_ids):
+            prev_block = init_block(prev_block=prev_block, token_ids=token_ids,
+                                    block_size=self._block_size, physical_block_id=block_id)
+            blocks.append(prev_block)
+        return blocks
+
+    def allocate_mutable_block(self, prev_block: Optional[Block], device=None) -> Block:
+        assert device is None
+        block_id = self._allocate_block_id(
+            None if prev_block is None else prev_block.block_id)
+        return self._block_pool.init_block(prev_block=prev_block, token_ids=[],
+                                           block_size=self._block_size,
+                                           physical_block_id=block_id)
+
+    def cow_block_if_not_appendable(self, block: Block) -> int:
+        """vLLM's copy-on-write; the copy is placed right after the previous block when
+        that id is free (a forked sequence's new last block continues its run)."""
+        src_block_id = block.block_id
+        assert src_block_id is not None
+        if self._cow_tracker.is_appendable(block):
+            return src_block_id
+        self._free_block_id(block)
+        prev = block.prev_block
+        trg_block_id = self._allocate_block_id(None if prev is None else prev.block_id)
+        self._cow_tracker.record_cow(src_block_id, trg_block_id)
+        return trg_block_id
+
+    def get_num_free_blocks(self) -> int:
+        return self.buddy.num_free + self.num_reserved
+
+    def get_physical_block_id(self, absolute_id: int) -> int:
+        # Stock sorts all ids on every call; ours are consecutive.
+        return absolute_id - self._base
+
+
+class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
+    """vLLM's ``PrefixCachingBlockAllocator`` over a :class:`ProximaNaiveBlockAllocator`.
+
+    Cache lookups, hashing, the evictor, computed/touched tracking and hit-rate metrics
+    are vLLM's. Changed: where truly free ids are taken (grow in place, else place with
+    room), and that evicted ids go back to the buddy so a run can be placed over them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, block_ids=None,
+                 eviction_policy=None):
+        super().__init__(num_blocks=num_blocks, block_size=block_size, block_ids=block_ids,
+                         eviction_policy=eviction_policy or EvictionPolicy.LRU)
+        self._hashless_allocator = ProximaNaiveBlockAllocator(
+            create_block=self._create_block, num_blocks=num_blocks, block_size=block_size,
+            block_ids=block_ids, block_pool=self._block_pool)
+        self._refcounter = self._hashless_allocator.refcounter
+        self._cow_tracker = CopyOnWriteTracker(refcounter=self._refcounter.as_readonly())
+
+    @property
+    def buddy(self) -> BuddyAllocator:
+        return self._hashless_allocator.buddy
+
+    @property
+    def room_hint(self) -> Optional[int]:
+        return self._hashless_allocator.room_hint
+
+    @room_hint.setter
+    def room_hint(self, value: Optional[int]) -> None:
+        self._hashless_allocator.room_hint = value
+
+    # -- ids
+
+    def _evict_into_pool(self, n: int) -> None:
+        """Evict ``n`` cached blocks in the evictor's (LRU) order; their ids become free."""
+        evictor = self.evictor
+        cached = self._cached_blocks
+        release = self._hashless_allocator.release_unreferenced
+        for _ in range(n):
+            block_id, content_hash = evictor.evict()
+            del cached[content_hash]
+            release(block_id)
+
+    def _take_block_ids(self, n: int, after: Optional[int]) -> List[int]:
+        """``n`` ids: truly free ones (reserved room included) first; evict (LRU) only
+        for the shortfall, exactly the blocks stock would evict for these ``n``."""
+        hashless = self._hashless_allocator
+        free = hashless.buddy.num_free + hashless.num_reserved
+        if n > free:
+            if n > free + self.evictor.num_blocks:
+                raise BlockAllocator.NoFreeBlocksError()
+            self._evict_into_pool(n - free)
+        block_ids = hashless._allocate_block_ids(n, after)
+        track = self._track_block_id
+        for block_id in block_ids:
+            track(block_id, computed=False)
+        return block_ids
+
+    def _decr_refcount_cached_block(self, block: Block) -> None:
+        block_id = block.block_id
+        super()._decr_refcount_cached_block(block)
+        if self._refcounter.get(block_id) == 0:
+            self._hashless_allocator.release_reservation(block_id)
+
+    def _allocate_block_id(self) -> int:
+        return self._take_block_ids(1, None)[0]
+
+    # -- BlockAllocator
+
+    def allocate_mutable_block(self, prev_block: Optional[Block], device=None) -> Block:
+        assert device is None
+        block_id = self._take_block_ids(
+            1, None if prev_block is None else prev_block.block_id)[0]
+        return self._block_pool.init_block(prev_block=prev_block, token_ids=[],
+                                           block_size=self._block_size,
+                                           physical_block_id=block_id)
+
+    def allocate_immutable_blocks(self, prev_block: Optional[Block],
+                                  block_token_ids: List[List[int]],
+                                  device=None) -> List[Block]:
+        """Stock's per-block cache lookup, in order; then all misses at once, as one run
+        that continues the block before the first miss when it can."""
+        assert device is None
+        init_block = self._block_pool.init_block
+        cached_blocks = self._cached_blocks
+        query = self.metric_data.query
+        blocks: List[Block] = []
+        misses: List[Block] = []
+        run_after = None if prev_block is None else prev_block.block_id
+        for token_ids in block_token_ids:
+            block = init_block(prev_block=prev_block, token_ids=token_ids,
+                               block_size=self._block_size, physical_block_id=None)
+            cached_block_id = cached_blocks.get(block.content_hash)
+            if cached_block_id is not None:
+                query(hit=True)
+                block.block_id = cached_block_id
+                self._incr_refcount_cached_block(block)
+                if not misses:
+                    run_after = cached_block_id
+            else:
+                query(hit=False)
+                misses.append(block)
+            blocks.append(block)
+            prev_block = block
+        if misses:
+            block_ids = self._take_block_ids(len(misses), run_after)
+            touched = self._touched_blocks
+            for block, block_id in zip(misses, block_ids):
+                content_hash = block.content_hash
+                if content_hash in cached_blocks:
+                    # Two equal blocks in one call: share the first, as promotion would.
+                    self._refcounter.decr(block_id)
+                    self._untrack_block_id(block_id)
+                    self._hashless_allocator.release_unreferenced(block_id)
+                    block.block_id = cached_blocks[content_hash]
+                    self._incr_refcount_cached_block(block)
+                    continue
+                block.block_id = block_id
+                cached_blocks[content_hash] = block_id
+                touched.add(block_id)
+        return blocks
+
+    def cow_block_if_not_appendable(self, block: Block) -> int:
+        src_block_id = block.block_id
+        assert src_block_id is not None
+        if self._cow_tracker.is_appendable(block):
+            return src_block_id
+        self._free_block_id(block)
+        prev = block.prev_block
+        trg_block_id = self._take_block_ids(1, None if prev is None else prev.block_id)[0]
+        self._cow_tracker.record_cow(src_block_id, trg_block_id)
+        return trg_block_id
+
+    def get_physical_block_id(self, absolute_id: int) -> int:
+        return self._hashless_allocator.get_physical_block_id(absolute_id)
+
+
+class ProximaCpuGpuBlockAllocator(CpuGpuBlockAllocator):
+    """``CpuGpuBlockAllocator`` whose GPU side is Proxima's; the CPU (swap) side is stock."""
+
+    @staticmethod
+    def create(allocator_type: str, num_gpu_blocks: int, num_cpu_blocks: int,
+               block_size: int) -> "ProximaCpuGpuBlockAllocator":
+        gpu_ids = range(num_gpu_blocks)
+        cpu_ids = range(num_gpu_blocks, num_gpu_blocks + num_cpu_blocks)
+        if allocator_type == "naive":
+            gpu = ProximaNaiveBlockAllocator(create_block=NaiveBlock, num_blocks=num_gpu_blocks,
+                                             block_size=block_size, block_ids=gpu_ids)
+            cpu = NaiveBlockAllocator(create_block=NaiveBlock, num_blocks=num_cpu_blocks,
+                                      block_size=block_size, block_ids=cpu_ids)
+        elif allocator_type == "prefix_caching":
+            gpu = ProximaPrefixCachingBlockAllocator(num_blocks=num_gpu_blocks,
+                                                     block_size=block_size, block_ids=gpu_ids)
+            cpu = PrefixCachingBlockAllocator(num_blocks=num_cpu_blocks,
+                                              block_size=block_size, block_ids=cpu_ids)
+        else:
+            raise ValueError(f"Unknown allocator type {allocator_type=}")
+        return ProximaCpuGpuBlockAllocator(cpu_block_allocator=cpu, gpu_block_allocator=gpu)
+
+
+# ------------------------------------------------------------------------ block manager
+
+
+class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
+    """vLLM 0.6.3's ``SelfAttnBlockSpaceManager`` with Proxima's GPU allocator.
+
+    It knows each sequence's expected length (prompt + ``max_tokens``) and sets the GPU
+    allocator's ``room_hint`` before every call that may allocate (allocate, append,
+    swap in), so new runs are placed with room to grow. Everything else is vLLM's.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, sliding_window: Optional[int] = None,
+                 enable_caching: bool = False) -> None:
+        # SelfAttnBlockSpaceManager.__init__ of vLLM 0.6.3.post1, building Proxima's
+        # allocator instead of stock's (tests/vllm_v0 checks the attributes match).
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.sliding_window = sliding_window
+        self.max_block_sliding_window = None
+        if sliding_window is not None:
+            self.max_block_sliding_window = sliding_window // block_size + 2
+        self.watermark = watermark
+        assert watermark >= 0.0
+        self.enable_caching = enable_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.block_allocator = ProximaCpuGpuBlockAllocator.create(
+            allocator_type="prefix_caching" if enable_caching else "naive",
+            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+            block_size=block_size)
+        self.block_tables = {}
+        self.cross_block_tables = {}
+        self._computed_blocks_tracker = ComputedBlocksTracker(self.block_allocator)
+        self._last_access_blocks_tracker = LastAccessBlocksTracker(self.block_allocator)
+
+        from vllm.utils import Device
+        self.gpu_allocator = self.block_allocator._allocators[Device.GPU]
+        self._expected_blocks: dict[int, int] = {}     # seq_id -> blocks at max_tokens
+        self._status_path = _status.stats_path()
+        self._next_status = 0.0
+        logger.info("%s: %d GPU blocks, block size %d (vLLM %s, V0 block manager, "
+                    "prefix caching %s)", LOG_LINE, num_gpu_blocks, block_size,
+                    vllm.__version__, "on" if enable_caching else "off")
+        self._maybe_write_status(force=True)
+
+    # -- room hints
+
+    def _expect(self, seq_group: SequenceGroup, seqs) -> None:
+        params = seq_group.sampling_params
+        max_tokens = getattr(params, "max_tokens", None) or 0
+        size = self.block_size
+        for seq in seqs:
+            self._expected_blocks[seq.seq_id] = -(-(seq.get_prompt_len() + max_tokens) // size)
+
+    def _hint(self, seq: Sequence) -> None:
+        expected = self._expected_blocks.get(seq.seq_id)
+        table = self.block_tables.get(seq.seq_id)
+        have = len(table.blocks) if table is not None else 0
+        self.gpu_allocator.room_hint = (expected - have) if expected and expected > have \
+            else None
+
+    # -- BlockSpaceManager
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        self._expect(seq_group, waiting)
+        self._hint(waiting[0])
+        try:
+            super().allocate(seq_group)
+        finally:
+            self.gpu_allocator.room_hint = None
+        self._maybe_write_status()
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int):
+        self._hint(seq)
+        try:
+            return super().append_slots(seq, num_lookahead_slots)
+        finally:
+            self.gpu_allocator.room_hint = None
+
+    def swap_in(self, seq_group: SequenceGroup):
+        # Sequences of one group are swapped in one after the other; the hint is the
+        # first's, and each later one places its own first block (fine: hints only steer).
+        seqs = seq_group.get_seqs(status=SequenceStatus.SWAPPED)
+        if seqs:
+            self._hint(seqs[0])
+        try:
+            return super().swap_in(seq_group)
+        finally:
+            self.gpu_allocator.room_hint = None
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        super().fork(parent_seq, child_seq)
+        if parent_seq.seq_id in self._expected_blocks:
+            self._expected_blocks[child_seq.seq_id] = self._expected_blocks[parent_seq.seq_id]
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        if seq.is_finished():
+            self._expected_blocks.pop(seq.seq_id, None)
+
+    # -- statistics
+
+    def proxima_stats(self) -> dict:
+        """The allocator's statistics plus the running sequences' contiguity."""
+        per_seq = []
+        for table in self.block_tables.values():
+            ids = table.physical_block_ids
+            if ids:
+                per_seq.append(len(ids) / count_runs(ids))
+        evictor = getattr(self.gpu_allocator, "evictor", None)
+        return {
+            "active": True, "engine": ENGINE, "vllm_version": vllm.__version__,
+            "num_blocks": self.num_total_gpu_blocks, "block_size": self.block_size,
+            "allocator": self.gpu_allocator.buddy.stats(),
+            "num_evictable": evictor.num_blocks if evictor is not None else 0,
+            "running_blocks_per_run": per_seq,
+        }
+
+    def _maybe_write_status(self, force: bool = False) -> None:
+        if self._status_path is None:
+            return
+        now = time.monotonic()
+        if force or now >= self._next_status:
+            self._next_status = now + 1.0
+            _status.write_status(self.proxima_stats(), self._status_path)
+
+
+def count_runs(block_ids) -> int:
+    """Number of maximal runs of consecutive ascending ids (``[4, 5, 6, 9]`` -> 2)."""
+    runs = 1 if block_ids else 0
+    prev = None
+    for block_id in block_ids:
+        if prev is not None and block_id != prev + 1:
+            runs += 1
+        prev = block_id
+    return runs
+
+
+# ------------------------------------------------------------------------- activation
+
+_stock_manager = None   # vLLM's class while Proxima's is installed
+_warned_untested = False
+
+
+def flag_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``PROXIMA_ALLOCATOR``: unset, empty or ``0`` -> False; ``1`` -> True; else an error
+    (:func:`proxima.engines.activation.enabled`, shared with the V1 adapter)."""
+    return activation.enabled(None if environ is None else dict(environ))
+
+
+def check_version(version: Optional[str] = None,
+                  environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse an untested vLLM unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (then warn once)."""
+    global _warned_untested
+    if version is None:
+        import vllm as _vllm
+        version = _vllm.__version__
+    warning = activation.check_version("v0", version,
+                                       None if environ is None else dict(environ))
+    if warning and not _warned_untested:
+        _warned_untested = True
+        warnings.warn(warning, stacklevel=2)
+        logger.warning(warning)
+
+
+def is_active() -> bool:
+    return _stock_manager is not None
+
+
+def activate(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Put Proxima behind vLLM 0.6.x's block manager if ``PROXIMA_ALLOCATOR=1``.
+
+    Contract (for the ``vllm.general_plugins`` entry point, which vLLM calls in every
+    process, possibly several times):
+
+    * flag unset, empty or ``0``: returns False and changes nothing (stock, bit for bit);
+    * flag ``1`` on a tested vLLM: installs :class:`ProximaBlockSpaceManager` as
+      ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` and returns True; schedulers
+      built afterwards use it (each logs ``Using Proxima contiguous allocator: N GPU
+      blocks, block size B ...`` once). Calling it again is a no-op returning True;
+    * flag any other value, or an untested vLLM without ``PROXIMA_ALLOW_UNTESTED_VLLM=1``,
+      or a vLLM without the V0 block manager: raises
+      :class:`proxima.engines.activation.ActivationError` and changes nothing.
+    """
+    global _stock_manager
+    if not flag_enabled(environ):
+        return False
+    check_version(environ=environ)
+    if _IMPORT_ERROR is not None:
+        raise ActivationError(
+            f"this vLLM has no V0 block manager that Proxima knows "
+            f"(vllm.core.block_manager.SelfAttnBlockSpaceManager, vLLM 0.6.3+ V0): "
+            f"{_IMPORT_ERROR}")
+    if _stock_manager is None:
+        _stock_manager = _block_manager.SelfAttnBlockSpaceManager
+        _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager
+        logger.info("Proxima: vLLM %s V0 block manager replaced (%s=1)",
+                    vllm.__version__, ENV_FLAG)
+    return True
+
+
+def deactivate() -> None:
+    """Put vLLM's own block manager back (schedulers built earlier keep theirs)."""
+    global _stock_manager
+    if _stock_manager is not None:
+        _block_manager.SelfAttnBlockSpaceManager = _stock_manager
+        _stock_manager = None
+
+
+@contextmanager
+def block_manager_class(proxima: bool) -> Iterator[type]:
+    """For building one scheduler with (or without) Proxima whatever the global state:
+    within the block, ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` is Proxima's
+    class or vLLM's; afterwards it is what it was."""
+    if _IMPORT_ERROR is not None:
+        raise ActivationError(f"vLLM's V0 block manager is not importable: "
+                                     f"{_IMPORT_ERROR}")
+    saved = _block_manager.SelfAttnBlockSpaceManager
+    stock = _stock_manager or saved
+    _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager if proxima else stock
+    try:
+        yield _block_manager.SelfAttnBlockSpaceManager
+    finally:
+        _block_manager.SelfAttnBlockSpaceManager = saved

@@ -1,0 +1,289 @@
+"""Replay a workload through vLLM 0.6.x's real V0 scheduler on CPU (the card stack).
+
+No model and no GPU: vLLM's ``Scheduler``, its block manager, block tables and block
+allocators run as in ``LLMEngine``; the model runner is replaced by a loop that samples
+one token for every scheduled sequence group whose prefill is done (``do_sample``), and
+vLLM's own ``SingleStepOutputProcessor`` + ``StopChecker`` append it, finish sequences and
+free their blocks, as ``LLMEngine._process_model_outputs`` does.
+
+:func:`run_replay` returns the figures of ``proxima replay`` (the same keys as the V1
+driver) for one side, stock or Proxima, on the identical trace::
+
+    completed, ignored, steps, peak_running, preemptions, recompute_preemptions,
+    swap_preemptions, prefix_hit_rate, blocks_per_run, single_run_fraction,
+    scheduler_ms_per_step, ...
+
+``prefix_hit_rate`` is vLLM V0's own metric (``get_prefix_cache_hit_rate``): cache hits
+over lookups of full prompt blocks (0.0 when prefix caching is off).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable, Optional
+
+from proxima.engines import vllm_v0
+from proxima.workloads import Workload
+
+# Fixed "sampled" token: clear of bos/eos; sequences ignore eos and stop at max_tokens.
+SAMPLED_TOKEN = 7
+DEFAULT_NUM_CPU_BLOCKS = 2048   # vLLM's swap_space=4 GiB at 2 MiB per block (Llama-3.1-8B)
+FREE_RUN_SAMPLES = 100          # samples of (step, num_free, largest_free_run) kept
+
+
+def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size: int = 16,
+               max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
+               enable_prefix_caching: bool = True, max_model_len: int = 8192,
+               progress: Optional[Callable[[int, int], None]] = None,
+               num_cpu_blocks: int = DEFAULT_NUM_CPU_BLOCKS,
+               preemption_mode: Optional[str] = None,
+               enable_chunked_prefill: bool = False) -> dict:
+    """Drive V0's scheduler over ``workload`` until every request is done.
+
+    Args:
+        proxima: build the scheduler with Proxima's block manager (else vLLM's own),
+            whatever ``PROXIMA_ALLOCATOR`` says; the vLLM version check applies.
+        num_blocks: GPU KV blocks (vLLM's ``num_gpu_blocks``).
+        num_cpu_blocks: swap space in blocks (preemption by swap).
+        preemption_mode: None (vLLM's choice: recompute for single sequences), "swap"
+            or "recompute".
+        progress: called as ``progress(done, total)`` whenever requests finish.
+
+    Arrivals: a request enters at its ``arrival_step``; when ``workload.concurrency`` is
+    set (closed loop), also only while fewer than that many are in flight.
+    """
+    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.core.scheduler import PreemptionMode, Scheduler
+    from vllm.engine.output_processor.single_step import SingleStepOutputProcessor
+    from vllm.engine.output_processor.stop_checker import StopChecker
+    from vllm.utils import Counter, Device
+
+    if proxima:
+        vllm_v0.check_version()
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+        preemption_mode=preemption_mode)
+    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
+                               swap_space=0, cache_dtype="auto",
+                               enable_prefix_caching=enable_prefix_caching)
+    cache_config.num_gpu_blocks = num_blocks     # normally set after profiling the GPU
+    cache_config.num_cpu_blocks = num_cpu_blocks
+    with vllm_v0.block_manager_class(proxima):
+        scheduler = Scheduler(scheduler_config, cache_config, lora_config=None)
+    block_manager = scheduler.block_manager
+    assert isinstance(block_manager, vllm_v0.ProximaBlockSpaceManager) == proxima
+
+    preempted = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+    stock_preempt = scheduler._preempt
+
+    def counting_preempt(seq_group, blocks_to_swap_out, preemption_mode=None):
+        mode = stock_preempt(seq_group, blocks_to_swap_out, preemption_mode)
+        preempted[mode] += 1
+        return mode
+
+    scheduler._preempt = counting_preempt      # count by kind; vLLM's code does the work
+
+    processor = SingleStepOutputProcessor(
+        scheduler_config, detokenizer=None, scheduler=[scheduler], seq_counter=Counter(),
+        stop_checker=StopChecker(max_model_len, lambda seq: None))
+    replay = _Replay(scheduler, processor, workload, max_model_len, block_size, progress,
+                     _free_pool_probe(block_manager, proxima))
+    # The block-object pools (4 per block) are hundreds of thousands of objects; without
+    # this, whichever side happens to trigger a full collection pays seconds for it.
+    gc.collect()
+    gc.freeze()
+    start = time.perf_counter()
+    try:
+        replay.run()
+    finally:
+        gc.unfreeze()
+    wall = time.perf_counter() - start
+
+    gpu_allocator = block_manager.block_allocator._allocators[Device.GPU]
+    num_free_end = gpu_allocator.get_num_free_blocks()
+    tables = [t for t, _ in replay.final_tables]
+    total_blocks = sum(len(t) for t in tables)
+    runs = [vllm_v0.count_runs(t) for t in tables]
+    # The same over each request's own blocks: without the prefix-cache hits it starts
+    # with, which are other requests' blocks (and so, for all but one, another run).
+    own = [t[shared:] for t, shared in replay.final_tables]
+    own_runs = [vllm_v0.count_runs(t) for t in own if t]
+    hist: dict[int, int] = {}
+    for r in runs:
+        hist[r] = hist.get(r, 0) + 1
+    hit_rate = scheduler.get_prefix_cache_hit_rate(Device.GPU)
+    steps = replay.steps
+    result = {
+        "engine": vllm_v0.ENGINE,
+        "vllm_version": _vllm_version(),
+        "allocator": "proxima" if proxima else "stock",
+        "workload": workload.name,
+        "requests": len(workload.requests),
+        "completed": replay.completed,
+        "ignored": replay.ignored,
+        "steps": steps,
+        "peak_running": replay.peak_running,
+        "preemptions": scheduler.num_cumulative_preemption,
+        "recompute_preemptions": preempted[PreemptionMode.RECOMPUTE],
+        "swap_preemptions": preempted[PreemptionMode.SWAP],
+        "prefix_hit_rate": max(hit_rate, 0.0),
+        "blocks_per_run": total_blocks / sum(runs) if runs else 0.0,
+        "single_run_fraction": sum(1 for r in runs if r == 1) / len(runs) if runs else 0.0,
+        "runs_per_request": {str(k): hist[k] for k in sorted(hist)},
+        "own_blocks_per_run": (sum(len(t) for t in own) / sum(own_runs)) if own_runs else 0.0,
+        "own_single_run_fraction": (sum(1 for r in own_runs if r == 1) / len(own_runs)
+                                    if own_runs else 0.0),
+        "scheduler_ms_per_step": 1000.0 * replay.sched_seconds / steps if steps else 0.0,
+        "scheduler_seconds": replay.sched_seconds,
+        "wall_seconds": wall,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "num_free_blocks_end": num_free_end,
+        "leaked_blocks": num_blocks - num_free_end,
+        "free_runs_over_time": replay.free_runs,   # [step, truly free, largest free run]
+    }
+    if proxima:
+        stats = gpu_allocator.buddy.stats()
+        stats["num_reserved"] = getattr(gpu_allocator, "_hashless_allocator",
+                                        gpu_allocator).num_reserved
+        result["allocator_stats"] = stats
+    return result
+
+
+class _Replay:
+    """The engine loop: arrivals, ``schedule()``, one sampled token for every group that
+    samples, vLLM's output processing, frees. Times schedule + output processing only."""
+
+    def __init__(self, scheduler, processor, workload: Workload, max_model_len: int,
+                 block_size: int, progress, free_pool) -> None:
+        self.scheduler = scheduler
+        self.processor = processor
+        self.requests = sorted(workload.requests, key=lambda r: r.arrival_step)
+        self.concurrency = workload.concurrency
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.progress = progress
+        self.free_pool = free_pool
+        self.steps = self.peak_running = self.completed = self.ignored = 0
+        self.sched_seconds = 0.0
+        self.final_tables: list[tuple[list[int], int]] = []
+        self.free_runs: list[list[int]] = []
+
+    def run(self) -> None:
+        from vllm.inputs import token_inputs
+        from vllm.sampling_params import SamplingParams
+        from vllm.sequence import (CompletionSequenceGroupOutput, Logprob, Sequence,
+                                   SequenceGroup, SequenceOutput)
+
+        scheduler = self.scheduler
+        block_manager = scheduler.block_manager
+        process_outputs = self.processor.process_outputs
+        seq_counter = self.processor.seq_counter
+        requests, concurrency = self.requests, self.concurrency
+        max_model_len, block_size = self.max_model_len, self.block_size
+        logprobs = {SAMPLED_TOKEN: Logprob(0.0)}
+        perf_counter = time.perf_counter
+        caching = scheduler.cache_config.enable_prefix_caching
+        total = len(requests)
+        next_request = in_flight = done = 0
+        steps = 0
+        sample_every = 16
+
+        while done < total:
+            while next_request < total and requests[next_request].arrival_step <= steps and (
+                    concurrency is None or in_flight < concurrency):
+                spec = requests[next_request]
+                next_request += 1
+                in_flight += 1
+                seq = Sequence(next(seq_counter), token_inputs(list(spec.prompt_token_ids)),
+                               block_size)
+                params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True,
+                                        detokenize=False)
+                scheduler.add_seq_group(SequenceGroup(spec.request_id, [seq], time.time(),
+                                                      sampling_params=params))
+            if not scheduler.has_unfinished_seqs():
+                steps += 1             # idle until the next arrival (open loop)
+                continue
+
+            t0 = perf_counter()
+            metadata, outputs, _ = scheduler.schedule()
+            finished = []
+            for meta, scheduled in zip(metadata, outputs.scheduled_seq_groups):
+                seq_group = scheduled.seq_group
+                seq_group.update_num_computed_tokens(meta.token_chunk_size or 0)
+                if not meta.do_sample:
+                    continue
+                seq = seq_group.seqs[0]
+                table = None
+                if (seq.get_output_len() + 1 >= seq_group.sampling_params.max_tokens
+                        or seq.get_len() + 1 > max_model_len):
+                    # The table's id list object survives the free that finishing does.
+                    table = block_manager.get_block_table(seq)
+                    shared = _cache_hit_prefix(block_manager, seq) if caching else 0
+                process_outputs(seq_group, [CompletionSequenceGroupOutput(
+                    [SequenceOutput(seq.seq_id, SAMPLED_TOKEN, logprobs)], None)], False)
+                if seq_group.is_finished():
+                    finished.append((table, shared))
+            if finished:
+                scheduler.free_finished_seq_groups()
+            self.sched_seconds += perf_counter() - t0
+
+            steps += 1
+            self.peak_running = max(self.peak_running, len(scheduler.running))
+            self.final_tables += finished
+            self.completed += len(finished)
+            newly_done = len(finished) + len(outputs.ignored_seq_groups)
+            self.ignored += len(outputs.ignored_seq_groups)
+            if newly_done:
+                done += newly_done
+                in_flight -= newly_done
+                if self.progress is not None:
+                    self.progress(done, total)
+            if steps % sample_every == 0:
+                self.free_runs.append([steps, *self.free_pool()])
+                if len(self.free_runs) >= 2 * FREE_RUN_SAMPLES:
+                    self.free_runs = self.free_runs[::2]
+                    sample_every *= 2
+            if steps > 10_000_000:
+                raise RuntimeError("replay did not converge (10M steps)")
+        self.steps = steps
+
+
+def _cache_hit_prefix(block_manager, seq) -> int:
+    """How many of the sequence's first blocks are prefix-cache hits (``computed`` is
+    set on a block object only when it was found in the cache)."""
+    count = 0
+    for block in block_manager.block_tables[seq.seq_id].blocks:
+        if not block.computed:
+            break
+        count += 1
+    return count
+
+
+def _free_pool_probe(block_manager, proxima: bool) -> Callable[[], tuple[int, int]]:
+    """``() -> (truly free GPU blocks, longest run of consecutive free ids)``.
+    Evictable cached blocks are not counted: they hold data until evicted."""
+    from vllm.utils import Device
+    gpu = block_manager.block_allocator._allocators[Device.GPU]
+    naive = getattr(gpu, "_hashless_allocator", gpu)
+    if proxima:
+        buddy = naive.buddy
+        return lambda: (buddy.num_free, buddy.largest_free_run)
+
+    def probe() -> tuple[int, int]:
+        ids = sorted(naive._free_block_indices)
+        best = run = 0
+        prev = None
+        for i in ids:
+            run = run + 1 if prev is not None and i == prev + 1 else 1
+            best = max(best, run)
+            prev = i
+        return len(ids), best
+    return probe
+
+
+def _vllm_version() -> str:
+    import vllm
+    return vllm.__version__
