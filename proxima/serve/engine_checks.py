@@ -44,22 +44,34 @@ def check_active(status: dict | None, *, server_pid: int, engine_pids: list[int]
                                 f"{alloc.get('num_free', '?')} free; server pid {server_pid}")
 
 
+def pick_invariants_status(latest: dict | None, at_activation: dict | None) -> dict | None:
+    """The newest snapshot that carries an invariant verdict (the engine checks the pool when
+    it creates it, and may check again later)."""
+    if latest is not None and "invariants_ok" in latest:
+        return latest
+    return at_activation
+
+
 def check_invariants(status: dict | None) -> Check:
     if status is None:
         return failed("allocator-invariants", "no engine status to read", PLUGIN_FIX)
     if "invariants_ok" not in status:
         return failed("allocator-invariants", "the engine's status has no invariants_ok field",
                       "use the engine adapter of this proxima version (reinstall proxima)")
+    steps = status.get("steps") or 0
+    when = f"after {steps} scheduler steps" if steps else "when the engine created the pool"
     if not status["invariants_ok"]:
+        error = status.get("invariants_error")
         return failed("allocator-invariants",
                       f"the engine (pid {status.get('pid')}) reports broken allocator invariants "
-                      f"on the live pool", "do not serve: report it with the engine log; "
-                                           "unset PROXIMA_ALLOCATOR and run `vllm serve` meanwhile")
+                      f"on the live pool, {when}{f': {error}' if error else ''}",
+                      "do not serve: report it with the engine log; unset PROXIMA_ALLOCATOR and "
+                      "run `vllm serve` meanwhile")
     alloc = status.get("allocator") or {}
     return ok("allocator-invariants",
-              f"hold on the live pool (after {status.get('steps', '?')} steps; largest free run "
-              f"{alloc.get('largest_free_run', '?')}, fragmentation "
-              f"{alloc.get('fragmentation', float('nan')):.3f})")
+              f"hold on the live pool, checked {when} ({alloc.get('num_free', '?')} of "
+              f"{alloc.get('num_blocks', status.get('num_blocks', '?'))} blocks free, largest free "
+              f"run {alloc.get('largest_free_run', '?')})")
 
 
 async def run_canary(base_url: str, model: str, *, token: str, api_key: str | None = None,

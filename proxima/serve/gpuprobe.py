@@ -7,11 +7,13 @@ small kernel, prints one JSON line and exits, leaving the caller's process CUDA-
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 PROBE_TIMEOUT_S = 120
 
@@ -48,6 +50,12 @@ def gather() -> dict:
     """Run in the child: every fact, never an exception."""
     facts: dict = {"env": {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
                            if k in os.environ}}
+    # What the kernel shows, needing no library at all (an image may lack torch and NVML).
+    facts["dev_nodes"] = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    try:
+        facts["proc_driver"] = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        pass
     facts["nvml"] = _nvml_facts()
     try:
         import torch

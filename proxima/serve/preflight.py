@@ -14,6 +14,8 @@ from proxima.serve.report import Check, failed, ok, skipped
 
 TESTED_VLLM = "0.26.0"
 TESTED_TORCH = "2.11.0"
+# The engine adapter's escape hatch (proxima/engines/activation.py), honoured here too.
+ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
 INSTALL_HINT = "install the tested stack: ./dev, or pip install 'proxima[vllm]'"
 NO_GPU_FIX = "run on a machine with a GPU, or with docker run --gpus all"
 # The oldest Linux driver branch that runs each CUDA major release (minor-version compatibility).
@@ -62,23 +64,38 @@ def _arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
+def _no_gpu_reasons(facts: dict) -> list[str]:
+    why = []
+    visible = facts.get("env", {}).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "void"):
+        why.append(f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU")
+    if not facts.get("dev_nodes") and "dev_nodes" in facts:
+        why.append("no /dev/nvidia* device")
+    nvml_error = facts.get("nvml", {}).get("error", "")
+    if "LibraryNotFound" in nvml_error:
+        why.append("no NVIDIA driver library in this environment")
+    elif nvml_error and "not installed" not in nvml_error:
+        why.append(f"NVML: {nvml_error}")
+    return why
+
+
 def check_gpu(facts: dict) -> Check:
     if "probe_error" in facts:
         return failed("gpu", facts["probe_error"], "check the GPU with nvidia-smi on the host")
+    seen = facts.get("dev_nodes") or facts.get("nvml", {}).get("device_count")
     if "torch_error" in facts:
-        return failed("gpu", f"torch cannot be imported ({facts['torch_error']})", INSTALL_HINT)
+        if not seen:
+            why = _no_gpu_reasons(facts) + [f"torch cannot be imported either: {facts['torch_error']}"]
+            return failed("gpu", f"no NVIDIA GPU visible ({'; '.join(why)})", NO_GPU_FIX)
+        where = ", ".join(facts.get("dev_nodes") or []) or "NVML"
+        return failed("gpu", f"an NVIDIA GPU is visible ({where}) but torch cannot be imported "
+                             f"({facts['torch_error']})", INSTALL_HINT)
     if not facts.get("cuda_available"):
-        why = ["torch.cuda.is_available() is False"]
-        visible = facts.get("env", {}).get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and visible.strip() in ("", "-1", "none", "void"):
-            why.append(f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU")
-        nvml_error = facts.get("nvml", {}).get("error", "")
-        if "LibraryNotFound" in nvml_error or "not installed" in nvml_error:
-            why.append("no NVIDIA driver library in this environment")
-        elif nvml_error:
-            why.append(f"NVML: {nvml_error}")
+        why = ["torch.cuda.is_available() is False"] + _no_gpu_reasons(facts)
         if facts.get("torch_cuda") is None:
             why.append(f"torch {facts.get('torch')} is a CPU-only build")
+        if seen:
+            why.append(f"the kernel driver is loaded ({facts.get('proc_driver', 'a /dev/nvidia* device exists')})")
         why += [w.splitlines()[0] for w in facts.get("cuda_warnings", [])[:1]]
         return failed("gpu", f"no NVIDIA GPU visible ({'; '.join(why)})", NO_GPU_FIX)
     devices = facts.get("devices", [])
@@ -128,15 +145,21 @@ def check_cuda(facts: dict) -> Check:
                       f"{runtime[0]}.{runtime[1]}; a test kernel ran")
 
 
-def check_versions(vllm: str | None = None, torch: str | None = None) -> Check:
+def check_versions(vllm: str | None = None, torch: str | None = None, environ=None) -> Check:
+    import os
+
+    environ = os.environ if environ is None else environ
     vllm = vllm if vllm is not None else installed_version("vllm")
     torch = torch if torch is not None else installed_version("torch")
     torch_base = (torch or "").split("+")[0]
     seen = f"vllm {vllm or 'not installed'}, torch {torch or 'not installed'}"
-    if vllm != TESTED_VLLM or torch_base != TESTED_TORCH:
-        return failed("versions", f"{seen}; tested: vllm {TESTED_VLLM}, torch {TESTED_TORCH}",
-                      INSTALL_HINT)
-    return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the tested stack)")
+    if vllm == TESTED_VLLM and torch_base == TESTED_TORCH:
+        return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the tested stack)")
+    if vllm and not vllm.startswith("0.6.") and environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return ok("versions", f"{seen}: UNTESTED (tested: vllm {TESTED_VLLM}, torch "
+                              f"{TESTED_TORCH}), allowed by {ALLOW_UNTESTED_ENV}=1")
+    return failed("versions", f"{seen}; tested: vllm {TESTED_VLLM}, torch {TESTED_TORCH}",
+                  INSTALL_HINT)
 
 
 def run_preflight(facts: dict | None = None) -> list[Check]:

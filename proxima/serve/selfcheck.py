@@ -95,10 +95,13 @@ def engine_checks(model: str | None) -> list[Check]:
     """Start a small engine in a child process (as vLLM does), read its status, generate once."""
     from proxima.models import TINY_LLAMA_DIR
     from proxima.serve import startup_errors
-    from proxima.serve.engine_checks import check_active, check_invariants
+    from proxima.serve.engine_checks import check_active, check_invariants, pick_invariants_status
     from proxima.serve.tee import OutputTee
 
     os.environ["PROXIMA_ALLOCATOR"] = "1"
+    # As `vllm serve` does: the engine process starts fresh and loads Proxima's plugin itself
+    # (a forked one would inherit this process's patched classes, proving less).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if not os.environ.get(STATS_ENV):
         os.environ[STATS_ENV] = str(Path(tempfile.mkdtemp(prefix="proxima-selfcheck-"))
                                     / "engine-status.json")
@@ -130,12 +133,14 @@ def engine_checks(model: str | None) -> list[Check]:
         pids = [p.pid for p in llm.llm_engine.engine_core.resources.engine_manager.processes]
     except AttributeError:
         pids = []
-    checks.append(check_active(_wait_status(path, started), server_pid=os.getpid(),
-                               engine_pids=pids, since=started, path=path))
+    at_activation = _wait_status(path, started)
+    checks.append(check_active(at_activation, server_pid=os.getpid(), engine_pids=pids,
+                               since=started, path=path))
     generated = time.time()
     llm.generate(["Proxima self-check"], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
-    checks.append(check_invariants(_wait_status(path, generated, timeout=3)))
+    latest = _wait_status(path, generated, timeout=3)
+    checks.append(check_invariants(pick_invariants_status(latest, at_activation)))
     return checks
 
 

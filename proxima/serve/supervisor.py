@@ -30,7 +30,8 @@ from typing import Callable
 
 from proxima.engines.status import read_status, stats_path
 from proxima.serve import startup_errors
-from proxima.serve.engine_checks import check_active, check_invariants, run_canary
+from proxima.serve.engine_checks import (check_active, check_invariants,
+                                         pick_invariants_status, run_canary)
 from proxima.serve.preflight import run_preflight
 from proxima.serve.report import CHECK_ORDER, Check, Report, failed, ok, skipped
 from proxima.serve.tee import OutputTee
@@ -191,9 +192,9 @@ class Supervisor:
         self.report.add(await self._canary())
         self._fail_if_any()
         # The engine writes at most once a second while scheduling: prefer a snapshot taken
-        # after the canary ran, but an idle engine may not write again.
-        status = await self._wait_status(newer_than=canary_started, timeout=3) or read_status(path)
-        self.report.add(check_invariants(status))
+        # after the canary ran if it carries a verdict; an idle engine may not write again.
+        latest = await self._wait_status(newer_than=canary_started, timeout=3)
+        self.report.add(check_invariants(pick_invariants_status(latest, status)))
         self._fail_if_any()
 
     async def _start_engine(self) -> None:
@@ -213,6 +214,11 @@ class Supervisor:
             raise BootFailed from exc
         self._stack.callback(_shutdown, self.engine)
         engine = self.engine
+        # AsyncLLM starts its output handler when built inside a running loop; it was built in
+        # a thread, so start it here, as early as vLLM would have.
+        start_output_handler = getattr(engine, "_run_output_handler", None)
+        if callable(start_output_handler):
+            start_output_handler()
         await engine.reset_mm_cache()
         tasks = await engine.get_supported_tasks()
         inner = build_app(self.args, tasks, engine.model_config)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxima.errors import UserError
-from proxima.serve.preflight import INSTALL_HINT, TESTED_VLLM, installed_version
+from proxima.serve.preflight import (ALLOW_UNTESTED_ENV, INSTALL_HINT, TESTED_VLLM,
+                                      installed_version)
 
 ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a
@@ -29,25 +30,31 @@ PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "proxima"
 def check_allocator_env(environ=os.environ) -> None:
     """``PROXIMA_ALLOCATOR`` may be unset or 1 here; serve sets it to 1 for the engine."""
     value = environ.get(ALLOCATOR_ENV)
-    if value is None or value == "1":
+    if value is None or value.strip() == "1":
         return
-    if value == "0":
+    if value.strip() in ("", "0"):
         raise UserError(
-            f"{ALLOCATOR_ENV}=0 switches Proxima off, but proxima serve always runs the engine "
-            f"with Proxima on: unset {ALLOCATOR_ENV} (or set it to 1); for stock vLLM run "
-            f"`vllm serve` instead")
+            f"{ALLOCATOR_ENV}={value!r} switches Proxima off, but proxima serve always runs the "
+            f"engine with Proxima on: unset {ALLOCATOR_ENV} (or set it to 1); for stock vLLM "
+            f"run `vllm serve` instead")
     raise UserError(f"{ALLOCATOR_ENV} must be unset, 0 or 1; got {value!r}: unset it or set "
                     f"{ALLOCATOR_ENV}=1")
 
 
-def check_vllm_installed() -> str:
+def check_vllm_installed(environ=os.environ) -> str:
     version = installed_version("vllm")
     if version is None:
         raise UserError(f"vLLM is not installed: {INSTALL_HINT}")
-    if version != TESTED_VLLM:
-        raise UserError(f"vLLM {version} is installed, but proxima serve supports only vLLM "
-                        f"{TESTED_VLLM} (the tested stack): {INSTALL_HINT}")
-    return version
+    if version == TESTED_VLLM:
+        return version
+    if version.startswith("0.6."):
+        raise UserError(f"vLLM {version} (V0 engine, the card stack) is installed, but proxima "
+                        f"serve supports only vLLM {TESTED_VLLM} (V1 engine): {INSTALL_HINT}")
+    if environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return version  # the versions self-check line says UNTESTED
+    raise UserError(f"vLLM {version} is installed, but proxima serve supports only vLLM "
+                    f"{TESTED_VLLM} (the tested stack): {INSTALL_HINT}; or set "
+                    f"{ALLOW_UNTESTED_ENV}=1 to try this version anyway")
 
 
 def check_plugin(environ=os.environ) -> None:
@@ -195,7 +202,7 @@ def scan(argv: list[str]) -> Scanned:
 def validate_environment(environ=os.environ) -> str:
     """Environment and installation checks that need no GPU; returns the vLLM version."""
     check_allocator_env(environ)
-    version = check_vllm_installed()
+    version = check_vllm_installed(environ)
     check_stats_file(environ)
     return version
 

@@ -23,15 +23,16 @@ def assert_one_line_error(done, *fragments: str, code: int = 2) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "true", ""])
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_bad_proxima_allocator_value(value):
     done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR=value))
     assert_one_line_error(done, "PROXIMA_ALLOCATOR must be unset, 0 or 1", repr(value))
 
 
-def test_proxima_allocator_0_is_refused_with_the_alternative():
-    done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR="0"))
-    assert_one_line_error(done, "PROXIMA_ALLOCATOR=0", "vllm serve")
+@pytest.mark.parametrize("value", ["0", ""])
+def test_proxima_allocator_off_is_refused_with_the_alternative(value):
+    done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR=value))
+    assert_one_line_error(done, f"PROXIMA_ALLOCATOR={value!r} switches Proxima off", "vllm serve")
 
 
 def test_model_path_missing(tmp_path):
@@ -80,15 +81,31 @@ def test_port_invalid(port, fragment):
     assert_one_line_error(run_proxima("serve", "--port", port), fragment)
 
 
-def test_unsupported_vllm_version(tmp_path):
-    # An older vLLM's metadata first on the path is what `importlib.metadata` reports.
-    dist = tmp_path / "vllm-0.6.3.post1.dist-info"
+def env_with_vllm(tmp_path, version: str, **overrides) -> dict:
+    """An installed vLLM of another version, as `importlib.metadata` sees it: its metadata
+    first on the path."""
+    dist = tmp_path / f"vllm-{version}.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.6.3.post1\n")
-    env = proxima_env()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    env = proxima_env(**overrides)
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    done = run_proxima("serve", env=env)
-    assert_one_line_error(done, "vLLM 0.6.3.post1 is installed", "supports only vLLM 0.26.0")
+    return env
+
+
+def test_card_stack_vllm_is_refused(tmp_path):
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.6.3.post1"))
+    assert_one_line_error(done, "vLLM 0.6.3.post1 (V0 engine, the card stack) is installed",
+                          "supports only vLLM 0.26.0")
+
+
+def test_untested_vllm_is_refused_unless_allowed(tmp_path):
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1"))
+    assert_one_line_error(done, "vLLM 0.25.1 is installed", "PROXIMA_ALLOW_UNTESTED_VLLM=1")
+    other = tmp_path / "allowed"
+    other.mkdir()
+    allowed = env_with_vllm(other, "0.25.1", PROXIMA_ALLOW_UNTESTED_VLLM="1")
+    done = run_proxima("serve", "--block-size", "17", env=allowed)
+    assert_one_line_error(done, "--block-size 17")  # past the version check
 
 
 def test_no_gpu_stops_before_serving():

@@ -78,6 +78,26 @@ def test_versions_line():
     assert "./dev" in line
 
 
+def test_untested_vllm_needs_the_explicit_override():
+    allowed = {"PROXIMA_ALLOW_UNTESTED_VLLM": "1"}
+    assert preflight.check_versions("0.25.1", "2.10.0", environ={}).failed
+    line = preflight.check_versions("0.25.1", "2.10.0", environ=allowed)
+    assert line.status == "ok" and "UNTESTED" in line.detail
+    assert preflight.check_versions("0.6.3.post1", "2.4.0", environ=allowed).failed  # V0: never
+
+
+def test_image_without_torch_or_gpu_says_no_gpu():
+    """The slim image has neither torch nor a GPU: the line must name the missing GPU."""
+    facts = {"env": {}, "dev_nodes": [], "nvml": {"error": "pynvml is not installed"},
+             "torch_error": "ModuleNotFoundError: No module named 'torch'"}
+    gpu = preflight.check_gpu(facts)
+    assert gpu.detail.startswith("no NVIDIA GPU visible (no /dev/nvidia* device; torch cannot")
+    assert gpu.fix == preflight.NO_GPU_FIX
+    facts["dev_nodes"] = ["/dev/nvidia0"]
+    gpu = preflight.check_gpu(facts)
+    assert gpu.detail.startswith("an NVIDIA GPU is visible (/dev/nvidia0) but torch cannot")
+
+
 def test_real_probe_on_this_machine_reports_no_gpu():
     """This test machine has no GPU: the real probe (a child process importing torch) says so."""
     facts = gpuprobe.probe()
