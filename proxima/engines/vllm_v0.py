@@ -141,10 +141,14 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
 
     # -- ids (local: 0 .. num_blocks - 1; vLLM's id = local + base)
 
-    def _allocate_block_ids(self, n: int, after: Optional[int] = None) -> List[int]:
+    def _allocate_block_ids(self, n: int, after: Optional[int] = None,
+                            own: bool = True) -> List[int]:
         """``n`` ids for the sequence whose last block is ``after`` (None: a new
         sequence): its reserved room first, then in place, then a new run placed (and
-        reserved) for ``room_hint`` blocks. Each id's ref count goes to 1."""
+        reserved) for ``room_hint`` blocks. Each id's ref count goes to 1.
+
+        ``own=False``: ``after`` is a block the sequence shares (a prefix-cache hit), so
+        the room reserved behind it is another sequence's and is left alone."""
         buddy = self.buddy
         if n > buddy.num_free + self.num_reserved:
             raise BlockAllocator.NoFreeBlocksError()
@@ -154,7 +158,7 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             self.room_hint = room - n if room > n else None
         last = None if after is None else after - base
         ids: List[int] = []
-        if last is not None:
+        if last is not None and own:
             end = self._reservations.pop(last, None)
             if end is not None:
                 birth = self._births.pop(last)
@@ -330,7 +334,7 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
             del cached[content_hash]
             release(block_id)
 
-    def _take_block_ids(self, n: int, after: Optional[int]) -> List[int]:
+    def _take_block_ids(self, n: int, after: Optional[int], own: bool = True) -> List[int]:
         """``n`` ids: truly free ones (reserved room included) first; evict (LRU) only
         for the shortfall, exactly the blocks stock would evict for these ``n``."""
         hashless = self._hashless_allocator
@@ -339,7 +343,7 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
             if n > free + self.evictor.num_blocks:
                 raise BlockAllocator.NoFreeBlocksError()
             self._evict_into_pool(n - free)
-        block_ids = hashless._allocate_block_ids(n, after)
+        block_ids = hashless._allocate_block_ids(n, after, own)
         track = self._track_block_id
         for block_id in block_ids:
             track(block_id, computed=False)
@@ -358,8 +362,11 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
 
     def allocate_mutable_block(self, prev_block: Optional[Block], device=None) -> Block:
         assert device is None
-        block_id = self._take_block_ids(
-            1, None if prev_block is None else prev_block.block_id)[0]
+        if prev_block is None:
+            block_id = self._take_block_ids(1, None)[0]
+        else:   # a computed block object is a cache hit: shared, not the sequence's run
+            block_id = self._take_block_ids(1, prev_block.block_id,
+                                            not prev_block.computed)[0]
         return self._block_pool.init_block(prev_block=prev_block, token_ids=[],
                                            block_size=self._block_size,
                                            physical_block_id=block_id)
@@ -376,6 +383,7 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
         blocks: List[Block] = []
         misses: List[Block] = []
         run_after = None if prev_block is None else prev_block.block_id
+        run_own = prev_block is None or not prev_block.computed
         for token_ids in block_token_ids:
             block = init_block(prev_block=prev_block, token_ids=token_ids,
                                block_size=self._block_size, physical_block_id=None)
@@ -385,14 +393,14 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
                 block.block_id = cached_block_id
                 self._incr_refcount_cached_block(block)
                 if not misses:
-                    run_after = cached_block_id
+                    run_after, run_own = cached_block_id, False
             else:
                 query(hit=False)
                 misses.append(block)
             blocks.append(block)
             prev_block = block
         if misses:
-            block_ids = self._take_block_ids(len(misses), run_after)
+            block_ids = self._take_block_ids(len(misses), run_after, run_own)
             touched = self._touched_blocks
             for block, block_id in zip(misses, block_ids):
                 content_hash = block.content_hash
@@ -416,7 +424,10 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
             return src_block_id
         self._free_block_id(block)
         prev = block.prev_block
-        trg_block_id = self._take_block_ids(1, None if prev is None else prev.block_id)[0]
+        if prev is None:
+            trg_block_id = self._take_block_ids(1, None)[0]
+        else:
+            trg_block_id = self._take_block_ids(1, prev.block_id, not prev.computed)[0]
         self._cow_tracker.record_cow(src_block_id, trg_block_id)
         return trg_block_id
 

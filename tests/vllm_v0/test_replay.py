@@ -1,0 +1,104 @@
+"""Short replays of every workload through vLLM 0.6.3's real V0 scheduler on CPU, stock
+and Proxima on the identical trace: the parity and contiguity targets of the card stack.
+
+Sizes are cut down from the defaults of `proxima replay` (see docs/card-stack.md for the
+full-size numbers); the pool sizes are the defaults (55,735 blocks, pressure 1,920).
+Scheduler time is measured and recorded (``record_property``), but only a gross
+regression is asserted: this machine has 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_v0.helpers import card_stack_or_skip
+
+card_stack_or_skip()
+
+from proxima.replay.driver_v0 import run_replay  # noqa: E402
+from proxima.workloads import make_workload  # noqa: E402
+
+DEFAULT_BLOCKS = 55735
+CASES = {
+    # name: (requests, num_blocks, extra run_replay arguments)
+    "chat": (100, DEFAULT_BLOCKS, {}),
+    "sharegpt": (300, DEFAULT_BLOCKS, {}),
+    "multiturn": (240, DEFAULT_BLOCKS, {}),
+    "pressure": (160, 1920, {}),
+    "pressure-swap": (120, 1920, {"preemption_mode": "swap"}),
+}
+_results: dict[str, dict] = {}
+
+
+def replay(case: str) -> dict:
+    if case not in _results:
+        requests, num_blocks, extra = CASES[case]
+        workload = make_workload(case.split("-")[0], requests, seed=0)
+        _results[case] = {
+            side: run_replay(workload, proxima=side == "proxima", num_blocks=num_blocks,
+                             **extra)
+            for side in ("stock", "proxima")}
+    return _results[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity(case, record_property):
+    result = replay(case)
+    stock, proxima = result["stock"], result["proxima"]
+    for key in ("completed", "steps", "preemptions", "prefix_hit_rate", "single_run_fraction",
+                "blocks_per_run", "own_single_run_fraction", "scheduler_ms_per_step"):
+        record_property(f"stock_{key}", stock[key])
+        record_property(f"proxima_{key}", proxima[key])
+    assert proxima["completed"] == stock["completed"] == stock["requests"]
+    assert proxima["preemptions"] <= stock["preemptions"]
+    assert proxima["recompute_preemptions"] <= stock["recompute_preemptions"]
+    assert proxima["swap_preemptions"] <= stock["swap_preemptions"]
+    assert proxima["prefix_hit_rate"] >= stock["prefix_hit_rate"] - 0.005
+    assert proxima["leaked_blocks"] == stock["leaked_blocks"] == 0
+    assert proxima["allocator_stats"]["num_reserved"] == 0
+
+
+@pytest.mark.parametrize("case", ["chat", "sharegpt"])
+def test_contiguity(case):
+    proxima = replay(case)["proxima"]
+    assert proxima["single_run_fraction"] >= 0.95
+    assert replay(case)["stock"]["single_run_fraction"] < 0.5
+
+
+def test_contiguity_multiturn():
+    """70 % of multiturn's prompt blocks are prefix-cache hits: blocks of the request that
+    computed the prefix. So no request that shares a prefix is one run, stock or Proxima;
+    what Proxima controls, the request's own blocks after its cached prefix, is."""
+    result = replay("multiturn")
+    assert result["proxima"]["prefix_hit_rate"] > 0.5
+    assert result["proxima"]["own_single_run_fraction"] >= 0.95
+    assert result["stock"]["own_single_run_fraction"] < 0.5
+
+
+def test_pressure_preempts_and_swaps():
+    assert replay("pressure")["stock"]["recompute_preemptions"] > 0
+    swap = replay("pressure-swap")
+    assert swap["stock"]["swap_preemptions"] > 0
+    assert swap["proxima"]["swap_preemptions"] == swap["stock"]["swap_preemptions"]
+    # A pool full of running prompts (V0 admits until it is) grows only by preemption:
+    # Proxima's runs are short there, but never shorter than stock's.
+    for case in ("pressure", "pressure-swap"):
+        result = replay(case)
+        assert result["proxima"]["blocks_per_run"] >= result["stock"]["blocks_per_run"]
+
+
+def test_scheduler_time_recorded(record_property):
+    """Best of two interleaved runs per side on chat; the target (1.10x) is checked on
+    quiet hardware (docs/card-stack.md). Here only a gross regression fails."""
+    workload = make_workload("chat", 100, seed=0)
+    best = {"stock": float("inf"), "proxima": float("inf")}
+    for _ in range(2):
+        for side in best:
+            ms = run_replay(workload, proxima=side == "proxima",
+                            num_blocks=4096)["scheduler_ms_per_step"]
+            best[side] = min(best[side], ms)
+    ratio = best["proxima"] / best["stock"]
+    record_property("scheduler_ms_per_step_ratio", ratio)
+    print(f"chat scheduler ms/step: stock {best['stock']:.3f} proxima "
+          f"{best['proxima']:.3f} ratio {ratio:.3f}")
+    assert ratio < 2.0
