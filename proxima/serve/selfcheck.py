@@ -19,7 +19,7 @@ from pathlib import Path
 
 from proxima.engines.status import STATS_ENV, read_status
 from proxima.errors import UserError
-from proxima.serve.report import CHECK_ORDER, Check, Report, failed, ok, skipped
+from proxima.serve.report import Check, Report, failed, ok, skipped
 
 ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants")
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
