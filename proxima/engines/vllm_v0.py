@@ -182,21 +182,32 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
         return ids
 
     def _place(self, n: int, last: Optional[int], room: Optional[int]) -> List[int]:
-        """``n`` free ids from the buddy: in place after ``last`` if free, else a new run
-        with ``room`` ids reserved when one free run holds them."""
+        """``n`` free ids from the buddy: in place after ``last`` if free, else a new run;
+        either way, up to ``room`` ids are reserved where they are free behind it."""
         buddy = self.buddy
+        want = room if room is not None and room > n else n
+        behind = 0
         if last is not None:
             is_free = buddy.is_free
-            if all(is_free(i) for i in range(last + 1, last + 1 + n)):
-                return buddy.allocate(n, last)
-        if room is not None and room > n and buddy.largest_free_run >= room:
-            ids = buddy.allocate(room, None, room)      # one run: a free run holds it
+            while behind < want and is_free(last + 1 + behind):
+                behind += 1
+            if behind == want:
+                return self._reserve(buddy.allocate(want, last), n)
+        if want > n and buddy.largest_free_run >= want:
+            # Rather one new run with all the room than a short piece in place.
+            return self._reserve(buddy.allocate(want, None, want), n)
+        if behind >= n:
+            return self._reserve(buddy.allocate(behind, last), n)
+        return buddy.allocate(n, last, room)
+
+    def _reserve(self, ids: List[int], n: int) -> List[int]:
+        """Hand out ``ids[:n]``; keep the rest (consecutive) as the run's room."""
+        if len(ids) > n:
             self._reservations[ids[n - 1]] = ids[-1] + 1
             self._births[ids[n - 1]] = self._clock
             self._clock += 1
-            self.num_reserved += room - n
-            return ids[:n]
-        return buddy.allocate(n, last, room)
+            self.num_reserved += len(ids) - n
+        return ids[:n]
 
     def _take_back(self, n: int) -> None:
         """Shrink reservations until the buddy has ``n`` free ids: the newest sequence's

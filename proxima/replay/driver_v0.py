@@ -50,8 +50,13 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             or "recompute".
         progress: called as ``progress(done, total)`` whenever requests finish.
 
-    Arrivals: a request enters at its ``arrival_step``; when ``workload.concurrency`` is
-    set (closed loop), also only while fewer than that many are in flight.
+    Arrivals (as in the V1 driver): open loop, a request enters at its ``arrival_step``
+    (idle steps are skipped, not counted); closed loop (``workload.concurrency``), the
+    next request enters whenever fewer than that many are in flight; a request that
+    ``follows`` another (a conversation's next turn) enters ``arrival_step`` steps after
+    that one finished. The stand-in model answers a request's ``output_token_ids`` when
+    the workload gives them (multiturn: the reply the next turn resends), else a fixed
+    token.
     """
     from vllm.config import CacheConfig, SchedulerConfig
     from vllm.core.scheduler import PreemptionMode, Scheduler
@@ -181,31 +186,50 @@ class _Replay:
         block_manager = scheduler.block_manager
         process_outputs = self.processor.process_outputs
         seq_counter = self.processor.seq_counter
-        requests, concurrency = self.requests, self.concurrency
+        concurrency = self.concurrency
         max_model_len, block_size = self.max_model_len, self.block_size
-        logprobs = {SAMPLED_TOKEN: Logprob(0.0)}
-        perf_counter = time.perf_counter
         caching = scheduler.cache_config.enable_prefix_caching
-        total = len(requests)
-        next_request = in_flight = done = 0
-        steps = 0
+        perf_counter = time.perf_counter
+        total = len(self.requests)
+        # A conversation's next turn waits for the previous one to finish, then arrives
+        # ``arrival_step`` steps later (the user's think time), as in the V1 driver.
+        followers = {r.follows: r for r in self.requests if getattr(r, "follows", None)}
+        pending = [r for r in self.requests if not getattr(r, "follows", None)]
+        replies = {r.request_id: r.output_token_ids for r in self.requests
+                   if getattr(r, "output_token_ids", None)}
+        released: list[tuple[int, object]] = []      # (due step, request), sorted
+        logprob = {}
+        next_pending = in_flight = done = 0
+        clock = steps = 0                 # clock: arrival time in steps, idle included
         sample_every = 16
 
+        def submit(spec) -> None:
+            seq = Sequence(next(seq_counter), token_inputs(list(spec.prompt_token_ids)),
+                           block_size)
+            params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True,
+                                    detokenize=False)
+            scheduler.add_seq_group(SequenceGroup(spec.request_id, [seq], time.time(),
+                                                  sampling_params=params))
+
         while done < total:
-            while next_request < total and requests[next_request].arrival_step <= steps and (
-                    concurrency is None or in_flight < concurrency):
-                spec = requests[next_request]
-                next_request += 1
+            if not scheduler.has_unfinished_seqs():   # idle: jump to the next arrival
+                due = [released[0][0]] if released else []
+                if next_pending < len(pending) and concurrency is None:
+                    due.append(pending[next_pending].arrival_step)
+                if due:
+                    clock = max(clock, min(due))
+            while released and released[0][0] <= clock:
+                submit(released.pop(0)[1])
                 in_flight += 1
-                seq = Sequence(next(seq_counter), token_inputs(list(spec.prompt_token_ids)),
-                               block_size)
-                params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True,
-                                        detokenize=False)
-                scheduler.add_seq_group(SequenceGroup(spec.request_id, [seq], time.time(),
-                                                      sampling_params=params))
+            while next_pending < len(pending) and (
+                    pending[next_pending].arrival_step <= clock if concurrency is None
+                    else in_flight < concurrency):
+                submit(pending[next_pending])
+                next_pending += 1
+                in_flight += 1
             if not scheduler.has_unfinished_seqs():
-                steps += 1             # idle until the next arrival (open loop)
-                continue
+                raise RuntimeError(f"replay stalled at step {clock}: {done} of {total} "
+                                   f"done and nothing to schedule")
 
             t0 = perf_counter()
             metadata, outputs, _ = scheduler.schedule()
@@ -216,6 +240,10 @@ class _Replay:
                 if not meta.do_sample:
                     continue
                 seq = seq_group.seqs[0]
+                reply = replies.get(seq_group.request_id)
+                token = reply[seq.get_output_len()] if reply else SAMPLED_TOKEN
+                if token not in logprob:
+                    logprob[token] = {token: Logprob(0.0)}
                 table = None
                 if (seq.get_output_len() + 1 >= seq_group.sampling_params.max_tokens
                         or seq.get_len() + 1 > max_model_len):
@@ -223,17 +251,27 @@ class _Replay:
                     table = block_manager.get_block_table(seq)
                     shared = _cache_hit_prefix(block_manager, seq) if caching else 0
                 process_outputs(seq_group, [CompletionSequenceGroupOutput(
-                    [SequenceOutput(seq.seq_id, SAMPLED_TOKEN, logprobs)], None)], False)
+                    [SequenceOutput(seq.seq_id, token, logprob[token])], None)], False)
                 if seq_group.is_finished():
                     finished.append((table, shared))
+                    follower = followers.pop(seq_group.request_id, None)
+                    if follower is not None:
+                        released.append((clock + 1 + follower.arrival_step, follower))
             if finished:
                 scheduler.free_finished_seq_groups()
             self.sched_seconds += perf_counter() - t0
 
             steps += 1
+            clock += 1
+            released.sort(key=lambda item: item[0])
             self.peak_running = max(self.peak_running, len(scheduler.running))
             self.final_tables += finished
             self.completed += len(finished)
+            for ignored in outputs.ignored_seq_groups:      # too long: never scheduled
+                follower = followers.pop(ignored.request_id, None)
+                if follower is not None:
+                    released.append((clock + follower.arrival_step, follower))
+                    released.sort(key=lambda item: item[0])
             newly_done = len(finished) + len(outputs.ignored_seq_groups)
             self.ignored += len(outputs.ignored_seq_groups)
             if newly_done:
@@ -246,8 +284,6 @@ class _Replay:
                 if len(self.free_runs) >= 2 * FREE_RUN_SAMPLES:
                     self.free_runs = self.free_runs[::2]
                     sample_every *= 2
-            if steps > 10_000_000:
-                raise RuntimeError("replay did not converge (10M steps)")
         self.steps = steps
 
 
