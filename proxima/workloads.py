@@ -6,7 +6,8 @@ tokenizer is needed. The same (name, requests, seed) always gives the same reque
 Workloads:
   chat       the seed article's benchmark: short prompts, 100 output tokens, 20 in flight.
   sharegpt   ShareGPT-like lognormal prompt/output lengths, all submitted at once.
-  multiturn  conversations whose turns resend the growing history (prefix-cache hits).
+  multiturn  conversations whose turns resend the growing history (prefix-cache hits);
+             a turn is sent when the previous one has finished.
   pressure   500-style mixed lengths (prompt U[64,1024], output U[32,512]), all at once,
              meant for a small pool (1,920 blocks) so that requests get preempted.
 
@@ -37,6 +38,13 @@ class RequestSpec:
     prompt_token_ids: list[int] = field(repr=False)
     max_tokens: int
     arrival_step: int = 0
+    #: what the replay's stand-in model answers (multiturn: the reply the next turn
+    #: resends, so that its prefix hits the cache as it does in real conversations);
+    #: None -> a fixed token
+    output_token_ids: list[int] | None = field(default=None, repr=False)
+    #: the request that must finish first (the previous turn of a conversation); the
+    #: request then arrives ``arrival_step`` steps after it finished (the user's think time)
+    follows: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -93,11 +101,11 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
     elif name == "multiturn":
         n = requests or 400
         turns = 4
-        system = _tokens(rng, 200)          # shared by every conversation
         conv = 0
         while len(specs) < n:
-            history = list(system)
+            history = _tokens(rng, rng.randint(50, 300))     # this conversation's system prompt
             start = rng.randint(0, 60)
+            previous = None
             for t in range(turns):
                 if len(specs) >= n:
                     break
@@ -105,9 +113,12 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
                 out = rng.randint(40, 160)
                 if len(history) + out > max_model_len:
                     break
-                specs.append(RequestSpec(f"conv{conv}-turn{t}", list(history), out,
-                                         arrival_step=start + 60 * t))
-                history += _tokens(rng, out)                       # the reply, resent next turn
+                reply = _tokens(rng, out)
+                rid = f"conv{conv}-turn{t}"
+                specs.append(RequestSpec(rid, list(history), out, arrival_step=start,
+                                         output_token_ids=reply, follows=previous))
+                history += reply                                   # resent next turn
+                previous = rid
             conv += 1
     else:  # pressure
         n = requests or 500

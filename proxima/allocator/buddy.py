@@ -50,6 +50,8 @@ FREE = 0
 ALLOCATED = 1
 RESERVED = 2
 
+_PLACE_CANDIDATES = 16        # free runs examined for an unclaimed fit before giving up
+
 
 class AllocationError(ValueError):
     """A request the allocator cannot satisfy (too many blocks, bad ids)."""
@@ -66,7 +68,7 @@ class BuddyAllocator:
     __slots__ = (
         "num_blocks", "max_order", "num_free", "_state", "_head_order", "_tail_head",
         "_free_area", "_run_end", "_run_start", "_runs_by_len", "_lengths", "_run_hist",
-        "_num_runs", "_reserved",
+        "_num_runs", "_reserved", "_claim",
     )
 
     def __init__(self, num_blocks: int, reserved: Iterable[int] = ()) -> None:
@@ -91,6 +93,10 @@ class BuddyAllocator:
         self._runs_by_len: dict[int, set[int]] = {}
         self._lengths: list[int] = []
         self._run_hist = [0] * (self.max_order + 1)       # free runs by floor(log2 len)
+        # Soft claims: at the last id of an allocated run, the end its owner expects to
+        # grow to (``start + room``). Placement keeps clear of claimed ids while it can;
+        # a claim never stops an allocation (ids are not reserved, only avoided).
+        self._claim = [0] * num_blocks
         self._num_runs = 0
         for rid in reserved_ids:
             self._state[rid] = RESERVED
@@ -184,12 +190,15 @@ class BuddyAllocator:
                 # A run can start at after+1 only if after+1 is free and after is not.
                 if end - start >= n:
                     self._take(start, start + n, start, end)
+                    claim = self._claim
+                    claim[start + n - 1] = max(claim[after], start + n)
                     return list(range(start, start + n))
         want = n if room is None or room < n else room
-        start, run_start = self._place(n, want)
+        start, run_start = self._place(n, want, room)
         if start < 0:
             return self._allocate_from_runs(n)
         self._take(start, start + n, run_start, self._run_end[run_start])
+        self._claim[start + n - 1] = start + want
         return list(range(start, start + n))
 
     def take(self, block_id: int) -> None:
@@ -279,42 +288,74 @@ class BuddyAllocator:
 
     # ------------------------------------------------------------- placement helpers
 
-    def _place(self, n: int, want: int) -> tuple[int, int]:
+    def _place(self, n: int, want: int, room: int | None = None) -> tuple[int, int]:
         """Where a new run of ``n`` ids starts, and the free run it lies in.
 
-        Best fit over free runs: the smallest run of length ``>= want`` (else ``>= n``).
-        In a run of at least ``2 * want`` ids the new run starts at the head of the run's
-        largest buddy block that still leaves ``want`` ids to the run's end: the ids
-        before it stay free for the left neighbour's growth, those after it for ours.
-        Repeated, this halves the free space like a buddy split, so concurrent requests
-        end up spread ``~free/k`` apart instead of packed against each other. In a
-        shorter run the new run takes the last ``want`` ids, leaving the slack to the
-        left neighbour (whose run may still be growing).
+        Best fit over free runs: the smallest run whose *unclaimed* part holds ``want``
+        ids. A free run's first ids may be claimed by the allocated run on its left (its
+        owner said it expects to grow there, see ``room``); placing a new run there would
+        stop that growth, so those ids count only when nothing else fits. Candidates are
+        tried smallest first (a bounded number, then the largest run); failing that, the
+        smallest run of length ``>= want``, then ``>= n``, claims ignored.
+
+        Inside the chosen space ``[lo, run_end)``: with a ``room`` the caller stated its
+        need, and so did its neighbours: the new run starts at ``lo``, packed against the
+        left neighbour's claim, leaving the rest of the run whole. Without one, growth is
+        unknown, so space is shared out buddy-style: if ``[lo, run_end)`` holds
+        ``2 * want`` ids the new run starts at the head of its largest buddy block that
+        leaves ``want`` ids to the end (the ids before it stay free for the left
+        neighbour, those after it for ours; repeated, this halves free space like a buddy
+        split); otherwise it takes the last ``want`` ids.
         Returns ``(-1, -1)`` when no single run holds ``n`` ids.
         """
         lengths = self._lengths
+        runs_by_len = self._runs_by_len
         i = bisect_left(lengths, want)
-        if i == len(lengths):
-            if want == n:
-                return -1, -1
-            want = n
+        if i < len(lengths):
+            state = self._state
+            claim = self._claim
+            # Smallest first (best fit), then largest first (most likely unclaimed).
+            for candidates in (lengths[i:i + _PLACE_CANDIDATES],
+                               lengths[max(i, len(lengths) - _PLACE_CANDIDATES):][::-1]):
+                tried = 0
+                for length in candidates:
+                    for run_start in runs_by_len[length]:
+                        lo = run_start
+                        if run_start and state[run_start - 1] == ALLOCATED:
+                            lo = max(run_start, claim[run_start - 1])
+                        if run_start + length - lo >= want:
+                            if room is not None:       # the caller said what it needs
+                                return lo, run_start
+                            return self._split_point(lo, run_start + length, want), run_start
+                        tried += 1
+                        if tried >= _PLACE_CANDIDATES:
+                            break
+                    if tried >= _PLACE_CANDIDATES:
+                        break
+            length = lengths[i]
+        else:
             i = bisect_left(lengths, n)
             if i == len(lengths):
                 return -1, -1
-        length = lengths[i]
-        run_start = _pick(self._runs_by_len[length])
-        if length < 2 * want:
-            return run_start + length - want, run_start
+            length = lengths[i]
+            want = n
+        run_start = _pick(runs_by_len[length])
+        return self._split_point(run_start, run_start + length, want), run_start
+
+    def _split_point(self, lo: int, end: int, want: int) -> int:
+        """Start of ``want`` ids inside the free ids ``[lo, end)`` (see ``_place``)."""
+        if end - lo < 2 * want:
+            return end - want
         head_order = self._head_order
-        last = run_start + length - want       # the latest start that keeps `want` ids
-        best, best_order = run_start, head_order[run_start]
-        head = run_start
+        last = end - want                       # the latest start that keeps `want` ids
+        head = lo if head_order[lo] else self._block_head(lo)
+        best, best_order = lo, 0
         while head <= last:
             order = head_order[head]
-            if order > best_order:
+            if order > best_order and head >= lo:
                 best, best_order = head, order
             head += 1 << (order - 1)
-        return best, run_start
+        return best
 
     def _block_head(self, block_id: int) -> int:
         """Head of the free block holding the free id ``block_id``: climb the orders."""

@@ -323,3 +323,63 @@ def _free_pool_probe(block_manager, proxima: bool) -> Callable[[], tuple[int, in
 def _vllm_version() -> str:
     import vllm
     return vllm.__version__
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m proxima.replay.driver_v0``: stock vs Proxima on the card stack, for
+    the numbers in docs/card-stack.md until ``proxima replay`` dispatches here. Runs the
+    two sides interleaved ``--repeat`` times; every figure but the timing is the same on
+    each repeat, the timing reported is each side's best (least disturbed) run."""
+    import argparse
+    import json
+
+    from proxima.workloads import WORKLOADS, make_workload
+
+    parser = argparse.ArgumentParser(prog="python -m proxima.replay.driver_v0")
+    parser.add_argument("--workload", choices=WORKLOADS, required=True)
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--preemption-mode", choices=("swap", "recompute"))
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    num_blocks = args.num_blocks or (1920 if args.workload == "pressure" else 55735)
+    workload = make_workload(args.workload, args.requests, seed=args.seed)
+    results: dict = {}
+    times: dict = {"stock": [], "proxima": []}
+    for _ in range(args.repeat):
+        for side in ("stock", "proxima"):
+            result = run_replay(workload, proxima=side == "proxima", num_blocks=num_blocks,
+                                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                enable_prefix_caching=not args.no_prefix_caching,
+                                preemption_mode=args.preemption_mode)
+            times[side].append(result["scheduler_ms_per_step"])
+            if side not in results or (result["scheduler_ms_per_step"]
+                                       < results[side]["scheduler_ms_per_step"]):
+                results[side] = result
+    for side in results:
+        results[side]["scheduler_ms_per_step_runs"] = times[side]
+    report = {"workload": args.workload, "requests": len(workload.requests),
+              "seed": args.seed, "num_blocks": num_blocks, "results": results}
+    keys = ("completed", "steps", "peak_running", "preemptions", "recompute_preemptions",
+            "swap_preemptions", "prefix_hit_rate", "blocks_per_run", "single_run_fraction",
+            "own_single_run_fraction", "scheduler_ms_per_step", "leaked_blocks")
+    print(f"{'':28}{'stock':>12}{'proxima':>12}")
+    for key in keys:
+        row = [results[side][key] for side in ("stock", "proxima")]
+        print(f"{key:28}" + "".join(f"{v:>12.4f}" if isinstance(v, float) else f"{v:>12}"
+                                     for v in row))
+    ratio = results["proxima"]["scheduler_ms_per_step"] / results["stock"]["scheduler_ms_per_step"]
+    print(f"{'scheduler time ratio':28}{ratio:>24.3f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""Drive vLLM 0.26's real V1 scheduler on CPU over a workload: stock or Proxima.
+
+No model runs. Each step the "model runner" samples one token for every request whose
+prefill is complete (``ignore_eos``: requests run to ``max_tokens``). The scheduler, the
+KV-cache manager, the block pool and prefix caching are vLLM's own code; Proxima changes
+only the free-block queue (see proxima.engines.vllm_v1).
+
+The measurement hooks (final block tables, preemption counts, prefix-cache stats) are the
+same for both allocators.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from proxima.workloads import Workload
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def count_runs(ids: list[int]) -> int:
+    runs = 1
+    for a, b in zip(ids, ids[1:]):
+        if b != a + 1:
+            runs += 1
+    return runs
+
+
+def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
+                    max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
+                    enable_prefix_caching: bool = True, max_model_len: int = 8192,
+                    kv_cache_groups=None, model_dir: str | None = None):
+    """A real ``vllm.v1.core.sched.scheduler.Scheduler`` for a CPU-only machine.
+
+    ``kv_cache_groups``: vLLM ``KVCacheGroupSpec`` list (default: one full-attention group).
+    Proxima is installed only while the scheduler is built and stays in its block pool.
+    """
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from proxima.engines import vllm_v1
+
+    if model_dir is None:
+        model_dir = tempfile.mkdtemp(prefix="proxima-tiny-llama-")
+        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    cache.num_gpu_blocks = num_blocks
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=max_model_len),
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, is_encoder_decoder=False),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    if kv_cache_groups is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16)
+        kv_cache_groups = [KVCacheGroupSpec(["layer.0", "layer.1"], spec)]
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=kv_cache_groups)
+    was_active = vllm_v1.is_active()
+    if proxima:
+        vllm_v1.activate()
+    else:
+        vllm_v1.deactivate()
+    try:
+        return Scheduler(vllm_config=config, kv_cache_config=kv_config,
+                         structured_output_manager=StructuredOutputManager(config),
+                         block_size=block_size, log_stats=True)
+    finally:
+        # Construction is what picks the pool; leave the classes as the caller had them.
+        if was_active:
+            vllm_v1.activate()
+        else:
+            vllm_v1.deactivate()
+
+
+def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size: int = 16,
+               max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
+               enable_prefix_caching: bool = True, max_model_len: int = 8192,
+               progress: Callable[[int, int], None] | None = None,
+               timeline_every: int = 0) -> dict:
+    """Replay ``workload`` once; return the figures of proxima.replay.report.FIELDS."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    from proxima.engines import vllm_v1
+
+    scheduler = build_scheduler(
+        proxima=proxima, num_blocks=num_blocks, block_size=block_size,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+    if proxima:
+        vllm_v1.activate()       # the managers' growth hints must be live while we run
+    # As vLLM's EngineCore does after start-up: move everything built so far (the block
+    # pool included) out of the cyclic GC's generations.
+    import gc
+
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
+    kv = scheduler.kv_cache_manager
+    managers = kv.coordinator.single_type_managers
+    pool = kv.block_pool
+
+    final_tables: list[list[int]] = []
+    preemptions = 0
+    original_free = kv.free
+
+    def free(request):           # measurement hook, identical for both allocators
+        nonlocal preemptions
+        if request.status != RequestStatus.PREEMPTED and request.is_finished():
+            blocks = managers[0].req_to_blocks.get(request.request_id, [])
+            final_tables.append([b.block_id for b in blocks if not b.is_null])
+            preemptions += request.num_preemptions
+        return original_free(request)
+
+    kv.free = free
+
+    # Requests that follow another (a conversation's next turn) wait for it to finish.
+    waiting_on: dict[str, object] = {r.follows: r for r in workload.requests if r.follows}
+    pending = sorted((r for r in workload.requests if not r.follows),
+                     key=lambda r: r.arrival_step)
+    total = len(workload.requests)
+    next_i = 0
+    in_flight = 0
+    completed = 0
+    steps = 0
+    step = 0
+    sched_seconds = 0.0
+    peak_running = 0
+    hits = queries = hits_new = queries_new = 0
+    free_run_timeline: list[tuple[int, int, int]] = []
+    finished_ids: set[str] = set()
+    released: list[tuple[int, object]] = []
+
+    replies = {r.request_id: r.output_token_ids for r in workload.requests if r.output_token_ids}
+
+    def submit(spec):
+        scheduler.add_request(Request(
+            request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
+            pooling_params=None, arrival_time=0.0,
+            sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+            block_hasher=hasher))
+
+    try:
+        while next_i < len(pending) or released or scheduler.has_requests():
+            if released:
+                released.sort(key=lambda x: x[0])
+                while released and (released[0][0] <= step or not scheduler.has_requests()):
+                    due, spec = released.pop(0)
+                    step = max(step, due)
+                    submit(spec)
+            if workload.concurrency:
+                while next_i < len(pending) and in_flight < workload.concurrency:
+                    submit(pending[next_i])
+                    next_i += 1
+                    in_flight += 1
+            else:
+                if not scheduler.has_requests() and next_i < len(pending):
+                    step = max(step, pending[next_i].arrival_step)   # skip idle steps
+                while next_i < len(pending) and pending[next_i].arrival_step <= step:
+                    submit(pending[next_i])
+                    next_i += 1
+            t0 = time.perf_counter()
+            out = scheduler.schedule()
+            t1 = time.perf_counter()
+            req_ids = list(out.num_scheduled_tokens)
+            sampled = []
+            requests = scheduler.requests
+            for rid in req_ids:
+                req = requests[rid]
+                done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_prompt_tokens
+                if not done:
+                    sampled.append([])
+                    continue
+                reply = replies.get(rid)
+                sampled.append([reply[req.num_output_tokens] if reply else 5])
+            runner_output = ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                pooler_output=[])
+            t2 = time.perf_counter()
+            engine_outputs = scheduler.update_from_output(out, runner_output)
+            t3 = time.perf_counter()
+            sched_seconds += (t1 - t0) + (t3 - t2)
+            peak_running = max(peak_running, len(scheduler.running))
+            for outputs in engine_outputs.values():
+                # update_from_output already drained the scheduler's stats into here.
+                stats = outputs.scheduler_stats
+                if stats is not None:
+                    pcs = stats.prefix_cache_stats
+                    hits_new += pcs.hits
+                    queries_new += pcs.queries
+                    hits += pcs.hits + pcs.preempted_hits
+                    queries += pcs.queries + pcs.preempted_queries
+                for o in outputs.outputs:
+                    if o.finish_reason is not None and o.request_id not in finished_ids:
+                        finished_ids.add(o.request_id)
+                        completed += 1
+                        in_flight -= 1
+                        follower = waiting_on.pop(o.request_id, None)
+                        if follower is not None:   # arrives think-time steps from now
+                            released.append((step + 1 + follower.arrival_step, follower))
+                        if progress:
+                            progress(completed, total)
+            if timeline_every and steps % timeline_every == 0:
+                free_run_timeline.append(_largest_free_run(pool, proxima))
+            steps += 1
+            step += 1
+    finally:
+        kv.free = original_free
+        gc.unfreeze()
+        if proxima:
+            vllm_v1.deactivate()
+
+    total_blocks = sum(len(t) for t in final_tables)
+    total_runs = sum(count_runs(t) for t in final_tables if t)
+    single = sum(1 for t in final_tables if t and count_runs(t) == 1)
+    with_blocks = sum(1 for t in final_tables if t)
+    leaked = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+    runs_histogram: dict[int, int] = {}
+    for t in final_tables:
+        if t:
+            r = count_runs(t)
+            runs_histogram[r] = runs_histogram.get(r, 0) + 1
+    return {
+        "allocator": "proxima" if proxima else "stock",
+        "completed": completed,
+        "steps": steps,
+        "peak_running": peak_running,
+        "preemptions": preemptions,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
+        "blocks_per_run": total_blocks / total_runs if total_runs else 0.0,
+        "single_run_fraction": single / with_blocks if with_blocks else 0.0,
+        "scheduler_ms_per_step": 1000 * sched_seconds / steps if steps else 0.0,
+        "blocks_leaked": leaked,
+        "runs_per_request_histogram": dict(sorted(runs_histogram.items())),
+        "largest_free_run_timeline": free_run_timeline,
+        "num_blocks": num_blocks,
+    }
+
+
+def _largest_free_run(pool, proxima: bool) -> tuple[int, int, int]:
+    """(free blocks, largest run of consecutive free ids, free runs) of the whole pool:
+    free means allocatable now or cached-but-evictable, for either allocator."""
+    ids = sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    if not ids:
+        return (0, 0, 0)
+    best = cur = 1
+    runs = 1
+    for a, b in zip(ids, ids[1:]):
+        if b == a + 1:
+            cur += 1
+            best = max(best, cur)
+        else:
+            cur = 1
+            runs += 1
+    return (len(ids), best, runs)
