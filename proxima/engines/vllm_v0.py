@@ -18,8 +18,8 @@ Where Proxima sits (the data flow of docs/architecture.md, V0 edition)::
 V0 already hands every allocation the sequence's previous block (``prev_block``), so
 growing in place needs no new plumbing: ``after=prev_block.block_id``. What V0 does not
 pass down is how long the sequence will get; the block manager knows it (prompt length +
-``max_tokens``) and leaves it on the GPU allocator as ``room_hint`` before each call
-that may allocate, so a new run is placed where it can keep growing.
+``max_tokens``) and gives it to the GPU allocator (``room_hint``, ``room_source``), so a
+new run is placed where it can keep growing.
 
 Semantics kept from vLLM (the scheduler cannot tell the difference):
 
@@ -134,6 +134,9 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
         self._base = base
         self.buddy = BuddyAllocator(num_blocks)
         self.room_hint: Optional[int] = None
+        # When no room_hint is set: called (only when ids are handed out) for the room of
+        # the sequence being served; the block manager installs it (decode growth).
+        self.room_source = None
         self._reservations: dict[int, int] = {}    # last id of a run -> end of its room
         self._births: dict[int, int] = {}          # last id of a run -> when it was placed
         self._clock = 0
@@ -156,6 +159,8 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
         room = self.room_hint
         if room is not None:
             self.room_hint = room - n if room > n else None
+        elif self.room_source is not None:
+            room = self.room_source()
         last = None if after is None else after - base
         ids: List[int] = []
         if last is not None and own:
@@ -333,6 +338,14 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
     def room_hint(self, value: Optional[int]) -> None:
         self._hashless_allocator.room_hint = value
 
+    @property
+    def room_source(self):
+        return self._hashless_allocator.room_source
+
+    @room_source.setter
+    def room_source(self, value) -> None:
+        self._hashless_allocator.room_source = value
+
     # -- ids
 
     def _evict_into_pool(self, n: int) -> None:
@@ -475,9 +488,10 @@ class ProximaCpuGpuBlockAllocator(CpuGpuBlockAllocator):
 class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
     """vLLM 0.6.3's ``SelfAttnBlockSpaceManager`` with Proxima's GPU allocator.
 
-    It knows each sequence's expected length (prompt + ``max_tokens``) and sets the GPU
-    allocator's ``room_hint`` before every call that may allocate (allocate, append,
-    swap in), so new runs are placed with room to grow. Everything else is vLLM's.
+    It knows each sequence's expected length (prompt + ``max_tokens``) and gives the GPU
+    allocator the room the sequence still needs: as ``room_hint`` around allocate and
+    swap in, and through ``room_source`` (asked only when ids are handed out) for the
+    decode appends, so new runs are placed with room to grow. Everything else is vLLM's.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -508,6 +522,8 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         from vllm.utils import Device
         self.gpu_allocator = self.block_allocator._allocators[Device.GPU]
         self._expected_blocks: dict[int, int] = {}     # seq_id -> blocks at max_tokens
+        self._decoding: Optional[Sequence] = None      # the sequence append_slots serves
+        self.gpu_allocator.room_source = self._decode_room
         self._status_path = _status.stats_path()
         self._next_status = 0.0
         logger.info("%s: %d GPU blocks, block size %d (vLLM %s, V0 block manager, "
@@ -524,19 +540,23 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         for seq in seqs:
             self._expected_blocks[seq.seq_id] = -(-(seq.get_prompt_len() + max_tokens) // size)
 
-    def _hint(self, seq: Sequence) -> None:
+    def _room(self, seq: Sequence) -> Optional[int]:
+        """Blocks ``seq`` still expects to need beyond those in its table."""
         expected = self._expected_blocks.get(seq.seq_id)
         table = self.block_tables.get(seq.seq_id)
         have = len(table.blocks) if table is not None else 0
-        self.gpu_allocator.room_hint = (expected - have) if expected and expected > have \
-            else None
+        return expected - have if expected and expected > have else None
+
+    def _decode_room(self) -> Optional[int]:
+        seq = self._decoding
+        return None if seq is None else self._room(seq)
 
     # -- BlockSpaceManager
 
     def allocate(self, seq_group: SequenceGroup) -> None:
         waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
         self._expect(seq_group, waiting)
-        self._hint(waiting[0])
+        self.gpu_allocator.room_hint = self._room(waiting[0])
         try:
             super().allocate(seq_group)
         finally:
@@ -544,18 +564,17 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         self._maybe_write_status()
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int):
-        self._hint(seq)
-        try:
-            return super().append_slots(seq, num_lookahead_slots)
-        finally:
-            self.gpu_allocator.room_hint = None
+        # The hot path (every running sequence, every step): only note the sequence; its
+        # room is worked out if, and only if, the allocator hands out ids.
+        self._decoding = seq
+        return SelfAttnBlockSpaceManager.append_slots(self, seq, num_lookahead_slots)
 
     def swap_in(self, seq_group: SequenceGroup):
         # Sequences of one group are swapped in one after the other; the hint is the
         # first's, and each later one places its own first block (fine: hints only steer).
         seqs = seq_group.get_seqs(status=SequenceStatus.SWAPPED)
         if seqs:
-            self._hint(seqs[0])
+            self.gpu_allocator.room_hint = self._room(seqs[0])
         try:
             return super().swap_in(seq_group)
         finally:
@@ -568,6 +587,8 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
+        if self._decoding is seq:
+            self._decoding = None
         if seq.is_finished():
             self._expected_blocks.pop(seq.seq_id, None)
 

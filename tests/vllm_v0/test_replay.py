@@ -102,3 +102,15 @@ def test_scheduler_time_recorded(record_property):
     print(f"chat scheduler ms/step: stock {best['stock']:.3f} proxima "
           f"{best['proxima']:.3f} ratio {ratio:.3f}")
     assert ratio < 2.0
+
+
+def test_progress_and_result_keys():
+    """The keys `proxima replay` prints for either engine, and the progress callback."""
+    calls = []
+    result = run_replay(make_workload("chat", 12, seed=1), proxima=True, num_blocks=4096,
+                        progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (12, 12) and all(t == 12 for _, t in calls)
+    for key in ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
+                "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step",
+                "recompute_preemptions", "swap_preemptions"):
+        assert key in result
