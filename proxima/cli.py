@@ -1,7 +1,7 @@
-"""`proxima` — one entry point: replay | bench | serve | selfcheck | demo.
+"""`proxima` — one entry point: replay | bench | serve | selfcheck | bundle.
 
 Each subcommand lives in its own package and is imported only when chosen, so
-`proxima --version` and `proxima demo` need neither torch nor vllm. A subcommand module
+`proxima --version` needs neither torch nor vllm. A subcommand module
 exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 
@@ -16,11 +16,11 @@ from proxima.errors import UserError
 
 # name -> (module, one-line help). Modules import lazily.
 SUBCOMMANDS = {
-    "demo": ("proxima.allocator.demo", "show the buddy allocator at work (no vLLM needed)"),
     "replay": ("proxima.replay.cli", "replay a workload through vLLM's real scheduler on CPU, stock vs Proxima"),
     "bench": ("proxima.bench.cli", "benchmark stock vLLM vs Proxima (online servers or offline LLM)"),
     "serve": ("proxima.serve.cli", "serve vLLM's OpenAI API with Proxima, supervised, self-checked"),
     "selfcheck": ("proxima.serve.selfcheck", "check GPU, versions and Proxima activation; exit non-zero on failure"),
+    "bundle": ("proxima.bundle", "write an air-gapped bundle: image archives, wheelhouse, model, SHA256SUMS, README"),
 }
 
 

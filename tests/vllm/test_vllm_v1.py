@@ -1,0 +1,275 @@
+"""Proxima inside vLLM 0.26's real V1 scheduler, KV-cache manager and block pool, on CPU."""
+
+import logging
+
+import pytest
+
+from proxima.engines import activation, vllm_v1
+from proxima.replay.driver_v1 import build_scheduler, count_runs, run_replay
+from proxima.workloads import RequestSpec, Workload, make_workload
+
+
+def one_request(rid, prompt, max_tokens, arrival=0, follows=None):
+    return RequestSpec(rid, list(prompt), max_tokens, arrival, follows=follows)
+
+
+# ------------------------------------------------------------------ activation
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_activation_values(value, expected):
+    env = {} if value is None else {activation.ENV: value}
+    assert activation.enabled(env) is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", "on"])
+def test_any_other_value_is_a_clear_error(value):
+    with pytest.raises(activation.ActivationError, match="PROXIMA_ALLOCATOR must be 1"):
+        activation.enabled({activation.ENV: value})
+
+
+def test_plugin_does_nothing_unless_enabled(monkeypatch):
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    from vllm.v1.core.block_pool import BlockPool
+
+    from proxima.engines.plugin import register
+
+    monkeypatch.delenv(activation.ENV, raising=False)
+    register()
+    assert coordinator.BlockPool is BlockPool and not vllm_v1.is_active()
+    monkeypatch.setenv(activation.ENV, "1")
+    register()
+    assert coordinator.BlockPool is not BlockPool and vllm_v1.is_active()
+    vllm_v1.deactivate()
+    assert coordinator.BlockPool is BlockPool
+
+
+def test_plugin_entry_point_is_registered_with_vllm():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("proxima") == "proxima.engines.plugin:register"
+
+
+def test_untested_vllm_is_refused_unless_allowed(monkeypatch):
+    import vllm
+
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv(activation.ENV, "1")
+    monkeypatch.setattr(vllm, "__version__", "0.27.1")
+    with pytest.raises(activation.ActivationError, match="this is vLLM 0.27.1"):
+        register()
+    assert not vllm_v1.is_active()
+    monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
+    register()
+    assert vllm_v1.is_active()
+
+
+def test_the_engine_logs_the_activation_line_once():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.proxima")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        build_scheduler(proxima=True, num_blocks=500)
+        build_scheduler(proxima=False, num_blocks=500)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [r.getMessage() for r in records]
+    assert lines == ["Using Proxima contiguous allocator: 500 blocks of 16 tokens "
+                     "(vLLM 0.26.0, V1 engine)"]
+
+
+def test_stock_when_off_proxima_when_on():
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    stock = build_scheduler(proxima=False, num_blocks=300)
+    prox = build_scheduler(proxima=True, num_blocks=300)
+    assert type(stock.kv_cache_manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    assert type(prox.kv_cache_manager.block_pool.free_block_queue) is vllm_v1.ProximaFreeQueue
+    for s in (stock, prox):
+        assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 299   # null block
+
+
+# ------------------------------------------------------------------ growth and semantics
+
+def test_prefill_chunks_and_decode_grow_one_run():
+    # 1,500 prompt tokens in chunks of 256, then 400 decode steps: 119 blocks, one run.
+    w = Workload("one", [one_request("r", range(3, 1503), 400)])
+    out = run_replay(w, proxima=True, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
+    assert out["completed"] == 1 and out["runs_per_request_histogram"] == {1: 1}
+    stock = run_replay(w, proxima=False, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
+    assert stock["steps"] == out["steps"]
+
+
+def test_prefix_cache_hit_reuses_the_cached_blocks():
+    prompt = list(range(100, 420))                    # 20 full blocks
+    w = Workload("hit", [one_request("a", prompt, 8),
+                         one_request("b", prompt + [7] * 40, 8, arrival=3, follows="a")])
+    for proxima in (False, True):
+        out = run_replay(w, proxima=proxima, num_blocks=400)
+        assert out["prefix_hit_rate_new_requests"] == pytest.approx(320 / (320 + 360))
+
+
+def test_eviction_takes_the_least_recently_used_cached_blocks_like_stock():
+    # Four prompts finish one after the other; a fifth needs more than the truly free
+    # blocks, so cached blocks are evicted; then the four prompts come back. The hits
+    # that remain show which blocks were evicted: they must match stock's exactly.
+    prompts = [list(range(1000 * k + 3, 1000 * k + 3 + 160)) for k in range(4)]
+    reqs = []
+    prev = None
+    for k, p in enumerate(prompts):
+        reqs.append(one_request(f"p{k}", p, 1, follows=prev))
+        prev = f"p{k}"
+    reqs.append(one_request("big", range(20000, 20000 + 400), 1, follows=prev))
+    prev = "big"
+    for k, p in enumerate(prompts):
+        reqs.append(one_request(f"again{k}", p + [9] * 16, 1, follows=prev))
+        prev = f"again{k}"
+    w = Workload("lru", reqs)
+    stock = run_replay(w, proxima=False, num_blocks=64)
+    prox = run_replay(w, proxima=True, num_blocks=64)
+    assert 0 < stock["prefix_hit_rate"] < 1
+    assert prox["prefix_hit_rate"] == stock["prefix_hit_rate"]
+
+
+def test_cached_blocks_are_evicted_only_when_no_free_block_is_left():
+    s = build_scheduler(proxima=True, num_blocks=100)
+    pool = s.kv_cache_manager.block_pool
+    queue = pool.free_block_queue
+    blocks = pool.get_new_blocks(10)
+    for i, b in enumerate(blocks):       # give them hashes as cache_full_blocks would
+        pool._insert_block_hash((b"h%d" % i) + b"\0" * 4, b, num_tokens=16 * (i + 1))
+    pool.free_blocks(reversed(blocks))
+    assert queue.num_evictable == 10 and pool.get_num_free_blocks() == 99
+    new = pool.get_new_blocks(89)        # exactly the truly free ones: nothing evicted
+    assert not {b.block_id for b in new} & {b.block_id for b in blocks}
+    assert all(b.block_hash is not None for b in blocks)
+    two = pool.get_new_blocks(2)         # now the two least recently used go
+    assert {b.block_id for b in two} == {blocks[-1].block_id, blocks[-2].block_id}
+    assert all(b.block_hash is None for b in two)
+
+
+def test_reset_prefix_cache_returns_every_block_to_the_buddy():
+    s = build_scheduler(proxima=True, num_blocks=64)
+    pool = s.kv_cache_manager.block_pool
+    blocks = pool.get_new_blocks(8)
+    for i, b in enumerate(blocks):
+        pool._insert_block_hash((b"x%d" % i) + b"\0" * 4, b, num_tokens=16)
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache()
+    assert pool.free_block_queue.num_evictable == 0
+    assert pool.free_block_queue.buddy.num_free == 63 == pool.get_num_free_blocks()
+    assert pool.free_block_queue.buddy.largest_free_run == 63
+
+
+def test_abort_mid_run_leaves_no_block_behind():
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    s = build_scheduler(proxima=True, num_blocks=300)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    for i in range(6):
+        s.add_request(Request(request_id=str(i), prompt_token_ids=list(range(3 + i, 203 + i)),
+                              pooling_params=None, arrival_time=0.0, block_hasher=hasher,
+                              sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)))
+    for _ in range(5):
+        out = s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        s.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[]))
+    pool = s.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() < 299
+    s.finish_requests([str(i) for i in range(6)], RequestStatus.FINISHED_ABORTED)
+    assert pool.get_num_free_blocks() == 299
+    pool.free_block_queue.buddy.check()
+
+
+def test_preemption_leaves_no_block_behind_and_matches_stock_capacity():
+    w = make_workload("pressure", 60, seed=1)
+    stock = run_replay(w, proxima=False, num_blocks=300)
+    prox = run_replay(w, proxima=True, num_blocks=300)
+    assert stock["preemptions"] > 0                    # the pool really is too small
+    for key in ("completed", "steps", "peak_running", "preemptions"):
+        assert prox[key] == stock[key], key
+    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
+
+
+def test_hybrid_model_with_sliding_window_and_full_attention_groups():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    groups = [
+        KVCacheGroupSpec(["layer.0"], SlidingWindowSpec(block_size=16, num_kv_heads=2,
+                                                        head_size=64, dtype=torch.bfloat16,
+                                                        sliding_window=128)),
+        KVCacheGroupSpec(["layer.1"], FullAttentionSpec(block_size=16, num_kv_heads=2,
+                                                        head_size=64, dtype=torch.bfloat16)),
+    ]
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    finals = {}
+    for proxima in (False, True):
+        s = build_scheduler(proxima=proxima, num_blocks=2000, kv_cache_groups=groups)
+        if proxima:
+            vllm_v1.activate()
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(16, sha256)
+        for i in range(8):
+            s.add_request(Request(request_id=str(i), prompt_token_ids=list(range(3 + i, 303 + i)),
+                                  pooling_params=None, arrival_time=0.0, block_hasher=hasher,
+                                  sampling_params=SamplingParams(max_tokens=120, ignore_eos=True)))
+        steps = 0
+        full_manager = s.kv_cache_manager.coordinator.single_type_managers[1]
+        tables = {}
+        while s.has_requests():
+            out = s.schedule()
+            ids = list(out.num_scheduled_tokens)
+            for rid in ids:
+                tables[rid] = [b.block_id for b in full_manager.req_to_blocks[rid]]
+            s.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=[]))
+            steps += 1
+        vllm_v1.deactivate()
+        assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1999
+        finals[proxima] = (steps, tables)
+    assert finals[True][0] == finals[False][0]
+    assert all(count_runs(t) == 1 for t in finals[True][1].values())   # per-group contiguity
+
+
+# ------------------------------------------------------------------ short replays
+
+@pytest.mark.parametrize("name, n, blocks, contiguous", [
+    ("chat", 100, 55735, True),
+    ("sharegpt", 300, 55735, True),
+    ("multiturn", 120, 55735, False),
+    ("pressure", 150, 1920, False),
+])
+def test_replay_parity_and_contiguity(name, n, blocks, contiguous):
+    w = make_workload(name, n, seed=0)
+    stock = run_replay(w, proxima=False, num_blocks=blocks)
+    prox = run_replay(w, proxima=True, num_blocks=blocks)
+    assert prox["completed"] == stock["completed"] == n
+    assert prox["preemptions"] <= stock["preemptions"]
+    assert prox["prefix_hit_rate"] >= stock["prefix_hit_rate"] - 0.005
+    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
+    assert stock["blocks_per_run"] < 5                    # stock scatters
+    assert prox["blocks_per_run"] > stock["blocks_per_run"]
+    if contiguous:
+        assert prox["single_run_fraction"] >= 0.95
