@@ -9,6 +9,7 @@
 #   - `proxima bundle` and the offline pip install from its wheelhouse (tests/test_bundle.py).
 #
 #   bash nix/ci-checks.sh [extra pytest args]
+#   bash nix/ci-checks.sh --install-only      (only install the tools; used by .ci/run)
 #
 # Installs what is missing (as root): Debian's nix-bin, umoci, skopeo, runc, patch. Their .deb
 # files are kept in ~/.cache/proxima/apt; the image's Debian base layer, the build venv and the
@@ -41,4 +42,6 @@ if [ ${#missing[@]} -gt 0 ] || ! ls /var/lib/apt/lists/*_Packages >/dev/null 2>&
 fi
 
 cd "$here"
+# `--install-only`: .ci/run installs the tools here, then runs the whole suite once.
+[ "${1:-}" = "--install-only" ] && exit 0
 exec "$here/dev" test -q tests/nix tests/docker tests/test_bundle.py "$@"
