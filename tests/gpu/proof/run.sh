@@ -20,9 +20,12 @@ LOG="$OUT/call-$STEP.txt"
 left() { echo $(( BUDGET - SECONDS )); }
 facts() {
   echo "== step $STEP, $(date -u +%FT%TZ)"
-  echo "HEAD $(git rev-parse HEAD)"
+  # The device copy of the tree carries no git history (HEAD is unborn there): name the code
+  # by a hash of proxima/ + tests/gpu/ (*.py) + pyproject.toml, to compare with a local commit.
+  echo "HEAD $(git rev-parse --verify -q HEAD || echo 'n/a (no git history in this copy)')"
+  echo "code hash $( (find proxima tests/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
+    | LC_ALL=C sort | xargs sha256sum | sha256sum) | cut -c1-64)"
   echo "git status --short (start):"; git status --short; echo "(end of status)"
-  echo "tracked changes vs HEAD under proxima/ tests/ (none expected):"; git diff --stat HEAD -- proxima tests; echo "(end of diff)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 }
 use_site() {
