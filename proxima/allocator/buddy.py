@@ -158,7 +158,8 @@ class BuddyAllocator:
     def is_free(self, block_id: int) -> bool:
         return 0 <= block_id < self.num_blocks and self._state[block_id] == FREE
 
-    def allocate(self, n: int, after: int | None = None, room: int | None = None) -> list[int]:
+    def allocate(self, n: int, after: int | None = None, room: int | None = None,
+                 spread: bool = True) -> list[int]:
         """Hand out ``n`` distinct free ids, as few contiguous runs as possible.
 
         Args:
@@ -168,6 +169,10 @@ class BuddyAllocator:
             room: the number of ids the caller expects to need in total from here
                 (``>= n``): a new run is placed where that many stay free behind it,
                 if such a place exists. Only a preference; never a reservation.
+            spread: the pool has ample space for everyone's room: share free space out
+                buddy-style (split the largest slack) so that runs can outgrow their
+                stated room. False packs new runs right after their neighbours' room,
+                which keeps the most space whole when the pool is getting full.
 
         Returns:
             the ids in order: ascending within each run, runs in the order taken.
@@ -189,17 +194,67 @@ class BuddyAllocator:
                 end = self._run_end[start]
                 # A run can start at after+1 only if after+1 is free and after is not.
                 if end - start >= n:
-                    self._take(start, start + n, start, end)
-                    claim = self._claim
-                    claim[start + n - 1] = max(claim[after], start + n)
-                    return list(range(start, start + n))
+                    return self._grow(after, start, start + n, end)
         want = n if room is None or room < n else room
-        start, run_start = self._place(n, want, room)
+        start, run_start = self._place(n, want, spread and room is not None)
         if start < 0:
             return self._allocate_from_runs(n)
         self._take(start, start + n, run_start, self._run_end[run_start])
         self._claim[start + n - 1] = start + want
         return list(range(start, start + n))
+
+    def _grow(self, after: int, start: int, stop: int, end: int) -> list[int]:
+        """In-place growth, the hot path (once per decoded block of every request): the
+        free run ``[start, end)`` gives up its first ids ``[start, stop)``. The same
+        updates as ``_take``, specialised: ``start`` heads both its run and its block."""
+        n = stop - start
+        length = end - start
+        rest = length - n
+        by_len = self._runs_by_len
+        bucket = by_len[length]
+        self._run_end[start] = 0
+        renamed = False
+        if rest and len(bucket) == 1 and rest not in by_len:
+            # The run is alone at its length: relabel that length in place when the sorted
+            # list stays sorted (no length strictly between rest and length).
+            lengths = self._lengths
+            i = bisect_left(lengths, length)
+            if i == 0 or lengths[i - 1] < rest:
+                lengths[i] = rest
+                del by_len[length]
+                bucket.clear()
+                bucket.add(stop)
+                by_len[rest] = bucket
+                self._run_end[stop] = end
+                self._run_start[end - 1] = stop
+                old_order = length.bit_length() - 1
+                new_order = rest.bit_length() - 1
+                if old_order != new_order:
+                    hist = self._run_hist
+                    hist[old_order] -= 1
+                    hist[new_order] += 1
+                renamed = True
+        if not renamed:
+            self._run_end[start] = end          # _remove_run expects the run intact
+            self._remove_run(start, end)
+            if rest:
+                self._add_run(stop, end)
+        if n == 1:
+            head_order = self._head_order
+            order = head_order[start] - 1
+            head_order[start] = 0
+            self._free_area[order].discard(start)
+            if order:
+                self._add_range_blocks(stop, start + (1 << order))
+            self._state[start] = ALLOCATED
+        else:
+            self._take_blocks(start, stop)
+            self._state[start:stop] = b"\x01" * n
+        self.num_free -= n
+        claim = self._claim
+        previous = claim[after]
+        claim[stop - 1] = previous if previous > stop else stop
+        return [start] if n == 1 else list(range(start, stop))
 
     def take(self, block_id: int) -> None:
         """Allocate one specific free id (a cached block that a prefix hit claims back).
@@ -288,25 +343,25 @@ class BuddyAllocator:
 
     # ------------------------------------------------------------- placement helpers
 
-    def _place(self, n: int, want: int, room: int | None = None) -> tuple[int, int]:
+    def _place(self, n: int, want: int, spread: bool = False) -> tuple[int, int]:
         """Where a new run of ``n`` ids starts, and the free run it lies in.
 
-        Best fit over free runs: the smallest run whose *unclaimed* part holds ``want``
-        ids. A free run's first ids may be claimed by the allocated run on its left (its
-        owner said it expects to grow there, see ``room``); placing a new run there would
-        stop that growth, so those ids count only when nothing else fits. Candidates are
-        tried smallest first (a bounded number, then the largest run); failing that, the
-        smallest run of length ``>= want``, then ``>= n``, claims ignored.
+        A free run's first ids may be *claimed* by the allocated run on its left: the end
+        its owner said it expects to reach (``start + room``). Placement avoids claimed
+        ids while it can, in three passes over a bounded number of candidate runs:
 
-        Inside the chosen space ``[lo, run_end)``: with a ``room`` the caller stated its
-        need, and so did its neighbours: the new run starts at ``lo``, packed against the
-        left neighbour's claim, leaving the rest of the run whole. Without one, growth is
-        unknown, so space is shared out buddy-style: if ``[lo, run_end)`` holds
-        ``2 * want`` ids the new run starts at the head of its largest buddy block that
-        leaves ``want`` ids to the end (the ids before it stay free for the left
-        neighbour, those after it for ours; repeated, this halves free space like a buddy
-        split); otherwise it takes the last ``want`` ids.
-        Returns ``(-1, -1)`` when no single run holds ``n`` ids.
+        1. ``spread`` (the pool has room for everyone): the largest runs first; the new
+           run takes the head of the largest buddy block in the unclaimed part that
+           still leaves ``want`` ids -- a buddy split: the slack before it stays free for
+           the left neighbour, the slack after it is ours. Repeated, free space is
+           shared out evenly, so runs can outgrow what they claimed (a conversation's
+           next turn continues its previous turn's run).
+        2. best fit: the smallest run whose unclaimed part holds ``want`` ids; the new
+           run packs right after the claim, keeping the rest of the run whole.
+        3. claims ignored: the smallest run of length ``>= want``, else ``>= n``.
+
+        Claims cost no capacity: they are only avoided. Returns ``(-1, -1)`` when no
+        single run holds ``n`` ids.
         """
         lengths = self._lengths
         runs_by_len = self._runs_by_len
@@ -314,19 +369,36 @@ class BuddyAllocator:
         if i < len(lengths):
             state = self._state
             claim = self._claim
-            # Smallest first (best fit), then largest first (most likely unclaimed).
+            # Pass 1 (spread), largest runs first: split the biggest slack past a claim.
+            tried = 0
+            for length in (lengths[max(i, len(lengths) - _PLACE_CANDIDATES):][::-1]
+                           if spread else ()):
+                for run_start in runs_by_len[length]:
+                    left = run_start - 1
+                    owned = run_start > 0 and state[left] == ALLOCATED
+                    lo = max(run_start, claim[left]) if owned else run_start
+                    end = run_start + length
+                    if end - lo >= 2 * want:
+                        start = self._split_point(lo, end, want)
+                        return start, run_start
+                    tried += 1
+                    if tried >= _PLACE_CANDIDATES:
+                        break
+                if tried >= _PLACE_CANDIDATES:
+                    break
+            # Pass 2, best fit: pack right after a hard claim.
             for candidates in (lengths[i:i + _PLACE_CANDIDATES],
                                lengths[max(i, len(lengths) - _PLACE_CANDIDATES):][::-1]):
                 tried = 0
                 for length in candidates:
                     for run_start in runs_by_len[length]:
+                        left = run_start - 1
                         lo = run_start
-                        if run_start and state[run_start - 1] == ALLOCATED:
-                            lo = max(run_start, claim[run_start - 1])
-                        if run_start + length - lo >= want:
-                            if room is not None:       # the caller said what it needs
-                                return lo, run_start
-                            return self._split_point(lo, run_start + length, want), run_start
+                        if run_start and state[left] == ALLOCATED:
+                            lo = max(run_start, claim[left])
+                        end = run_start + length
+                        if end - lo >= want:
+                            return lo, run_start
                         tried += 1
                         if tried >= _PLACE_CANDIDATES:
                             break
@@ -343,9 +415,11 @@ class BuddyAllocator:
         return self._split_point(run_start, run_start + length, want), run_start
 
     def _split_point(self, lo: int, end: int, want: int) -> int:
-        """Start of ``want`` ids inside the free ids ``[lo, end)`` (see ``_place``)."""
+        """Start of ``want`` ids inside the free ids ``[lo, end)``: ``lo`` when the space
+        is tight (under ``2 * want``), else the head of its largest buddy block that
+        leaves ``want`` ids to ``end`` (a buddy split: the ids before it stay free)."""
         if end - lo < 2 * want:
-            return end - want
+            return lo
         head_order = self._head_order
         last = end - want                       # the latest start that keeps `want` ids
         head = lo if head_order[lo] else self._block_head(lo)

@@ -54,6 +54,7 @@ class ProximaFreeQueue:
         self._lru: OrderedDict[int, object] = OrderedDict()   # cached free blocks, LRU first
         self.after: int | None = None
         self.room: int | None = None
+        self.spread = False
         self.alloc_seconds = 0.0
         self.demoted = 0
         # A plain attribute, as in stock's queue: the scheduler reads it on every step.
@@ -78,7 +79,7 @@ class ProximaFreeQueue:
         if short > 0:
             # Exactly the blocks stock would evict now: the `short` least recently used.
             self._demote(short)
-        ids = buddy.allocate(n, self.after, self.room)
+        ids = buddy.allocate(n, self.after, self.room, self.spread)
         self.num_free_blocks -= n
         blocks = self._blocks
         out = [blocks[i] for i in ids]
@@ -152,6 +153,7 @@ def _block_pool_class():
             self.free_block_queue = ProximaFreeQueue(
                 self.blocks, reserved=(self.null_block.block_id,))
             self.proxima_expected_tokens: dict[str, int] = {}   # request id -> tokens
+            self.proxima_expected_blocks = 0                    # their sum, in blocks
             self.proxima_managers: list = []   # the per-group managers seen allocating
             self.proxima_steps = 0
             self.proxima_status_path = stats_path()
@@ -243,6 +245,9 @@ def _wrap_allocate_new_blocks(original):
         queue.after = None if last is None or last.is_null else last.block_id
         total = pool.proxima_expected_tokens.get(request_id)
         queue.room = None if total is None else -(-total // self.block_size) - have
+        # Room for everyone twice over: spread runs out (they may outgrow their room);
+        # otherwise pack them (see BuddyAllocator.allocate).
+        queue.spread = 2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks
         try:
             return original(self, request_id, num_tokens, num_tokens_main_model)
         finally:
@@ -260,9 +265,12 @@ def _wrap_allocate_new_blocks(original):
 def _wrap_add_request(original):
     def add_request(self, request) -> None:
         # Remember how long the request may grow (prompt + max_tokens): the growth hint.
-        expected = getattr(self.kv_cache_manager.block_pool, "proxima_expected_tokens", None)
-        if expected is not None:
-            expected[request.request_id] = request.num_prompt_tokens + request.max_tokens
+        pool = self.kv_cache_manager.block_pool
+        expected = getattr(pool, "proxima_expected_tokens", None)
+        if expected is not None and request.request_id not in expected:
+            tokens = request.num_prompt_tokens + request.max_tokens
+            expected[request.request_id] = tokens
+            pool.proxima_expected_blocks += -(-tokens // pool.hash_block_size)
         return original(self, request)
 
     add_request.__wrapped__ = original
@@ -273,9 +281,12 @@ def _wrap_add_request(original):
 def _wrap_free(original):
     def free(self, request) -> None:
         if request.is_finished():
-            expected = getattr(self.block_pool, "proxima_expected_tokens", None)
+            pool = self.block_pool
+            expected = getattr(pool, "proxima_expected_tokens", None)
             if expected is not None:
-                expected.pop(request.request_id, None)
+                tokens = expected.pop(request.request_id, None)
+                if tokens is not None:
+                    pool.proxima_expected_blocks -= -(-tokens // pool.hash_block_size)
         return original(self, request)
 
     free.__wrapped__ = original

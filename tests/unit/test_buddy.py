@@ -229,3 +229,20 @@ def test_a_million_blocks_build_fast_and_import_neither_torch_nor_vllm():
     seconds, torch_loaded, vllm_loaded = out.stdout.split()
     assert torch_loaded == "False" and vllm_loaded == "False"
     assert float(seconds) < 1.0
+
+
+def test_spread_shares_free_space_so_runs_can_outgrow_their_room():
+    a = BuddyAllocator(4096, reserved=[0])
+    runs = [a.allocate(4, room=8) for _ in range(16)]
+    for ids in runs:                         # each can grow 8x its stated room in place
+        assert a.allocate(60, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 61))
+    a.check()
+
+
+def test_packing_keeps_the_rest_of_the_pool_whole():
+    a = BuddyAllocator(4096, reserved=[0])
+    runs = [a.allocate(4, room=8, spread=False) for _ in range(16)]
+    assert a.largest_free_run >= 4096 - 1 - 16 * 8     # runs sit back to back by room
+    for ids in runs:                         # and each still grows to its stated room
+        assert a.allocate(4, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 5))
+    a.check()

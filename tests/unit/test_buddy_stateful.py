@@ -28,21 +28,22 @@ class PoolMachine(RuleBasedStateMachine):
         self.owned: list[list[int]] = []          # allocations still held, in order
 
     # ---------------------------------------------------------------- rules
-    @rule(data=st.data(), use_after=st.booleans(), room=st.one_of(st.none(), st.integers(0, 64)))
-    def allocate(self, data, use_after, room):
+    @rule(data=st.data(), use_after=st.booleans(), room=st.one_of(st.none(), st.integers(0, 64)),
+          spread=st.booleans())
+    def allocate(self, data, use_after, room, spread):
         n = data.draw(st.integers(0, max(0, min(len(self.free) + 2, 80))), label="n")
         after = None
         if use_after and self.owned:
             after = data.draw(st.sampled_from(self.owned), label="grow")[-1]
         if n > len(self.free):
             try:
-                self.a.allocate(n, after=after, room=room)
+                self.a.allocate(n, after=after, room=room, spread=spread)
             except AllocationError as exc:
                 assert f"cannot allocate {n} blocks: only {len(self.free)}" in str(exc)
             else:
                 raise AssertionError("allocate beyond num_free did not raise")
             return
-        ids = self.a.allocate(n, after=after, room=room)
+        ids = self.a.allocate(n, after=after, room=room, spread=spread)
         assert len(ids) == n and len(set(ids)) == n
         assert set(ids) <= self.free, "handed out an id that was not free"
         if after is not None and n > 0 and set(range(after + 1, after + 1 + n)) <= self.free:

@@ -258,7 +258,7 @@ def test_hybrid_model_with_sliding_window_and_full_attention_groups():
 @pytest.mark.parametrize("name, n, blocks, contiguous", [
     ("chat", 100, 55735, True),
     ("sharegpt", 300, 55735, True),
-    ("multiturn", 120, 55735, False),
+    ("multiturn", 120, 55735, True),
     ("pressure", 150, 1920, False),
 ])
 def test_replay_parity_and_contiguity(name, n, blocks, contiguous):
