@@ -2,8 +2,9 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
 It does nothing unless ``PROXIMA_ALLOCATOR=1``; then it picks the adapter for the
-installed vLLM generation. An exception here stops vLLM's start, which is what a bad
-``PROXIMA_ALLOCATOR`` value or an untested vLLM version must do.
+installed vLLM generation. A bad ``PROXIMA_ALLOCATOR`` value or an untested vLLM version
+must stop vLLM's start: the refusal is raised as ``SystemExit`` carrying the message,
+because vLLM 0.6's plugin loader logs and swallows any ``Exception`` (0.26's does not).
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ logger = logging.getLogger("vllm.proxima")  # a child of vLLM's logger: same han
 
 
 def register() -> None:
+    try:
+        _register()
+    except activation.ActivationError as exc:
+        raise SystemExit(f"proxima: {exc}") from None
+
+
+def _register() -> None:
     if not activation.enabled():
         return
     import vllm

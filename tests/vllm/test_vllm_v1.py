@@ -43,6 +43,16 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch):
     assert coordinator.BlockPool is BlockPool
 
 
+def test_a_bad_value_stops_vllms_plugin_loading(monkeypatch):
+    import vllm.plugins
+
+    monkeypatch.setenv(activation.ENV, "yes")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    with pytest.raises(SystemExit, match="PROXIMA_ALLOCATOR must be 1 .* got 'yes'"):
+        vllm.plugins.load_general_plugins()
+    assert not vllm_v1.is_active()
+
+
 def test_plugin_entry_point_is_registered_with_vllm():
     from importlib.metadata import entry_points
 
@@ -57,7 +67,7 @@ def test_untested_vllm_is_refused_unless_allowed(monkeypatch):
 
     monkeypatch.setenv(activation.ENV, "1")
     monkeypatch.setattr(vllm, "__version__", "0.27.1")
-    with pytest.raises(activation.ActivationError, match="this is vLLM 0.27.1"):
+    with pytest.raises(SystemExit, match="this is vLLM 0.27.1"):
         register()
     assert not vllm_v1.is_active()
     monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
