@@ -256,6 +256,16 @@ class BuddyAllocator:
         claim[stop - 1] = previous if previous > stop else stop
         return [start] if n == 1 else list(range(start, stop))
 
+    def allocate_all(self) -> list[int]:
+        """Hand out every free id (ascending). O(runs x log N): the pool under pressure,
+        where a request needs all that is free and placement has no choice to make."""
+        ids: list[int] = []
+        for start in sorted(s for bucket in self._runs_by_len.values() for s in bucket):
+            end = self._run_end[start]
+            self._take(start, end, start, end)
+            ids.extend(range(start, end))
+        return ids
+
     def take(self, block_id: int) -> None:
         """Allocate one specific free id (a cached block that a prefix hit claims back).
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterator
 
@@ -77,25 +78,36 @@ class ProximaFreeQueue:
         buddy = self.buddy
         short = n - buddy.num_free
         if short > 0:
-            # Exactly the blocks stock would evict now: the `short` least recently used.
-            self._demote(short)
-        ids = buddy.allocate(n, self.after, self.room, self.spread)
+            # Everything free goes, plus exactly the blocks stock would evict now: the
+            # `short` least recently used cached ones. No placement choice is left, so
+            # they go straight out (sorted, starting after the caller's last block).
+            ids = sorted(buddy.allocate_all() + self._pop_lru(short))
+            if self.after is not None:
+                i = bisect_right(ids, self.after)
+                ids = ids[i:] + ids[:i]
+        else:
+            ids = buddy.allocate(n, self.after, self.room, self.spread)
         self.num_free_blocks -= n
         blocks = self._blocks
         out = [blocks[i] for i in ids]
         self.alloc_seconds += time.perf_counter() - t0
         return out
 
-    def _demote(self, k: int) -> None:
-        """Move the ``k`` least recently used cached blocks into the buddy tier."""
+    def _pop_lru(self, k: int) -> list[int]:
+        """The ids of the ``k`` least recently used cached blocks, out of the LRU tier.
+        (They keep their hash: vLLM's get_new_blocks evicts it when handing them out.)"""
         lru = self._lru
         if k > len(lru):
             raise ValueError(f"Cannot get {k} more free blocks: only {len(lru)} cached "
                              f"blocks are evictable")
-        ids = [lru.popitem(last=False)[0] for _ in range(k)]
+        self.demoted += k
+        return [lru.popitem(last=False)[0] for _ in range(k)]
+
+    def _demote(self, k: int) -> None:
+        """Move the ``k`` least recently used cached blocks into the buddy tier."""
+        ids = self._pop_lru(k)
         ids.sort()
         self.buddy.free(ids)
-        self.demoted += k
 
     def remove(self, block) -> None:
         """A free block leaves the queue (a prefix-cache hit claims it back)."""

@@ -8,6 +8,7 @@ deterministic) and the scheduler time is the median of the K runs.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ def _validate(args) -> None:
 
 def _engine():
     """The replay driver for the installed vLLM (V1 for 0.2x, V0 for 0.6.x)."""
+    # vLLM's INFO lines (one set per scheduler built) would drown the table; a user's
+    # own VLLM_LOGGING_LEVEL wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError:

@@ -246,3 +246,14 @@ def test_packing_keeps_the_rest_of_the_pool_whole():
     for ids in runs:                         # and each still grows to its stated room
         assert a.allocate(4, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 5))
     a.check()
+
+
+def test_allocate_all_hands_out_every_free_id_ascending():
+    a = BuddyAllocator(50, reserved=[0])
+    keep = a.allocate(7)
+    a.take(30)
+    ids = a.allocate_all()
+    assert ids == sorted(set(range(1, 50)) - set(keep) - {30})
+    assert a.num_free == 0 and a.largest_free_run == 0 and a.num_free_runs == 0
+    a.free(ids)
+    a.check()
