@@ -7,6 +7,7 @@ deterministic) and the scheduler time is the median of the K runs.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import statistics
@@ -107,14 +108,17 @@ def run(args) -> int:
         for label in ("stock", "proxima"):
             bar = _progress(f"{label} {rep + 1}/{args.repeat}", len(workload.requests),
                             disabled=args.no_progress)
+            extra = {}
+            if args.plot and "timeline_every" in inspect.signature(driver.run_replay).parameters:
+                extra["timeline_every"] = 25
             try:
                 result = driver.run_replay(workload, proxima=label == "proxima",
                                            progress=bar.update_to if bar else None,
-                                           timeline_every=25 if args.plot else 0, **settings)
+                                           **settings, **extra)
             finally:
                 if bar:
                     bar.close()
-            runs[label].append(result)
+            runs[label].append(_normalize(result))
     results = {label: _combine(rs) for label, rs in runs.items()}
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
@@ -129,6 +133,18 @@ def run(args) -> int:
         write_plot(report, runs, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _normalize(result: dict) -> dict:
+    """The V0 driver's result under the V1 driver's names (the JSON layout is shared)."""
+    if "blocks_leaked" not in result and "leaked_blocks" in result:
+        result["blocks_leaked"] = result["leaked_blocks"]
+    if "runs_per_request_histogram" not in result:
+        result["runs_per_request_histogram"] = {
+            int(k): v for k, v in result.get("runs_per_request", {}).items()}
+    if "largest_free_run_timeline" not in result and "free_runs_over_time" in result:
+        result["largest_free_run_timeline"] = result["free_runs_over_time"]
+    return result
 
 
 def _combine(results: list[dict]) -> dict:

@@ -150,7 +150,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     sched_seconds = 0.0
     peak_running = 0
     hits = queries = hits_new = queries_new = 0
-    free_run_timeline: list[tuple[int, int, int]] = []
+    free_run_timeline: list[tuple[int, int, int, int]] = []   # step, free, largest, runs
     finished_ids: set[str] = set()
     released: list[tuple[int, object]] = []
 
@@ -225,7 +225,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                         if progress:
                             progress(completed, total)
             if timeline_every and steps % timeline_every == 0:
-                free_run_timeline.append(_largest_free_run(pool, proxima))
+                free_run_timeline.append((steps, *_largest_free_run(pool)))
             steps += 1
             step += 1
     finally:
@@ -262,7 +262,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     }
 
 
-def _largest_free_run(pool, proxima: bool) -> tuple[int, int, int]:
+def _largest_free_run(pool) -> tuple[int, int, int]:
     """(free blocks, largest run of consecutive free ids, free runs) of the whole pool:
     free means allocatable now or cached-but-evictable, for either allocator."""
     ids = sorted(b.block_id for b in pool.free_block_queue.get_all_free_blocks())

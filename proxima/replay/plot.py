@@ -12,15 +12,16 @@ def write_plot(report: dict, runs: dict[str, list[dict]], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"stock": "tab:gray", "proxima": "tab:blue"}
     for label, results in runs.items():
-        hist = results[0]["runs_per_request_histogram"]
-        xs = sorted(int(k) for k in hist)
+        hist = {int(k): v for k, v in results[0]["runs_per_request_histogram"].items()}
+        xs = sorted(hist)
         left.bar([x + (0.2 if label == "proxima" else -0.2) for x in xs],
                  [hist[x] for x in xs], width=0.4, label=label, color=colors[label])
-        timeline = results[0].get("largest_free_run_timeline") or []
+        timeline = results[0].get("largest_free_run_timeline") or []   # step, free, largest
         if timeline:
-            right.plot([i * 25 for i in range(len(timeline))], [t[1] for t in timeline],
+            steps = [t[0] for t in timeline]
+            right.plot(steps, [t[2] for t in timeline],
                        label=f"{label}: largest free run", color=colors[label])
-            right.plot([i * 25 for i in range(len(timeline))], [t[0] for t in timeline],
+            right.plot(steps, [t[1] for t in timeline],
                        label=f"{label}: free blocks", color=colors[label], linestyle=":")
     left.set_xlabel("contiguous runs in a finished request's block table")
     left.set_ylabel("requests")
