@@ -225,7 +225,9 @@ def _block_pool_class():
 
 
 def count_runs(ids: list[int]) -> int:
-    """Number of maximal runs of consecutive ascending ids in a block table."""
+    """Number of maximal runs of consecutive ascending ids in a block table (0 if empty)."""
+    if not ids:
+        return 0
     runs = 1
     prev = ids[0]
     for i in ids[1:]:

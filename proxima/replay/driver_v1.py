@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from proxima.engines.vllm_v1 import count_runs
 from proxima.workloads import Workload
 
 TINY_LLAMA = {
@@ -26,14 +27,6 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2,
 }
-
-
-def count_runs(ids: list[int]) -> int:
-    runs = 1
-    for a, b in zip(ids, ids[1:]):
-        if b != a + 1:
-            runs += 1
-    return runs
 
 
 def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,

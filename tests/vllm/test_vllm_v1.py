@@ -13,6 +13,20 @@ def one_request(rid, prompt, max_tokens, arrival=0, follows=None):
     return RequestSpec(rid, list(prompt), max_tokens, arrival, follows=follows)
 
 
+def step(scheduler) -> list[str]:
+    """One scheduler step with a stand-in model: one token for every scheduled request
+    (prefill chunks included, which is harmless for these tests). Returns the ids."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+        pooler_output=[]))
+    return ids
+
+
 # ------------------------------------------------------------------ activation
 
 @pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
@@ -192,12 +206,7 @@ def test_abort_mid_run_leaves_no_block_behind():
                               pooling_params=None, arrival_time=0.0, block_hasher=hasher,
                               sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)))
     for _ in range(5):
-        out = s.schedule()
-        ids = list(out.num_scheduled_tokens)
-        s.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-            pooler_output=[]))
+        step(s)
     pool = s.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() < 299
     s.finish_requests([str(i) for i in range(6)], RequestStatus.FINISHED_ABORTED)
@@ -247,14 +256,8 @@ def test_hybrid_model_with_sliding_window_and_full_attention_groups():
         full_manager = s.kv_cache_manager.coordinator.single_type_managers[1]
         tables = {}
         while s.has_requests():
-            out = s.schedule()
-            ids = list(out.num_scheduled_tokens)
-            for rid in ids:
+            for rid in step(s):
                 tables[rid] = [b.block_id for b in full_manager.req_to_blocks[rid]]
-            s.update_from_output(out, ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-                pooler_output=[]))
             steps += 1
         vllm_v1.deactivate()
         assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1999
