@@ -159,7 +159,7 @@ class BuddyAllocator:
         return 0 <= block_id < self.num_blocks and self._state[block_id] == FREE
 
     def allocate(self, n: int, after: int | None = None, room: int | None = None,
-                 spread: bool = True) -> list[int]:
+                 spread: bool = False) -> list[int]:
         """Hand out ``n`` distinct free ids, as few contiguous runs as possible.
 
         Args:

@@ -233,7 +233,7 @@ def test_a_million_blocks_build_fast_and_import_neither_torch_nor_vllm():
 
 def test_spread_shares_free_space_so_runs_can_outgrow_their_room():
     a = BuddyAllocator(4096, reserved=[0])
-    runs = [a.allocate(4, room=8) for _ in range(16)]
+    runs = [a.allocate(4, room=8, spread=True) for _ in range(16)]
     for ids in runs:                         # each can grow 8x its stated room in place
         assert a.allocate(60, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 61))
     a.check()
