@@ -199,8 +199,11 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             if behind == want:
                 return self._reserve(buddy.allocate(want, last), n)
         if want > n and buddy.largest_free_run >= want:
-            # Rather one new run with all the room than a short piece in place.
-            return self._reserve(buddy.allocate(want, None, want), n)
+            # Rather one new run with all the room than a short piece in place. While
+            # most of the pool is free, spread runs out (buddy split of the largest
+            # slack) so a run can outgrow its room later (a conversation's next turn).
+            spread = 2 * (buddy.num_blocks - buddy.num_free) <= buddy.num_blocks
+            return self._reserve(buddy.allocate(want, None, want, spread), n)
         if behind >= n:
             return self._reserve(buddy.allocate(behind, last), n)
         return buddy.allocate(n, last, room)
