@@ -13,6 +13,23 @@ def one_request(rid, prompt, max_tokens, arrival=0, follows=None):
     return RequestSpec(rid, list(prompt), max_tokens, arrival, follows=follows)
 
 
+def add_requests(scheduler, n: int, prompt_len: int, max_tokens: int) -> None:
+    """``n`` requests with distinct prompts, straight into a scheduler (with block hashes,
+    as prefix caching needs)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    for i in range(n):
+        scheduler.add_request(Request(
+            request_id=str(i), prompt_token_ids=list(range(3 + i, 3 + i + prompt_len)),
+            pooling_params=None, arrival_time=0.0, block_hasher=hasher,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
 def step(scheduler) -> list[str]:
     """One scheduler step with a stand-in model: one token for every scheduled request
     (prefill chunks included, which is harmless for these tests). Returns the ids."""
@@ -192,19 +209,10 @@ def test_reset_prefix_cache_returns_every_block_to_the_buddy():
 
 
 def test_abort_mid_run_leaves_no_block_behind():
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import RequestStatus
 
     s = build_scheduler(proxima=True, num_blocks=300)
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(16, sha256)
-    for i in range(6):
-        s.add_request(Request(request_id=str(i), prompt_token_ids=list(range(3 + i, 203 + i)),
-                              pooling_params=None, arrival_time=0.0, block_hasher=hasher,
-                              sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)))
+    add_requests(s, 6, prompt_len=200, max_tokens=50)
     for _ in range(5):
         step(s)
     pool = s.kv_cache_manager.block_pool
@@ -235,23 +243,12 @@ def test_hybrid_model_with_sliding_window_and_full_attention_groups():
         KVCacheGroupSpec(["layer.1"], FullAttentionSpec(block_size=16, num_kv_heads=2,
                                                         head_size=64, dtype=torch.bfloat16)),
     ]
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
     finals = {}
     for proxima in (False, True):
         s = build_scheduler(proxima=proxima, num_blocks=2000, kv_cache_groups=groups)
         if proxima:
             vllm_v1.activate()
-        init_none_hash(sha256)
-        hasher = get_request_block_hasher(16, sha256)
-        for i in range(8):
-            s.add_request(Request(request_id=str(i), prompt_token_ids=list(range(3 + i, 303 + i)),
-                                  pooling_params=None, arrival_time=0.0, block_hasher=hasher,
-                                  sampling_params=SamplingParams(max_tokens=120, ignore_eos=True)))
+        add_requests(s, 8, prompt_len=300, max_tokens=120)
         steps = 0
         full_manager = s.kv_cache_manager.coordinator.single_type_managers[1]
         tables = {}
