@@ -532,7 +532,7 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         logger.info("%s: %d GPU blocks, block size %d (vLLM %s, V0 block manager, "
                     "prefix caching %s)", LOG_LINE, num_gpu_blocks, block_size,
                     vllm.__version__, "on" if enable_caching else "off")
-        self._maybe_write_status(force=True)
+        self._maybe_write_status(force=True, check=True)
 
     # -- room hints
 
@@ -613,13 +613,25 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
             "running_blocks_per_run": per_seq,
         }
 
-    def _maybe_write_status(self, force: bool = False) -> None:
+    def _maybe_write_status(self, force: bool = False, check: bool = False) -> None:
+        """Write the status file (if PROXIMA_STATS_FILE is set); at most once a second.
+        ``check``: also verify the buddy allocator's invariants on the live pool and record
+        the verdict (``invariants_ok``), as the V1 adapter does when it creates its pool; the
+        self-check of ``proxima serve`` reads it."""
         if self._status_path is None:
             return
         now = time.monotonic()
         if force or now >= self._next_status:
             self._next_status = now + 1.0
-            _status.write_status(self.proxima_stats(), self._status_path)
+            stats = self.proxima_stats()
+            if check:
+                try:
+                    self.gpu_allocator.buddy.check()
+                    stats["invariants_ok"] = True
+                except AssertionError as exc:
+                    stats["invariants_ok"] = False
+                    stats["invariants_error"] = str(exc)
+            _status.write_status(stats, self._status_path)
 
 
 def count_runs(block_ids) -> int:

@@ -84,16 +84,21 @@ def run(args: argparse.Namespace) -> int:
     validate.check_plugin()
 
     os.environ["PROXIMA_ALLOCATOR"] = "1"  # before vLLM loads its general plugins
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-
     from proxima.serve import vllm_args
 
-    cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
+    if vllm_args.card_stack():
+        # vLLM 0.6.3 (V0): `vllm serve` has no env set-up step; its API server spawns the
+        # engine process itself (MQLLMEngine), and the engine's workers use spawn, as here.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    else:
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+        cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
     vargs = vllm_args.parse(argv)
     vllm_args.check_supported(vargs)
     demo = vllm_args.apply_demo_defaults(vargs, argv)
     validate.validate_options(None if demo else vargs.model, vargs.block_size, vargs.host,
-                              vargs.port, vargs.uds)
+                              vargs.port, getattr(vargs, "uds", None))  # vLLM 0.6: no --uds
     if demo:
         log.warning("no MODEL given: serving the embedded demo model as %r: a tiny Llama with "
                     "RANDOM weights (load_format=dummy); its output is noise. Pass a MODEL to "

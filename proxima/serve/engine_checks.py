@@ -15,8 +15,12 @@ PLUGIN_FIX = ("make sure the engine loads Proxima's plugin: proxima installed in
 
 
 def check_active(status: dict | None, *, server_pid: int, engine_pids: list[int],
-                 since: float, path) -> Check:
-    """Proxima must be active in the engine process: a fresh status, written by another pid."""
+                 since: float, path, in_process: bool = False) -> Check:
+    """Proxima must be active in the engine process: a fresh status, written by another pid.
+
+    ``in_process``: vLLM 0.6 (V0) runs this engine in the server's own process (its ``LLM``
+    class always, ``vllm serve`` with --disable-frontend-multiprocessing). There the only
+    engine pid is the server's, so a status written by that same pid is the engine's."""
     if status is None:
         return failed("proxima-active", f"the engine wrote no status file ({path})", PLUGIN_FIX)
     written = float(status.get("time", 0))
@@ -28,6 +32,13 @@ def check_active(status: dict | None, *, server_pid: int, engine_pids: list[int]
     if not status.get("active"):
         return failed("proxima-active", f"the engine (pid {pid}) reports active=false",
                       PLUGIN_FIX)
+    if pid == server_pid and in_process:
+        alloc = status.get("allocator") or {}
+        return ok("proxima-active", f"engine in this process, pid {pid} ({status.get('engine', '?')}, "
+                                    f"vLLM {status.get('vllm_version', '?')}, V0 in-process engine): "
+                                    f"{status.get('num_blocks', alloc.get('num_blocks', '?'))} "
+                                    f"blocks of {status.get('block_size', '?')} tokens, "
+                                    f"{alloc.get('num_free', '?')} free")
     if pid == server_pid:
         return failed("proxima-active", f"Proxima is active in the API server (pid {pid}), "
                                         f"not in the engine process",

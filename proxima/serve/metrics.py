@@ -125,3 +125,29 @@ def register(registry: CollectorRegistry = REGISTRY) -> ProximaCollector:
         _registered[id(registry)] = ProximaCollector()
         registry.register(_registered[id(registry)])
     return _registered[id(registry)]
+
+
+def add_to_vllm0_app(app) -> None:
+    """vLLM 0.6 with its multiprocessing front end (the default) serves ``/metrics`` from a
+    registry of its own (a MultiProcessCollector over ``PROMETHEUS_MULTIPROC_DIR``, where the
+    engine process writes), not from the default registry: mount the same exposition with
+    Proxima's collector added. Without that directory (engine in this process) vLLM 0.6
+    serves the default registry, where :func:`register` already put Proxima's collector."""
+    import os
+    import re
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    from prometheus_client import make_asgi_app, multiprocess
+    from starlette.routing import Mount
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(ProximaCollector())
+    routes = app.router.routes
+    for i, route in enumerate(routes):
+        if isinstance(route, Mount) and route.path == "/metrics":
+            mount = Mount("/metrics", make_asgi_app(registry=registry))
+            mount.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as vLLM 0.6 (no 307)
+            routes[i] = mount
+            return

@@ -14,6 +14,11 @@ from proxima.serve.report import Check, failed, ok, skipped
 
 TESTED_VLLM = "0.26.0"
 TESTED_TORCH = "2.11.0"
+# The card stack (V0 engine, proxima/engines/vllm_v0.py): what the Nix image runs. torch 2.4.0
+# is vLLM 0.6.3.post1's own pin (requirements/vllm-0.6.txt); 2.5.1 is accepted too because the
+# Nix image builds vLLM 0.6.3.post1 against nixos-24.11's torch, which is 2.5.1 (nix/image.nix).
+CARD_VLLM = "0.6.3.post1"
+CARD_TORCH = ("2.4.0", "2.5.1")
 # The engine adapter's escape hatch (proxima/engines/activation.py), honoured here too.
 ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
 INSTALL_HINT = "install the tested stack: ./dev, or pip install 'proxima[vllm]'"
@@ -22,6 +27,11 @@ NO_GPU_FIX = "run on a machine with a GPU, or with docker run --gpus all"
 MIN_DRIVER_FOR_CUDA_MAJOR = {12: "525.60.13", 13: "580.65.06"}
 # vLLM's CUDA kernels need Volta or newer.
 MIN_CAPABILITY = (7, 0)
+
+
+def is_card_stack(vllm: str | None) -> bool:
+    """vLLM 0.6.3.post1: served through its V0 engine and its own OpenAI app."""
+    return vllm == CARD_VLLM
 
 
 def installed_version(dist: str) -> str | None:
@@ -155,10 +165,13 @@ def check_versions(vllm: str | None = None, torch: str | None = None, environ=No
     seen = f"vllm {vllm or 'not installed'}, torch {torch or 'not installed'}"
     if vllm == TESTED_VLLM and torch_base == TESTED_TORCH:
         return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the tested stack)")
+    if is_card_stack(vllm) and torch_base in CARD_TORCH:
+        return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the card stack, V0 engine)")
     if vllm and not vllm.startswith("0.6.") and environ.get(ALLOW_UNTESTED_ENV) == "1":
         return ok("versions", f"{seen}: UNTESTED (tested: vllm {TESTED_VLLM}, torch "
                               f"{TESTED_TORCH}), allowed by {ALLOW_UNTESTED_ENV}=1")
-    return failed("versions", f"{seen}; tested: vllm {TESTED_VLLM}, torch {TESTED_TORCH}",
+    return failed("versions", f"{seen}; tested: vllm {TESTED_VLLM}, torch {TESTED_TORCH} (or the "
+                              f"card stack: vllm {CARD_VLLM}, torch {' or '.join(CARD_TORCH)})",
                   INSTALL_HINT)
 
 

@@ -113,6 +113,13 @@ def engine_checks(model: str | None) -> list[Check]:
     else:
         kwargs = dict(model=model)
     kwargs.update(enforce_eager=True, disable_log_stats=True)
+    from proxima.serve.vllm_args import card_stack
+
+    v0 = card_stack()
+    if v0 and "kv_cache_memory_bytes" in kwargs:
+        # vLLM 0.6 has no kv_cache_memory_bytes: the same 64 MiB of the tiny Llama as blocks.
+        kwargs["num_gpu_blocks_override"] = 4096
+        del kwargs["kv_cache_memory_bytes"]
 
     from vllm import LLM, SamplingParams
 
@@ -134,8 +141,10 @@ def engine_checks(model: str | None) -> list[Check]:
     except AttributeError:
         pids = []
     at_activation = _wait_status(path, started)
+    # vLLM 0.6's LLM runs its engine in this process (no engine-core process): there the
+    # status comes from this pid, and that is the engine's.
     checks.append(check_active(at_activation, server_pid=os.getpid(), engine_pids=pids,
-                               since=started, path=path))
+                               since=started, path=path, in_process=v0))
     generated = time.time()
     llm.generate(["Proxima self-check"], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)

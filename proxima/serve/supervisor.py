@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from proxima.engines.status import read_status, stats_path
-from proxima.serve import startup_errors
+from proxima.serve import metrics, startup_errors
 from proxima.serve.engine_checks import (check_active, check_invariants,
                                          pick_invariants_status, run_canary)
 from proxima.serve.preflight import run_preflight
@@ -185,7 +185,8 @@ class Supervisor:
         self.phase = CHECKING
         status = await self._wait_status(newer_than=started, timeout=STATUS_WAIT_S)
         self.report.add(check_active(status, server_pid=os.getpid(),
-                                     engine_pids=self._engine_pids(), since=started, path=path))
+                                     engine_pids=self._engine_pids(), since=started, path=path,
+                                     in_process=self.engine_in_process()))
         self._fail_if_any()
 
         canary_started = time.time()
@@ -198,6 +199,8 @@ class Supervisor:
         self._fail_if_any()
 
     async def _start_engine(self) -> None:
+        if self.card_stack:
+            return await self._start_engine_v0()
         from vllm.entrypoints.openai.api_server import build_app, init_app_state
 
         tee = OutputTee()
@@ -226,6 +229,51 @@ class Supervisor:
         await self._stack.enter_async_context(inner.router.lifespan_context(inner))
         self.inner = inner
         self.supported_tasks = tasks
+
+    async def _start_engine_v0(self) -> None:
+        """vLLM 0.6.3 (V0): what its api_server.run_server does, minus binding a socket
+        (gunicorn has it). build_async_engine_client spawns the engine process (MQLLMEngine)
+        and awaits it, so the event loop stays free while the model loads; with
+        --disable-frontend-multiprocessing (or a config MQLLMEngine does not support) vLLM 0.6
+        runs the engine in this process instead (AsyncLLMEngine)."""
+        from vllm.entrypoints.openai.api_server import (build_app, build_async_engine_client,
+                                                        init_app_state)
+
+        tee = OutputTee()
+        try:
+            with tee:
+                self.engine = await self._stack.enter_async_context(
+                    build_async_engine_client(self.args))
+        except Exception as exc:
+            why = startup_errors.explain(
+                f"{tee.text()}\n{type(exc).__name__}: {exc}",
+                gpu_memory_utilization=getattr(self.args, "gpu_memory_utilization", None),
+                max_model_len=getattr(self.args, "max_model_len", None))
+            self.report.add(failed("engine", why.why, why.fix))
+            raise BootFailed from exc
+        engine = self.engine
+        inner = build_app(self.args)
+        metrics.add_to_vllm0_app(inner)
+        model_config = await engine.get_model_config()
+        init_app_state(engine, model_config, inner.state, self.args)
+        await self._stack.enter_async_context(inner.router.lifespan_context(inner))
+        self.inner = inner
+        self.supported_tasks = (("embed",) if getattr(model_config, "embedding_mode", False)
+                                else ("generate",))
+
+    @property
+    def card_stack(self) -> bool:
+        from proxima.serve.vllm_args import card_stack
+
+        return card_stack()
+
+    def engine_in_process(self) -> bool:
+        """vLLM 0.6 without its multiprocessing front end: the engine runs in this process."""
+        if not self.card_stack or self.engine is None:
+            return False
+        from vllm.engine.async_llm_engine import AsyncLLMEngine
+
+        return isinstance(self.engine, AsyncLLMEngine)
 
     def _make_engine(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -265,6 +313,12 @@ class Supervisor:
         return list(getattr(self.args, "served_model_name", None) or [self.args.model])
 
     def _engine_pids(self) -> list[int]:
+        if self.card_stack:
+            if self.engine_in_process():
+                return [os.getpid()]
+            # vLLM 0.6 keeps its engine process in a local of build_async_engine_client: it is
+            # this worker's only multiprocessing child (the engine's own workers are its children).
+            return [p.pid for p in multiprocessing.active_children()]
         try:
             return [p.pid for p in self.engine.engine_core.resources.engine_manager.processes]
         except AttributeError:
@@ -275,6 +329,10 @@ class Supervisor:
         blocks = getattr(cache, "num_gpu_blocks", None)
         size = getattr(cache, "block_size", None)
         pids = ", ".join(map(str, self._engine_pids())) or "?"
+        if self.card_stack:  # vLLM 0.6: the front end does not know the block count
+            where = " (in this process)" if self.engine_in_process() else ""
+            return (f"started in {seconds:.1f} s: {self.served_names()[0]} ({self.args.model}), "
+                    f"vLLM 0.6 V0 engine, engine pid {pids}{where}")
         return (f"started in {seconds:.1f} s: {self.served_names()[0]} ({self.args.model}), "
                 f"{blocks} KV blocks of {size} tokens, engine pid {pids}")
 

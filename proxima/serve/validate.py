@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxima.errors import UserError
-from proxima.serve.preflight import (ALLOW_UNTESTED_ENV, INSTALL_HINT, TESTED_VLLM,
-                                      installed_version)
+from proxima.serve.preflight import (ALLOW_UNTESTED_ENV, CARD_VLLM, INSTALL_HINT, TESTED_VLLM,
+                                      installed_version, is_card_stack)
 
 ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a
@@ -45,11 +45,12 @@ def check_vllm_installed(environ=os.environ) -> str:
     version = installed_version("vllm")
     if version is None:
         raise UserError(f"vLLM is not installed: {INSTALL_HINT}")
-    if version == TESTED_VLLM:
+    if version == TESTED_VLLM or is_card_stack(version):
         return version
     if version.startswith("0.6."):
-        raise UserError(f"vLLM {version} (V0 engine, the card stack) is installed, but proxima "
-                        f"serve supports only vLLM {TESTED_VLLM} (V1 engine): {INSTALL_HINT}")
+        raise UserError(f"vLLM {version} (V0 engine) is installed, but proxima serve supports "
+                        f"only vLLM {TESTED_VLLM} (V1 engine) and, of the 0.6 releases, "
+                        f"{CARD_VLLM} (the card stack): {INSTALL_HINT}")
     if environ.get(ALLOW_UNTESTED_ENV) == "1":
         return version  # the versions self-check line says UNTESTED
     raise UserError(f"vLLM {version} is installed, but proxima serve supports only vLLM "

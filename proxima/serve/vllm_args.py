@@ -19,6 +19,9 @@ log = logging.getLogger("proxima.serve")
 DEMO_MAX_MODEL_LEN = 2048
 DEMO_KV_CACHE_BYTES = 256 * 2**20
 DEMO_GPU_MEMORY_UTILIZATION = 0.1
+# vLLM 0.6 sizes the cache only by --gpu-memory-utilization or --num-gpu-blocks-override: the
+# demo's 16,384 blocks of 16 tokens there too (the same 256 MiB as above for the tiny Llama).
+DEMO_V0_NUM_GPU_BLOCKS = 16384
 
 
 def one_line(exc: BaseException) -> str:
@@ -36,7 +39,31 @@ def given(argv: list[str], option: str) -> bool:
     return False
 
 
+def card_stack() -> bool:
+    """vLLM 0.6.3.post1 (V0 engine) is installed: its parser, app and engine client differ."""
+    from proxima.serve.preflight import installed_version, is_card_stack
+
+    return is_card_stack(installed_version("vllm"))
+
+
+def _v0_parser() -> argparse.ArgumentParser:
+    """vLLM 0.6.3's ``vllm serve`` parser: make_arg_parser plus the positional model tag that
+    its ``vllm/scripts.py`` adds (optional here: no MODEL serves the demo)."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="proxima serve"))
+    parser.add_argument("model_tag", type=str, nargs="?", default=None,
+                        help="the model to serve (as `vllm serve MODEL`)")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    if card_stack():
+        parser = _v0_parser()
+        parser.set_defaults(model=None)
+        parser.error = _parser_error
+        return parser
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -46,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         raise UserError(f"vLLM cannot start its option parser: {one_line(exc)} — run on a "
                         f"machine with an NVIDIA GPU") from None
     parser.set_defaults(model=None)  # None = no model given: serve the embedded demo
-
-    def error(message: str):
-        raise UserError(f"{message} (the options are those of `vllm serve --help`)")
-
-    parser.error = error  # one line instead of argparse's usage dump and exit
+    parser.error = _parser_error  # one line instead of argparse's usage dump and exit
     return parser
+
+
+def _parser_error(message: str):
+    raise UserError(f"{message} (the options are those of `vllm serve --help`)")
 
 
 def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -99,7 +126,10 @@ def apply_demo_defaults(args: argparse.Namespace, argv: list[str]) -> bool:
         args.max_model_len = DEMO_MAX_MODEL_LEN
     if not given(argv, "--gpu-memory-utilization"):
         args.gpu_memory_utilization = DEMO_GPU_MEMORY_UTILIZATION
-        if args.kv_cache_memory_bytes is None:
+        if not hasattr(args, "kv_cache_memory_bytes"):  # vLLM 0.6 has no such option
+            if getattr(args, "num_gpu_blocks_override", None) is None:
+                args.num_gpu_blocks_override = DEMO_V0_NUM_GPU_BLOCKS
+        elif args.kv_cache_memory_bytes is None:
             args.kv_cache_memory_bytes = DEMO_KV_CACHE_BYTES
     return True
 
@@ -108,10 +138,13 @@ def engine_config(args: argparse.Namespace):
     """vLLM's VllmConfig for these options, built where ``vllm serve`` builds it: in the API
     server process, before any engine starts. Errors become one line."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
 
     try:
         engine_args = AsyncEngineArgs.from_cli_args(args)
+        if card_stack():  # vLLM 0.6's create_engine_config takes no usage context
+            return engine_args.create_engine_config()
+        from vllm.usage.usage_lib import UsageContext
+
         return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     except Exception as exc:
         raise UserError(f"vLLM rejected the configuration ({type(exc).__name__}): "

@@ -48,6 +48,11 @@ def serve_args():
     so nothing else in the session sees it.
     """
     pytest.importorskip("vllm")
+    from proxima.serve import vllm_args
+
+    if vllm_args.card_stack():  # vLLM 0.6 builds its parser on any machine
+        parser = vllm_args.build_parser()
+        return lambda *argv: vllm_args.parse(list(argv), parser)
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -64,3 +69,15 @@ def serve_args():
         return vllm_args.parse(list(argv), parser)
 
     return make
+
+
+def card_stack() -> bool:
+    from proxima.serve.preflight import installed_version, is_card_stack
+
+    return is_card_stack(installed_version("vllm"))
+
+
+# For test modules that exercise vLLM 0.26's own API (V1 engine, its parser's options).
+v1_only = pytest.mark.skipif(card_stack(), reason="vLLM 0.26 (V1) API; the card stack has vLLM 0.6")
+card_only = pytest.mark.skipif(not card_stack(), reason="needs the card stack (vLLM 0.6.3.post1): "
+                                                        "PROXIMA_STACK=card ./dev test")

@@ -92,10 +92,16 @@ def env_with_vllm(tmp_path, version: str, **overrides) -> dict:
     return env
 
 
-def test_card_stack_vllm_is_refused(tmp_path):
-    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.6.3.post1"))
-    assert_one_line_error(done, "vLLM 0.6.3.post1 (V0 engine, the card stack) is installed",
-                          "supports only vLLM 0.26.0")
+def test_other_v0_vllm_is_refused(tmp_path):
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.6.2"))
+    assert_one_line_error(done, "vLLM 0.6.2 (V0 engine) is installed",
+                          "supports only vLLM 0.26.0 (V1 engine)", "0.6.3.post1 (the card stack)")
+
+
+def test_card_stack_vllm_passes_the_version_check(tmp_path):
+    done = run_proxima("serve", "--block-size", "17",
+                       env=env_with_vllm(tmp_path, "0.6.3.post1"))
+    assert_one_line_error(done, "--block-size 17")  # past the version check
 
 
 def test_untested_vllm_is_refused_unless_allowed(tmp_path):

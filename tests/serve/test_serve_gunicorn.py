@@ -14,7 +14,7 @@ from proxima.serve.app import ProximaApp
 from proxima.serve.gunicorn_conf import ProximaApplication
 from proxima.serve.worker import ProximaWorker
 
-from .conftest import REPO, free_port, proxima_env
+from .conftest import REPO, free_port, proxima_env, v1_only
 
 
 def test_config_one_uvicorn_worker_long_timeouts(serve_args):
@@ -36,12 +36,13 @@ def test_config_one_uvicorn_worker_long_timeouts(serve_args):
 @pytest.mark.parametrize("argv, bind", [
     ([], ["0.0.0.0:8000"]),
     (["--host", "::1", "--port", "9002"], ["[::1]:9002"]),
-    (["--uds", "/tmp/proxima.sock"], ["unix:/tmp/proxima.sock"]),
+    pytest.param(["--uds", "/tmp/proxima.sock"], ["unix:/tmp/proxima.sock"], marks=v1_only),
 ])
 def test_bind_follows_vllm_options(serve_args, argv, bind):
     assert ProximaApplication(serve_args(*argv)).cfg.bind == bind
 
 
+@v1_only  # vLLM 0.6 has no --disable-uvicorn-access-log
 def test_access_log_and_tls_options_map_to_gunicorn(serve_args, tmp_path):
     key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
     key.write_text("k"), cert.write_text("c")

@@ -72,10 +72,19 @@ def test_probe_timeout_or_crash_is_a_failed_gpu_line():
 
 def test_versions_line():
     assert preflight.check_versions("0.26.0", "2.11.0+cu130").status == "ok"
-    line = preflight.check_versions("0.6.3.post1", "2.4.0").line()
-    assert line.startswith("versions: failed: vllm 0.6.3.post1, torch 2.4.0; tested: vllm 0.26.0, "
-                           "torch 2.11.0")
+    line = preflight.check_versions("0.25.1", "2.10.0", environ={}).line()
+    assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.26.0, "
+                           "torch 2.11.0 (or the card stack: vllm 0.6.3.post1, torch 2.4.0 or "
+                           "2.5.1)")
     assert "./dev" in line
+
+
+def test_card_stack_versions():
+    for torch in ("2.4.0", "2.4.0+cu121", "2.5.1"):
+        line = preflight.check_versions("0.6.3.post1", torch, environ={})
+        assert line.status == "ok" and line.detail.endswith("(the card stack, V0 engine)"), line
+    assert preflight.check_versions("0.6.3.post1", "2.11.0", environ={}).failed
+    assert preflight.check_versions("0.26.0", "2.4.0", environ={}).failed
 
 
 def test_untested_vllm_needs_the_explicit_override():
@@ -83,7 +92,8 @@ def test_untested_vllm_needs_the_explicit_override():
     assert preflight.check_versions("0.25.1", "2.10.0", environ={}).failed
     line = preflight.check_versions("0.25.1", "2.10.0", environ=allowed)
     assert line.status == "ok" and "UNTESTED" in line.detail
-    assert preflight.check_versions("0.6.3.post1", "2.4.0", environ=allowed).failed  # V0: never
+    assert preflight.check_versions("0.6.2", "2.4.0", environ=allowed).failed  # other V0: never
+    assert preflight.check_versions("0.6.3.post1", "2.11.0", environ=allowed).failed
 
 
 def test_image_without_torch_or_gpu_says_no_gpu():

@@ -9,6 +9,10 @@ from proxima.serve import startup_errors
 
 vllm = pytest.importorskip("vllm")
 
+from .conftest import v1_only  # noqa: E402
+
+pytestmark = v1_only  # the texts of vLLM 0.26's own start-up errors
+
 
 def vllm_error(fn, *args) -> str:
     with pytest.raises(ValueError) as info:

@@ -9,6 +9,10 @@ from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
 from proxima.serve import vllm_args
 
+from .conftest import v1_only
+
+pytestmark = v1_only  # vLLM 0.26's options; the card stack's are in test_serve_card_stack.py
+
 
 def test_vllm_options_pass_through(serve_args):
     args = serve_args("/models/llama", "--max-model-len", "4k", "--enforce-eager",

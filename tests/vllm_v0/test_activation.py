@@ -156,3 +156,5 @@ def test_status_file(clean_activation, monkeypatch, tmp_path):
     status = json.loads(path.read_text())
     assert status["active"] and status["engine"] == "vllm-v0"
     assert status["num_blocks"] == 100 and status["allocator"]["num_free"] == 100
+    # the pool's invariants are checked when it is created (proxima serve's self-check reads it)
+    assert status["invariants_ok"] is True and "invariants_error" not in status
