@@ -61,7 +61,6 @@ class ProximaFreeQueue:
         # A plain attribute, as in stock's queue: the scheduler reads it on every step.
         self.num_free_blocks = self.buddy.num_free
 
-
     @property
     def num_evictable(self) -> int:
         """Free blocks that still serve prefix-cache hits (the LRU tier)."""
@@ -81,7 +80,8 @@ class ProximaFreeQueue:
             # Everything free goes, plus exactly the blocks stock would evict now: the
             # `short` least recently used cached ones. No placement choice is left, so
             # they go straight out (sorted, starting after the caller's last block).
-            ids = sorted(buddy.allocate_all() + self._pop_lru(short))
+            victims = self._pop_lru(short)          # checks there are enough first
+            ids = sorted(buddy.allocate_all() + victims)
             if self.after is not None:
                 i = bisect_right(ids, self.after)
                 ids = ids[i:] + ids[:i]
