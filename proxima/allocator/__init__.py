@@ -1,5 +1,5 @@
 """Proxima's allocator core: pure Python, imports neither torch nor vllm."""
 
-from proxima.allocator.buddy import AllocationError, BuddyAllocator
+from proxima.allocator.buddy import AllocationError, BuddyAllocator, count_runs
 
-__all__ = ["AllocationError", "BuddyAllocator"]
+__all__ = ["AllocationError", "BuddyAllocator", "count_runs"]

@@ -610,6 +610,18 @@ class BuddyAllocator:
         return runs
 
 
+def count_runs(block_ids) -> int:
+    """Number of maximal runs of consecutive ascending ids (``[4, 5, 6, 9]`` -> 2; 0 if
+    empty): how many pieces a block table is in."""
+    runs = 1 if block_ids else 0
+    prev = None
+    for block_id in block_ids:
+        if prev is not None and block_id != prev + 1:
+            runs += 1
+        prev = block_id
+    return runs
+
+
 def _pick(candidates: set[int]) -> int:
     """A deterministic member of a non-empty set: the lowest of a few, else the set's own
     choice (``pop``'s finger keeps that amortised O(1) even in a sparse hash table)."""

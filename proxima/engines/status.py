@@ -39,6 +39,16 @@ def write_status(payload: dict, path: Path | None = None) -> None:
     os.replace(tmp, path)
 
 
+def invariants_verdict(buddy) -> dict:
+    """``{"invariants_ok": ...}`` for the live pool (``BuddyAllocator.check``, O(N)), with
+    the first broken invariant when there is one: what the self-check reads."""
+    try:
+        buddy.check()
+    except AssertionError as exc:
+        return {"invariants_ok": False, "invariants_error": str(exc)}
+    return {"invariants_ok": True}
+
+
 def read_status(path: Path | None = None) -> dict | None:
     """The last snapshot, or None when there is none (engine not started, Proxima off)."""
     path = path or stats_path()

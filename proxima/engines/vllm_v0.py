@@ -57,7 +57,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator, List, Mapping, Optional
 
-from proxima.allocator.buddy import BuddyAllocator
+from proxima.allocator.buddy import BuddyAllocator, count_runs
 from proxima.engines import activation
 from proxima.engines import status as _status
 from proxima.engines.activation import ActivationError
@@ -625,24 +625,8 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
             self._next_status = now + 1.0
             stats = self.proxima_stats()
             if check:
-                try:
-                    self.gpu_allocator.buddy.check()
-                    stats["invariants_ok"] = True
-                except AssertionError as exc:
-                    stats["invariants_ok"] = False
-                    stats["invariants_error"] = str(exc)
+                stats.update(_status.invariants_verdict(self.gpu_allocator.buddy))
             _status.write_status(stats, self._status_path)
-
-
-def count_runs(block_ids) -> int:
-    """Number of maximal runs of consecutive ascending ids (``[4, 5, 6, 9]`` -> 2)."""
-    runs = 1 if block_ids else 0
-    prev = None
-    for block_id in block_ids:
-        if prev is not None and block_id != prev + 1:
-            runs += 1
-        prev = block_id
-    return runs
 
 
 # ------------------------------------------------------------------------- activation

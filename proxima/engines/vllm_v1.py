@@ -33,9 +33,9 @@ from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterator
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import BuddyAllocator, count_runs
 from proxima.engines import activation
-from proxima.engines.status import stats_path, write_status
+from proxima.engines.status import invariants_verdict, stats_path, write_status
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -213,28 +213,10 @@ def _block_pool_class():
             self._next_status = now + STATUS_INTERVAL_S
             stats = self.proxima_stats()
             if check:
-                try:
-                    self.free_block_queue.buddy.check()
-                    stats["invariants_ok"] = True
-                except AssertionError as exc:
-                    stats["invariants_ok"] = False
-                    stats["invariants_error"] = str(exc)
+                stats.update(invariants_verdict(self.free_block_queue.buddy))
             write_status(stats, self.proxima_status_path)
 
     return ProximaBlockPool
-
-
-def count_runs(ids: list[int]) -> int:
-    """Number of maximal runs of consecutive ascending ids in a block table (0 if empty)."""
-    if not ids:
-        return 0
-    runs = 1
-    prev = ids[0]
-    for i in ids[1:]:
-        if i != prev + 1:
-            runs += 1
-        prev = i
-    return runs
 
 
 # ----------------------------------------------------------------------------- patching

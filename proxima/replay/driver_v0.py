@@ -23,6 +23,7 @@ import gc
 import time
 from typing import Callable, Optional
 
+from proxima.allocator import count_runs
 from proxima.engines import vllm_v0
 from proxima.workloads import Workload
 
@@ -110,11 +111,11 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     num_free_end = gpu_allocator.get_num_free_blocks()
     tables = [t for t, _ in replay.final_tables]
     total_blocks = sum(len(t) for t in tables)
-    runs = [vllm_v0.count_runs(t) for t in tables]
+    runs = [count_runs(t) for t in tables]
     # The same over each request's own blocks: without the prefix-cache hits it starts
     # with, which are other requests' blocks (and so, for all but one, another run).
     own = [t[shared:] for t, shared in replay.final_tables]
-    own_runs = [vllm_v0.count_runs(t) for t in own if t]
+    own_runs = [count_runs(t) for t in own if t]
     hist: dict[int, int] = {}
     for r in runs:
         hist[r] = hist.get(r, 0) + 1

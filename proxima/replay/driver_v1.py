@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from proxima.engines.vllm_v1 import count_runs
+from proxima.allocator import count_runs
 from proxima.workloads import Workload
 
 TINY_LLAMA = {

@@ -257,3 +257,12 @@ def test_allocate_all_hands_out_every_free_id_ascending():
     assert a.num_free == 0 and a.largest_free_run == 0 and a.num_free_runs == 0
     a.free(ids)
     a.check()
+
+
+def test_count_runs_counts_the_pieces_of_a_block_table():
+    from proxima.allocator import count_runs
+
+    assert count_runs([]) == 0
+    assert count_runs([7]) == 1
+    assert count_runs([4, 5, 6, 9]) == 2
+    assert count_runs([9, 8, 7]) == 3          # descending ids are not a run

@@ -5,7 +5,8 @@ import logging
 import pytest
 
 from proxima.engines import activation, vllm_v1
-from proxima.replay.driver_v1 import build_scheduler, count_runs, run_replay
+from proxima.allocator import count_runs
+from proxima.replay.driver_v1 import build_scheduler, run_replay
 from proxima.workloads import RequestSpec, Workload, make_workload
 
 

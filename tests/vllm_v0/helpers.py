@@ -82,5 +82,5 @@ def _logprob():
 
 
 def runs(block_ids) -> int:
-    from proxima.engines.vllm_v0 import count_runs
+    from proxima.allocator import count_runs
     return count_runs(block_ids)
