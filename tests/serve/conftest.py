@@ -81,3 +81,15 @@ def card_stack() -> bool:
 v1_only = pytest.mark.skipif(card_stack(), reason="vLLM 0.26 (V1) API; the card stack has vLLM 0.6")
 card_only = pytest.mark.skipif(not card_stack(), reason="needs the card stack (vLLM 0.6.3.post1): "
                                                         "PROXIMA_STACK=card ./dev test")
+
+
+def assert_one_line_error(done, *fragments: str, code: int = 2) -> str:
+    """``proxima serve`` failed with exit ``code`` and exactly one error line (no traceback)
+    that holds every fragment; returns that line."""
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("proxima serve: error:")]
+    assert len(errors) == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]

@@ -10,17 +10,7 @@ import pytest
 from proxima.errors import UserError
 from proxima.serve import validate
 
-from .conftest import free_port, proxima_env, run_proxima
-
-
-def assert_one_line_error(done, *fragments: str, code: int = 2) -> str:
-    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("proxima serve: error:")]
-    assert len(errors) == 1, done.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
+from .conftest import assert_one_line_error, free_port, proxima_env, run_proxima
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "true"])

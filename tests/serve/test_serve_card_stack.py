@@ -17,7 +17,7 @@ from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
 from proxima.serve import engine_checks, preflight, validate, vllm_args
 
-from .conftest import card_only, free_port, proxima_env, run_proxima
+from .conftest import assert_one_line_error, card_only, free_port, proxima_env, run_proxima
 
 pytestmark = card_only
 
@@ -107,16 +107,6 @@ def test_in_process_engine_status_from_the_same_pid():
     assert line.status == "ok" and "V0 in-process engine" in line.detail, line.line()
     refused = engine_checks.check_active(status, **kwargs)
     assert refused.failed and "not in the engine process" in refused.detail
-
-
-def assert_one_line_error(done, *fragments: str) -> str:
-    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("proxima serve: error:")]
-    assert len(errors) == 1, done.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
 
 
 def test_serve_without_gpu_stops_with_one_line():
