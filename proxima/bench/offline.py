@@ -23,8 +23,9 @@ Why the order and the environment matter:
 Per run: elapsed wall time of ``LLM.generate`` (engine start-up excluded), requests/s,
 output and total tokens/s, preemptions (``vllm:num_preemptions`` via ``get_metrics``,
 difference across the run), the KV-cache block count, and contiguity read from the
-Proxima status file (``PROXIMA_STATS_FILE``, sampled while the run goes; the stock pool
-writes none, so its contiguity is n/a). ``--check-outputs`` compares every run's token
+status file (``PROXIMA_STATS_FILE``, sampled while the run goes): Proxima's pool writes it,
+and stock runs get ``PROXIMA_OBSERVE=1``, whose read-only observer writes the stock block
+tables' blocks per run (V1 engine; elsewhere stock contiguity is n/a). ``--check-outputs`` compares every run's token
 ids with the first stock run's, request by request.
 
 Everything except :func:`default_build_llm` is plain Python, so the orchestration and the
@@ -45,11 +46,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from proxima.bench.stats import median, spread
+from proxima.engines.activation import ENV as ALLOCATOR_ENV, OBSERVE_ENV
 from proxima.engines.status import STATS_ENV, read_status
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
-ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
 ALLOCATORS = ("stock", "proxima")
 STATUS_POLL_S = 0.5
 MAX_DIFFERING_SHOWN = 5
@@ -190,20 +191,33 @@ class StatusSampler:
 def contiguity(snapshots: Sequence[dict]) -> dict:
     """Contiguity figures from status snapshots; every value None when there are none.
 
-    ``blocks_per_run``: mean over all ``running_blocks_per_run`` entries of all snapshots
-    (each entry: one running request's blocks divided by its runs; 1.0 = fully scattered).
-    ``largest_free_run`` and ``fragmentation``: the allocator's, from the last snapshot."""
+    ``blocks_per_run``: a request's blocks divided by its runs of consecutive ids (1.0 =
+    fully scattered), averaged. Preferred source (``blocks_per_run_source: "finished"``):
+    the engine's tally over every request at completion, its whole KV just before it is
+    freed (``finished_blocks_per_run`` of the last snapshot; counters are cumulative and
+    each run has its own engine). Otherwise (``"running"``, e.g. the V0 engine): the mean
+    over all ``running_blocks_per_run`` entries of all snapshots, sampled at most once a
+    second. ``largest_free_run`` and ``fragmentation``: the allocator's, last snapshot."""
+    finished = next((s["finished_blocks_per_run"] for s in reversed(snapshots)
+                     if isinstance(s.get("finished_blocks_per_run"), dict)), {})
     values = [float(v) for s in snapshots
               for v in (s.get("running_blocks_per_run") or [])
               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if finished.get("count") and isinstance(finished.get("mean"), (int, float)):
+        source, mean, samples = "finished", float(finished["mean"]), int(finished["count"])
+    elif values:
+        source, mean, samples = "running", sum(values) / len(values), len(values)
+    else:
+        source, mean, samples = None, None, 0
     last_alloc = next((s["allocator"] for s in reversed(snapshots)
                        if isinstance(s.get("allocator"), dict)), {})
     checks = [s["invariants_ok"] for s in snapshots if isinstance(s.get("invariants_ok"), bool)]
     return {
         "active": any(s.get("active") is True for s in snapshots) if snapshots else None,
         "snapshots": len(snapshots),
-        "blocks_per_run": sum(values) / len(values) if values else None,
-        "blocks_per_run_samples": len(values),
+        "blocks_per_run": mean,
+        "blocks_per_run_samples": samples,
+        "blocks_per_run_source": source,
         "largest_free_run": last_alloc.get("largest_free_run"),
         "fragmentation": last_alloc.get("fragmentation"),
         "invariants_ok": all(checks) if checks else None,
@@ -273,7 +287,9 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
              rep: int) -> tuple[dict, list[list[int]]]:
     """One engine, one ``generate`` over all requests; returns (figures, token ids)."""
     status_path = status_dir / f"{allocator}-{rep}.json"
-    flags = {ALLOCATOR_ENV: "1" if allocator == "proxima" else "0", STATS_ENV: str(status_path)}
+    # Stock runs are observed (read-only, see proxima.engines.observe_v1) for their contiguity.
+    flags = {ALLOCATOR_ENV: "1" if allocator == "proxima" else "0", STATS_ENV: str(status_path),
+             OBSERVE_ENV: "0" if allocator == "proxima" else "1"}
     with scoped_env(flags):                 # the engine core copies them when it starts
         llm = build_llm(llm_kwargs(config))
     try:

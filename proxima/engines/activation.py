@@ -4,6 +4,10 @@
 anything else -> :class:`ActivationError` (the engine must not start half-configured).
 ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` lets Proxima activate on a vLLM version it was not
 tested with, with a warning.
+
+``PROXIMA_OBSERVE``: with Proxima off, ``1`` measures stock vLLM's contiguity without
+changing its allocation (:mod:`proxima.engines.observe_v1`; ``proxima bench`` uses it for
+its stock runs). Same values as ``PROXIMA_ALLOCATOR``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from proxima.errors import UserError
 
 ENV = "PROXIMA_ALLOCATOR"
 ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
+OBSERVE_ENV = "PROXIMA_OBSERVE"
 LOG_LINE = "Using Proxima contiguous allocator"
 
 #: engine generation -> the vLLM versions Proxima was tested with
@@ -27,15 +32,23 @@ class ActivationError(UserError, RuntimeError):
     """Proxima was asked for but cannot be switched on as asked."""
 
 
-def enabled(environ: dict | None = None) -> bool:
-    """True when ``PROXIMA_ALLOCATOR=1``; raises ActivationError on any value but 0/1/unset."""
-    value = (os.environ if environ is None else environ).get(ENV)
+def _flag(name: str, on: str, off: str, environ: dict | None) -> bool:
+    value = (os.environ if environ is None else environ).get(name)
     if value is None or value.strip() in ("", "0"):
         return False
     if value.strip() == "1":
         return True
-    raise ActivationError(
-        f"{ENV} must be 1 (Proxima on) or 0 / unset (stock vLLM), got {value!r}")
+    raise ActivationError(f"{name} must be 1 ({on}) or 0 / unset ({off}), got {value!r}")
+
+
+def enabled(environ: dict | None = None) -> bool:
+    """True when ``PROXIMA_ALLOCATOR=1``; raises ActivationError on any value but 0/1/unset."""
+    return _flag(ENV, "Proxima on", "stock vLLM", environ)
+
+
+def observing(environ: dict | None = None) -> bool:
+    """True when ``PROXIMA_OBSERVE=1`` (same values as :func:`enabled`)."""
+    return _flag(OBSERVE_ENV, "measure stock vLLM's contiguity", "do not", environ)
 
 
 def check_version(engine: str, version: str, environ: dict | None = None) -> str | None:

@@ -2,8 +2,9 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
 It does nothing unless ``PROXIMA_ALLOCATOR=1``; then it picks the adapter for the
-installed vLLM generation. A bad ``PROXIMA_ALLOCATOR`` value or an untested vLLM version
-must stop vLLM's start: the refusal is raised as ``SystemExit`` carrying the message,
+installed vLLM generation. With Proxima off, ``PROXIMA_OBSERVE=1`` installs the read-only
+observer of stock contiguity instead (V1 only). A bad value of either variable or an
+untested vLLM version must stop vLLM's start: the refusal is raised as ``SystemExit`` carrying the message,
 because vLLM 0.6's plugin loader logs and swallows any ``Exception`` (0.26's does not).
 """
 
@@ -24,18 +25,26 @@ def register() -> None:
 
 
 def _register() -> None:
-    if not activation.enabled():
+    proxima_on = activation.enabled()
+    observe = activation.observing()
+    if not proxima_on and not observe:
         return
     import vllm
 
     version = vllm.__version__
-    if version.startswith("0.6."):
-        from proxima.engines import vllm_v0 as adapter
-        engine = "v0"
-    else:
-        from proxima.engines import vllm_v1 as adapter
-        engine = "v1"
+    engine = "v0" if version.startswith("0.6.") else "v1"
     warning = activation.check_version(engine, version)
     if warning:
         logger.warning(warning)
-    adapter.activate()
+    if proxima_on:          # Proxima's pool writes its own status: nothing to observe
+        if engine == "v0":
+            from proxima.engines import vllm_v0 as adapter
+        else:
+            from proxima.engines import vllm_v1 as adapter
+        adapter.activate()
+    elif engine == "v1":
+        from proxima.engines import observe_v1
+        observe_v1.activate()
+    else:
+        logger.warning("%s=1 is not supported on the V0 engine (vLLM %s): stock contiguity "
+                       "is not measured", activation.OBSERVE_ENV, version)

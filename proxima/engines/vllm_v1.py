@@ -149,6 +149,44 @@ class ProximaFreeQueue:
                 started = True
 
 
+def _blocks_per_run(blocks) -> float | None:
+    ids = [b.block_id for b in blocks if not b.is_null]
+    return len(ids) / count_runs(ids) if ids else None
+
+
+def running_blocks_per_run(managers) -> list[float]:
+    """For each request holding blocks in vLLM's single-type ``managers``: its blocks divided
+    by its runs of consecutive ids (1.0 = every block apart; the null block not counted)."""
+    values = (_blocks_per_run(blocks) for m in managers for blocks in m.req_to_blocks.values())
+    return [v for v in values if v is not None]
+
+
+class FinishedTally:
+    """Blocks per run of every request's whole KV when it finishes (just before vLLM frees
+    it): the contiguity an offload or transfer of that request would meet. One value per
+    request and KV-cache group; published as ``finished_blocks_per_run`` in the status."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, managers, request_id: str) -> None:
+        for manager in managers:
+            blocks = manager.req_to_blocks.get(request_id)
+            value = _blocks_per_run(blocks) if blocks else None
+            if value is not None:
+                self.count += 1
+                self.total += value
+
+    def as_status(self) -> dict:
+        return {"count": self.count, "mean": self.total / self.count if self.count else None}
+
+
+def idle(managers) -> bool:
+    """True when no request holds blocks (the end of a batch: time for a final snapshot)."""
+    return not any(m.req_to_blocks for m in managers)
+
+
 def _block_pool_class():
     from vllm.v1.core.block_pool import BlockPool
 
@@ -168,6 +206,7 @@ def _block_pool_class():
             self.proxima_expected_blocks = 0                    # their sum, in blocks
             self.proxima_managers: list = []   # the per-group managers seen allocating
             self.proxima_steps = 0
+            self.proxima_finished = FinishedTally()
             self.proxima_status_path = stats_path()
             self._next_status = 0.0
             import vllm
@@ -186,12 +225,7 @@ def _block_pool_class():
 
         def proxima_stats(self) -> dict:
             queue = self.free_block_queue
-            per_request = []
-            for manager in self.proxima_managers:
-                for blocks in manager.req_to_blocks.values():
-                    ids = [b.block_id for b in blocks if not b.is_null]
-                    if ids:
-                        per_request.append(len(ids) / count_runs(ids))
+            per_request = running_blocks_per_run(self.proxima_managers)
             import vllm
 
             return {
@@ -200,17 +234,19 @@ def _block_pool_class():
                 "allocator": queue.buddy.stats(), "num_evictable": queue.num_evictable,
                 "num_free_blocks": queue.num_free_blocks, "demoted_total": queue.demoted,
                 "running_blocks_per_run": per_request,
+                "finished_blocks_per_run": self.proxima_finished.as_status(),
                 "alloc_seconds_total": queue.alloc_seconds, "steps": self.proxima_steps,
             }
 
-        def publish_status(self, check: bool = False) -> None:
-            """Write the status file (if PROXIMA_STATS_FILE is set); at most once a second."""
+        def publish_status(self, check: bool = False, now: bool = False) -> None:
+            """Write the status file (if PROXIMA_STATS_FILE is set): at most once a second,
+            unless ``check`` (with the invariants) or ``now``."""
             if self.proxima_status_path is None:
                 return
-            now = time.monotonic()
-            if not check and now < self._next_status:
+            clock = time.monotonic()
+            if not (check or now) and clock < self._next_status:
                 return
-            self._next_status = now + STATUS_INTERVAL_S
+            self._next_status = clock + STATUS_INTERVAL_S
             stats = self.proxima_stats()
             if check:
                 stats.update(invariants_verdict(self.free_block_queue.buddy))
@@ -276,14 +312,19 @@ def _wrap_add_request(original):
 
 def _wrap_free(original):
     def free(self, request) -> None:
-        if request.is_finished():
-            pool = self.block_pool
-            expected = getattr(pool, "proxima_expected_tokens", None)
-            if expected is not None:
-                tokens = expected.pop(request.request_id, None)
-                if tokens is not None:
-                    pool.proxima_expected_blocks -= -(-tokens // pool.hash_block_size)
-        return original(self, request)
+        pool = self.block_pool
+        if not request.is_finished() or getattr(pool, "proxima_expected_tokens", None) is None:
+            return original(self, request)          # preemption, or a stock pool
+        tokens = pool.proxima_expected_tokens.pop(request.request_id, None)
+        if tokens is not None:
+            pool.proxima_expected_blocks -= -(-tokens // pool.hash_block_size)
+        if pool.proxima_status_path is None:
+            return original(self, request)
+        managers = self.coordinator.single_type_managers
+        pool.proxima_finished.add(managers, request.request_id)
+        original(self, request)
+        if idle(managers):
+            pool.publish_status(now=True)
 
     free.__wrapped__ = original
     free.__doc__ = original.__doc__

@@ -26,6 +26,7 @@ class StandInLLM:
 
     built: list = []            # (allocator env, stats path) per construction, in order
     mp_methods: list = []       # VLLM_WORKER_MULTIPROC_METHOD seen at each construction
+    observe_flags: list = []    # (PROXIMA_ALLOCATOR, PROXIMA_OBSERVE) at each construction
     events: list = []           # "build:<alloc>" / "shutdown:<alloc>" in order
     corrupt_index = -1          # proxima runs alter this request's last token (-1: none)
     blocks = {"0": 1000, "1": 1000}
@@ -33,6 +34,8 @@ class StandInLLM:
     def __init__(self, kwargs):
         self.kwargs = kwargs
         self.allocator = os.environ["PROXIMA_ALLOCATOR"]
+        self.observed = os.environ.get("PROXIMA_OBSERVE")
+        StandInLLM.observe_flags.append((self.allocator, self.observed))
         self.mp_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         StandInLLM.mp_methods.append(self.mp_method)
         self.stats_path = os.environ["PROXIMA_STATS_FILE"]
@@ -56,6 +59,9 @@ class StandInLLM:
             write_status({"active": True, "running_blocks_per_run": [4.0, 8.0],
                           "allocator": {"largest_free_run": 512, "fragmentation": 0.1},
                           "invariants_ok": True}, path=Path(self.stats_path))
+        elif self.observed == "1":     # what proxima.engines.observe_v1 writes for stock
+            write_status({"active": False, "observer": True,
+                          "running_blocks_per_run": [1.0, 2.0]}, path=Path(self.stats_path))
         self.preempted += 7 if self.allocator == "0" else 5
         outs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -72,6 +78,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(StandInLLM, "built", [])
     monkeypatch.setattr(StandInLLM, "events", [])
     monkeypatch.setattr(StandInLLM, "mp_methods", [])
+    monkeypatch.setattr(StandInLLM, "observe_flags", [])
     monkeypatch.setattr(StandInLLM, "corrupt_index", -1)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "outer")
@@ -139,10 +146,13 @@ def test_figures_per_run_and_summary(tmp_path, stand_in):
     assert stock["output_tokens_per_s"] == tps[1]
     assert stock["output_tokens_per_s_spread"]["spread_pct"] == pytest.approx(
         (tps[2] - tps[0]) / tps[1] * 100)
-    # contiguity: from Proxima's status file; the stock pool writes none
+    # contiguity: from Proxima's status file, and for stock from the observer's (asked for
+    # with PROXIMA_OBSERVE=1 in stock runs only; it reports Proxima inactive)
+    assert stand_in.observe_flags == [("0", "1"), ("1", "0")] * 3
     assert prox["blocks_per_run"] == 6.0 and prox["largest_free_run"] == 512
     assert prox["proxima_active"] is True
-    assert stock["blocks_per_run"] is None and stock["proxima_active"] is None
+    assert stock["blocks_per_run"] == 1.5 and stock["proxima_active"] is False
+    assert stock["largest_free_run"] is None
     assert measured["check_outputs"] is None
 
 
@@ -204,15 +214,15 @@ def test_offline_report_table_json_and_plot(tmp_path, stand_in):
     res = rep["results"]
     assert ratio["output_tokens_per_s"] == pytest.approx(
         res["proxima"]["output_tokens_per_s"] / res["stock"]["output_tokens_per_s"])
-    assert ratio["blocks_per_run"] is None                  # stock has none: unknown, not 0
+    assert ratio["blocks_per_run"] == pytest.approx(4.0)
     table = report.format_table(rep)
     row = next(line for line in table.splitlines() if line.startswith("blocks per run"))
-    assert row.split()[-3:] == ["n/a", "6.00", "n/a"]
+    assert row.split()[-3:] == ["1.50", "6.00", "4.000"]
     assert "proxima#1: 3 identical, 1 differing; first differing: chat-0" in table
     assert "run-to-run spread (%)" in table
     assert rep["notes"] == []
     row = next(l for l in table.splitlines() if l.startswith("Proxima active"))
-    assert row.split()[-2:] == ["n/a", "yes"]
+    assert row.split()[-2:] == ["no", "yes"]
     path = tmp_path / "r.json"
     report.write_json(rep, str(path))
     back = json.loads(path.read_text())
@@ -231,6 +241,7 @@ def test_contiguity_pools_every_snapshot():
              {"time": 3, "running_blocks_per_run": [5.0, "x", True]}]
     c = offline.contiguity(snaps)
     assert c["blocks_per_run"] == 3.0 and c["blocks_per_run_samples"] == 3
+    assert c["blocks_per_run_source"] == "running"
     assert c["largest_free_run"] == 40 and c["fragmentation"] == 0.5
     assert c["active"] is True and c["snapshots"] == 3 and c["invariants_ok"] is True
     assert offline.contiguity([])["blocks_per_run"] is None
@@ -278,3 +289,18 @@ def test_a_users_multiproc_method_is_kept(tmp_path, stand_in, monkeypatch):
     run(tmp_path, stand_in, make_workload("chat", 2).requests)
     assert stand_in.mp_methods == ["fork", "fork"]
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
+def test_contiguity_prefers_the_tally_of_finished_requests():
+    snaps = [{"time": 1, "running_blocks_per_run": [1.0],
+              "finished_blocks_per_run": {"count": 2, "mean": 9.0}},
+             {"time": 2, "running_blocks_per_run": [3.0],
+              "finished_blocks_per_run": {"count": 5, "mean": 12.5}},
+             {"time": 3, "running_blocks_per_run": []}]       # an older writer: no tally
+    c = offline.contiguity(snaps)
+    assert (c["blocks_per_run"], c["blocks_per_run_samples"], c["blocks_per_run_source"]) \
+        == (12.5, 5, "finished")
+    none_finished = [{"time": 1, "running_blocks_per_run": [2.0],
+                      "finished_blocks_per_run": {"count": 0, "mean": None}}]
+    assert offline.contiguity(none_finished)["blocks_per_run_source"] == "running"
+    assert offline.contiguity([])["blocks_per_run_source"] is None

@@ -8,8 +8,10 @@ if not vllm.__version__.startswith("0.26"):
 @pytest.fixture(autouse=True)
 def _stock_after_each_test():
     """Every test leaves vLLM's classes as it found them (stock)."""
-    from proxima.engines import vllm_v1
+    from proxima.engines import observe_v1, vllm_v1
 
     vllm_v1.deactivate()
+    observe_v1.deactivate()
     yield
     vllm_v1.deactivate()
+    observe_v1.deactivate()

@@ -31,12 +31,15 @@ def add_requests(scheduler, n: int, prompt_len: int, max_tokens: int) -> None:
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
 
 
-def step(scheduler) -> list[str]:
+def step(scheduler, scheduled=None) -> list[str]:
     """One scheduler step with a stand-in model: one token for every scheduled request
-    (prefill chunks included, which is harmless for these tests). Returns the ids."""
+    (prefill chunks included, which is harmless for these tests). Returns the ids.
+    ``scheduled()`` is called between scheduling and the model's output."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     out = scheduler.schedule()
+    if scheduled is not None:
+        scheduled()
     ids = list(out.num_scheduled_tokens)
     scheduler.update_from_output(out, ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -287,3 +290,107 @@ def test_replay_parity_and_contiguity(name, n, blocks, contiguous):
     assert prox["blocks_per_run"] > stock["blocks_per_run"]
     if contiguous:
         assert prox["single_run_fraction"] >= 0.95
+
+
+# ------------------------------------------------------------------ observing stock
+
+def block_tables(scheduler) -> dict[str, list[int]]:
+    return {rid: [b.block_id for b in blocks]
+            for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+            for rid, blocks in m.req_to_blocks.items()}
+
+
+def runs_of(ids: list[int]) -> int:
+    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
+
+
+def test_observer_measures_stock_without_changing_its_allocation(monkeypatch, tmp_path):
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from proxima.engines import observe_v1
+    from proxima.engines.plugin import register
+    from proxima.engines.status import read_status
+
+    # Build the unobserved scheduler first, then switch the observer on, as vLLM's
+    # engine core would (the plugin runs before the engine is built).
+    plain = build_scheduler(proxima=False, num_blocks=400)
+    status = tmp_path / "status.json"
+    monkeypatch.delenv(activation.ENV, raising=False)
+    monkeypatch.setenv(activation.OBSERVE_ENV, "1")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(status))
+    monkeypatch.setattr(observe_v1, "STATUS_INTERVAL_S", 0.0)     # a snapshot every step
+    register()
+    assert observe_v1.is_active() and not vllm_v1.is_active()
+    observed = build_scheduler(proxima=False, num_blocks=400)
+    assert type(observed.kv_cache_manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    for s in (plain, observed):
+        add_requests(s, 12, prompt_len=70, max_tokens=60)
+    seen_scattered = False
+    for _ in range(40):
+        assert step(observed) == step(plain)
+        tables = block_tables(observed)
+        assert tables == block_tables(plain)          # the very same ids, step by step
+        observed.kv_cache_manager.new_step_starts()   # what the next schedule() calls first
+        snap = read_status(status)
+        assert snap["active"] is False and snap["observer"] is True
+        assert snap["num_blocks"] == 400 and snap["num_free_blocks"] == \
+            observed.kv_cache_manager.block_pool.get_num_free_blocks()
+        expected = sorted(len(ids) / runs_of(ids) for ids in tables.values() if ids)
+        assert sorted(snap["running_blocks_per_run"]) == pytest.approx(expected)
+        seen_scattered |= any(runs_of(ids) > 1 for ids in tables.values())
+    assert seen_scattered, "stock never scattered a request here: the check proves nothing"
+    # Every request's whole KV at completion, then a snapshot as the pool empties.
+    finals = {}
+
+    def record():
+        finals.update({rid: ids for rid, ids in block_tables(observed).items() if ids})
+
+    while step(observed, scheduled=record):
+        pass
+    snap = read_status(status)
+    assert not any(block_tables(observed).values())
+    expected = [len(ids) / runs_of(ids) for ids in finals.values()]
+    assert snap["finished_blocks_per_run"]["count"] == 12
+    assert snap["finished_blocks_per_run"]["mean"] == pytest.approx(sum(expected) / 12)
+    observe_v1.deactivate()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    assert not hasattr(KVCacheManager.new_step_starts, "__wrapped__")
+
+
+def test_observer_is_off_with_proxima_on_and_refuses_bad_values(monkeypatch, tmp_path):
+    from proxima.engines import observe_v1
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "s.json"))
+    monkeypatch.setenv(activation.OBSERVE_ENV, "yes")
+    with pytest.raises(SystemExit, match="PROXIMA_OBSERVE must be 1 .* got 'yes'"):
+        register()
+    monkeypatch.setenv(activation.OBSERVE_ENV, "1")
+    monkeypatch.setenv(activation.ENV, "1")
+    register()
+    assert vllm_v1.is_active() and not observe_v1.is_active()
+
+
+def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
+    """The same 12 requests through stock (observed) and Proxima: both status files count
+    every finished request, and Proxima's requests end in far fewer runs."""
+    from proxima.engines import observe_v1
+    from proxima.engines.status import read_status
+
+    means = {}
+    for proxima in (False, True):
+        status = tmp_path / f"{proxima}.json"
+        monkeypatch.setenv("PROXIMA_STATS_FILE", str(status))
+        # as in an engine: switched on before the scheduler is built, on while it runs
+        (vllm_v1 if proxima else observe_v1).activate()
+        s = build_scheduler(proxima=proxima, num_blocks=400)
+        add_requests(s, 12, prompt_len=70, max_tokens=60)
+        while step(s):
+            pass
+        (vllm_v1 if proxima else observe_v1).deactivate()
+        tally = read_status(status)["finished_blocks_per_run"]
+        assert tally["count"] == 12, tally
+        means[proxima] = tally["mean"]
+    # 9 blocks per request: Proxima keeps each in one run, stock interleaves decode growth
+    assert means[True] == pytest.approx(9.0)
+    assert means[False] < 3.0

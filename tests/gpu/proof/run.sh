@@ -1,45 +1,66 @@
 #!/usr/bin/env bash
-# Issue 4's GPU proof on the lent H200: the driver of the recorded runs (docs/results/).
+# Issues 4 and 5 on the lent H200s: the driver of the recorded GPU runs (docs/results/).
 # Run from the repo root on the GPU host; files land in $OUT (default ./gpu-out).
 #
-#   bash tests/gpu/proof/run.sh c1                 # volume 1 (carry .stage/c1); exit 2 expected
-#   bash tests/gpu/proof/run.sh c2 [BUDGET_S]      # volume 2 + plugin wheels (carry .stage/c2,
-#                                                  # .stage/plugin); item 1 full scale; GPU tests
-#   bash tests/gpu/proof/run.sh bench BUDGET_S NAME...   # item 2 workloads, warm host:
-#                                                  # chat, sharegpt, pressure (REPEAT_<name> overrides)
-#   bash tests/gpu/proof/run.sh serve BUDGET_S     # tests/gpu/test_serve_gpu.py
+#   bash tests/gpu/proof/run.sh c1                  # volume 1 + wheels (carry .stage/c1,
+#                                                   # .stage/plugin, .stage/serve-extra); exit 2 expected
+#   bash tests/gpu/proof/run.sh c2 BUDGET_S LANE... # volume 2 (carry .stage/c2), then the lanes
+#   bash tests/gpu/proof/run.sh run BUDGET_S LANE...  # later calls on the warm host
 #
-# BUDGET_S: seconds the whole step may take (each sub-run gets what is left, via timeout).
+# LANE is "GPUS:TASK,TASK,...", e.g. "0:identity,gpu-tests" "1:serve-tests" or "0,1:tp2".
+# Lanes run side by side (one per GPU set), their tasks one after the other, each task on
+# CUDA_VISIBLE_DEVICES=GPUS with its own torch.compile cache (VLLM_CACHE_ROOT per GPU set).
+# Tasks:
+#   identity     item 1: greedy, 400 multi-turn requests (shared prefixes), KV 30,720 tokens
+#                (forces preemption), --check-outputs, --repeat ${REPEAT_identity:-2}
+#   chat, sharegpt, pressure   item 2 workloads (REPEAT_<name> overrides the repeat count)
+#   tp2          item 3: item 1 with tensor_parallel_size=2 (200 requests; needs 2 GPUs)
+#   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
+#   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
+# BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 STEP=${1:?step}; shift
 BUDGET=${1:-570}; [ $# -gt 0 ] && shift
 MODEL=/tmp/vllm-kit/dummy-llama
 LOG="$OUT/call-$STEP.txt"
+KV_30K=4026531840        # 30,720 tokens of Llama-3.1-8B's KV (131,072 bytes per token)
+KV_30K_TP2=2013265920    # the same 30,720 tokens with the KV heads split over 2 GPUs
 
 left() { echo $(( BUDGET - SECONDS )); }
 facts() {
-  echo "== step $STEP, $(date -u +%FT%TZ)"
+  echo "== step $STEP, $(date -u +%FT%TZ), lanes: $*"
   # The device copy of the tree carries no git history (HEAD is unborn there): name the code
   # by a hash of proxima/ + tests/gpu/ (*.py) + pyproject.toml, to compare with a local commit.
-  echo "HEAD $(git rev-parse --verify -q HEAD || echo 'n/a (no git history in this copy)')"
   echo "code hash $( (find proxima tests/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
     | LC_ALL=C sort | xargs sha256sum | sha256sum) | cut -c1-64)"
-  echo "git status --short (start):"; git status --short; echo "(end of status)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv,noheader
+  echo "cores $(nproc)"
 }
 use_site() {
   export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
+  # NVLink multicast stays off on the shared multi-GPU hosts (KINDS.md).
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+}
+install_wheels() {   # the Proxima wheel (entry point only), gunicorn & co, serve's extra deps
+  local d
+  for d in .stage/plugin .stage/serve-extra; do
+    [ -d "$d" ] || continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2>&1 \
+      | grep -v "already exists" | tee -a "$LOG"
+    echo "wheels from $d installed into /tmp/site" | tee -a "$LOG"
+  done
 }
 # timed NAME LIMIT CMD...: run CMD with a time limit, its output into $OUT/NAME.log
 timed() {
   local name=$1 limit=$2; shift 2
   if [ "$limit" -lt 30 ]; then echo "[$name] SKIPPED: only ${limit}s left" | tee -a "$LOG"; return 99; fi
   local t=$SECONDS
-  echo "[$name] start (limit ${limit}s): $*" | tee -a "$LOG"
-  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "[$name] rc=$rc wall=$((SECONDS - t))s" | tee -a "$LOG"
+  echo "[$name] start $(date -u +%T) on GPU ${CUDA_VISIBLE_DEVICES:-all} (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc wall=$((SECONDS - t))s end $(date -u +%T)" | tee -a "$LOG"
+  tail -n 25 "$OUT/$name.log" | sed "s/^/[$name] /" >> "$LOG"
   return $rc
 }
 bench() {  # bench NAME ARGS...
@@ -47,44 +68,55 @@ bench() {  # bench NAME ARGS...
   timed "$name" "$(( $(left) - 5 ))" python3 -m proxima.cli bench --offline --model "$MODEL" \
     --load-format dummy --no-progress --json "$OUT/$name.json" "$@"
 }
+task() {
+  case "$1" in
+    identity) bench identity --workload multiturn --requests 400 --kv-cache-memory-bytes $KV_30K \
+                --check-outputs --repeat "${REPEAT_identity:-2}" ;;
+    chat)     bench chat --workload chat --repeat "${REPEAT_chat:-3}" --check-outputs --plot "$OUT/chat.png" ;;
+    sharegpt) bench sharegpt --workload sharegpt --repeat "${REPEAT_sharegpt:-2}" --plot "$OUT/sharegpt.png" ;;
+    pressure) bench pressure --workload pressure --kv-cache-memory-bytes $KV_30K \
+                --repeat "${REPEAT_pressure:-2}" --check-outputs --plot "$OUT/pressure.png" ;;
+    tp2)      bench tp2 --workload multiturn --requests 200 --tensor-parallel-size 2 \
+                --kv-cache-memory-bytes $KV_30K_TP2 --check-outputs ;;
+    gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
+                   tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
+    serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
+                   tests/gpu/test_serve_gpu.py -x -q -p no:cacheprovider -rA ;;
+    *) echo "unknown task $1" | tee -a "$LOG" ;;
+  esac
+}
+lane() {  # lane "GPUS:TASK,TASK"
+  local gpus=${1%%:*} tasks=${1#*:} t
+  export CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/root/.cache/vllm-gpu${gpus//,/-}
+  for t in ${tasks//,/ }; do task "$t"; done
+}
+lanes() {
+  local l pids=()
+  for l in "$@"; do lane "$l" & pids+=($!); done
+  for l in "${pids[@]}"; do wait "$l"; done
+}
+check_install() {  # check_install INSTALLER
+  bash "$1" .stage 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}; echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
+  use_site
+  python3 -c "import torch; print('torch sees', torch.cuda.device_count(), 'GPUs')" 2>&1 | tee -a "$LOG"
+  # what proxima serve needs on top of the offline kit: say so now, not deep inside a test
+  python3 -c "import gunicorn, uvicorn_worker, vllm.entrypoints.openai.api_server, proxima.serve.app; \
+print('serve imports ok')" 2>&1 | tail -n 3 | tee -a "$LOG"
+}
 
-facts 2>&1 | tee "$LOG"
+facts "$@" 2>&1 | tee "$LOG"
 case "$STEP" in
   c1)
     bash .stage/c1/kit/install-on-device.sh .stage 2>&1 | tee -a "$LOG"
     echo "installer rc=${PIPESTATUS[0]} (2 expected: volume 2 to come)" | tee -a "$LOG"
-    git log --oneline -1 | tee -a "$LOG" ;;
+    install_wheels ;;
   c2)
-    bash .stage/c2/kit/install-on-device.sh .stage 2>&1 | tee -a "$LOG"
-    rc=${PIPESTATUS[0]}; echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/plugin/*.whl 2>&1 | tee -a "$LOG"
-    use_site
-    python3 -m proxima.cli bench --help > /dev/null 2>&1 || echo "WARNING: proxima bench --help failed" | tee -a "$LOG"
-    # item 1, full scale: greedy, 400 multi-turn requests (shared prefixes), KV 30,720 tokens
-    bench identity --workload multiturn --requests 400 --kv-cache-memory-bytes 4026531840 --check-outputs
-    # items 1 and 2 at a small scale: the gpu-marked tests
-    timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
-      tests/gpu/test_bench_offline_gpu.py -x -q -p no:cacheprovider ;;
-  bench)
-    bash /tmp/vllm-kit/install-on-device.sh .stage 2>&1 | tee -a "$LOG"
-    rc=${PIPESTATUS[0]}; echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
-    use_site
-    for name in "$@"; do
-      case "$name" in
-        chat)     bench chat --workload chat --repeat "${REPEAT_chat:-3}" --check-outputs --plot "$OUT/chat.png" ;;
-        sharegpt) bench sharegpt --workload sharegpt --repeat "${REPEAT_sharegpt:-2}" --plot "$OUT/sharegpt.png" ;;
-        pressure) bench pressure --workload pressure --kv-cache-memory-bytes 4026531840 \
-                    --repeat "${REPEAT_pressure:-2}" --check-outputs --plot "$OUT/pressure.png" ;;
-        *) echo "unknown workload $name" | tee -a "$LOG" ;;
-      esac
-    done ;;
-  serve)
-    bash /tmp/vllm-kit/install-on-device.sh .stage 2>&1 | tee -a "$LOG"
-    rc=${PIPESTATUS[0]}; echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
-    use_site
-    timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
-      tests/gpu/test_serve_gpu.py -x -q -p no:cacheprovider ;;
+    check_install .stage/c2/kit/install-on-device.sh     # it keeps the kit in /tmp/vllm-kit
+    lanes "$@" ;;
+  run)
+    check_install /tmp/vllm-kit/install-on-device.sh
+    lanes "$@" ;;
   *) echo "unknown step $STEP"; exit 64 ;;
 esac
-echo "== step $STEP done after ${SECONDS}s; git status --short (end):" | tee -a "$LOG"
-git status --short 2>&1 | tee -a "$LOG"
+echo "== step $STEP done after ${SECONDS}s" | tee -a "$LOG"
