@@ -88,6 +88,9 @@ task() {
 lane() {  # lane "GPUS:TASK,TASK"
   local gpus=${1%%:*} tasks=${1#*:} t
   export CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/root/.cache/vllm-gpu${gpus//,/-}
+  # vLLM picks its torch.distributed port as "a free one": lanes side by side raced for the
+  # same port (EADDRINUSE), so each GPU set searches from its own base.
+  export VLLM_PORT=$(( 20000 + 2000 * ${gpus%%,*} + 1000 * (${#gpus} > 1) ))
   for t in ${tasks//,/ }; do task "$t"; done
 }
 lanes() {
