@@ -216,7 +216,7 @@ def run_offline_mode(args) -> int:
         import vllm  # noqa: F401 - fail here, in one line, not inside the first run
     except ModuleNotFoundError:
         raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
-    measured = run_offline(config, specs)
+    measured = run_offline(config, specs, after_run=_checkpoint(args, config, workload, specs))
     status = _emit(offline_report(args, config, workload, specs, measured), args)
     check = measured["check_outputs"]
     if check and any(c["differing"] for c in check["runs"].values()):
@@ -228,6 +228,24 @@ def run_offline_mode(args) -> int:
               file=sys.stderr)
         status = 1
     return status
+
+
+def _checkpoint(args, config, workload: Workload, specs):
+    """With --json: after every run, save the runs so far (``"partial": true``), so a bench
+    stopped by a time limit, a crash or Ctrl-C keeps what it measured. The full report
+    replaces it at the end."""
+    if not args.json:
+        return None
+
+    def save(runs: list, check: dict | None, planned: int) -> None:
+        info = _workload_info(args, workload, specs, "offline")
+        info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
+        report_mod.write_json({"mode": "offline", "partial": True, "runs_done": len(runs),
+                               "runs_planned": planned, "workload": info,
+                               "environment": environment(True), "runs": runs,
+                               "check_outputs": check}, args.json)
+
+    return save
 
 
 def offline_report(args, config, workload: Workload, specs, measured: dict) -> dict:
@@ -245,7 +263,8 @@ def offline_report(args, config, workload: Workload, specs, measured: dict) -> d
     if results["stock"]["kv_blocks_per_run"] != results["proxima"]["kv_blocks_per_run"]:
         notes.append(f"KV-cache block counts differ: stock {results['stock']['kv_blocks_per_run']}, "
                      f"proxima {results['proxima']['kv_blocks_per_run']}")
-    return {"mode": "offline", "notes": notes, "workload": info, "environment": environment(True),
+    return {"mode": "offline", "partial": False, "notes": notes, "workload": info,
+            "environment": environment(True),
             "results": measured["results"],
             "ratios": ratios(measured["results"], report_mod.RATIO_KEYS["offline"]),
             "check_outputs": measured["check_outputs"], "runs": measured["runs"]}

@@ -352,10 +352,13 @@ def summarize(runs: Sequence[dict]) -> dict:
 
 def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
                 build_llm: Callable | None = None,
-                sampling_params: Callable | None = None) -> dict:
+                sampling_params: Callable | None = None,
+                after_run: Callable[[list, dict | None, int], None] | None = None) -> dict:
     """All runs of :func:`plan_runs`; returns ``{"runs", "results", "check_outputs"}``.
 
-    ``build_llm(kwargs)`` and ``sampling_params(max_tokens)`` default to vLLM's."""
+    ``build_llm(kwargs)`` and ``sampling_params(max_tokens)`` default to vLLM's.
+    ``after_run(runs, check_outputs, planned)`` is called after every run with what has been
+    measured so far (the CLI saves it, so a run cut short loses nothing already measured)."""
     build_llm = build_llm or default_build_llm
     sampling_params = sampling_params or default_sampling_params
     validate(config)
@@ -367,9 +370,10 @@ def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
     check: dict | None = None
     if config.check_outputs:
         check = {"reference": "stock#1", "requests": len(specs), "runs": {}}
+    planned = plan_runs(config.repeat)
     with scoped_env({}, ENGINE_DEFAULTS), \
             tempfile.TemporaryDirectory(prefix="proxima-bench-") as tmp:
-        for allocator, rep in plan_runs(config.repeat):
+        for allocator, rep in planned:
             print(f"proxima bench: {allocator} run {rep}/{config.repeat}", file=sys.stderr,
                   flush=True)
             figures, tokens = run_once(allocator, config, specs, Path(tmp), build_llm,
@@ -381,5 +385,10 @@ def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
                 else:
                     check["runs"][f"{allocator}#{rep}"] = compare_tokens(reference, tokens,
                                                                        request_ids)
+            print(f"proxima bench: {allocator} run {rep}/{config.repeat} done: "
+                  f"{figures['elapsed_s']:.2f} s, {figures['output_tokens_per_s']:.1f} output "
+                  f"tok/s ({len(runs)} of {len(planned)} runs)", file=sys.stderr, flush=True)
+            if after_run is not None:
+                after_run(runs, check, len(planned))
     results = {a: summarize([r for r in runs if r["allocator"] == a]) for a in ALLOCATORS}
     return {"runs": runs, "results": results, "check_outputs": check}

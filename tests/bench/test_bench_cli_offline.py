@@ -284,6 +284,37 @@ def test_cli_offline_end_to_end_exit_status(tmp_path, stand_in, monkeypatch, cap
     assert "generated tokens differ" in capsys.readouterr().err
 
 
+def test_a_bench_cut_short_keeps_the_runs_it_measured(tmp_path, stand_in, monkeypatch, capsys):
+    """After every run the JSON holds the runs so far: a third engine that fails to start
+    (or a time limit, or Ctrl-C) loses nothing already measured."""
+    from proxima.cli import main
+    from proxima.errors import UserError
+
+    def build(kwargs):
+        if len(stand_in.built) == 2:
+            raise UserError("vLLM refused the settings: out of memory")
+        return stand_in(kwargs)
+
+    monkeypatch.setattr(offline, "default_build_llm", build)
+    monkeypatch.setattr(offline, "default_sampling_params", lambda n: {"max_tokens": n})
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o.json"
+    argv = ["bench", "--offline", "--no-progress", "--model", str(tmp_path), "--workload",
+            "chat", "--requests", "3", "--repeat", "2", "--check-outputs", "--json", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "proxima run 1/2 done" in err
+    partial = json.loads(out.read_text())
+    assert partial["partial"] is True
+    assert (partial["runs_done"], partial["runs_planned"]) == (2, 4)
+    assert [r["allocator"] for r in partial["runs"]] == ["stock", "proxima"]
+    assert partial["check_outputs"]["runs"]["proxima#1"]["identical"] == 3
+    assert partial["workload"]["requests"] == 3
+    monkeypatch.setattr(offline, "default_build_llm", stand_in)
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["partial"] is False
+
+
 def test_a_users_multiproc_method_is_kept(tmp_path, stand_in, monkeypatch):
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     run(tmp_path, stand_in, make_workload("chat", 2).requests)
