@@ -53,6 +53,7 @@ from proxima.workloads import RequestSpec
 
 ALLOCATORS = ("stock", "proxima")
 STATUS_POLL_S = 0.5
+FINAL_SNAPSHOT_WAIT_S = 1.0
 MAX_DIFFERING_SHOWN = 5
 # Set for the engines of a bench run unless the user set them (restored afterwards).
 ENGINE_DEFAULTS = {
@@ -175,13 +176,21 @@ class StatusSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self._take()                        # the final snapshot, if a new one came
+        # The engine writes a last snapshot when its last request is freed, which can land
+        # just after generate() returns here: wait briefly for it (seen on the H200: one of
+        # 200 finished requests missing from the stock tally without this).
+        deadline = time.monotonic() + FINAL_SNAPSHOT_WAIT_S
+        while not self._take() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
-    def _take(self) -> None:
+    def _take(self) -> bool:
+        """Keep the current snapshot if it is new; True when it was."""
         snap = read_status(self.path)
         if snap is not None and snap.get("time") not in self._seen:
             self._seen.add(snap.get("time"))
             self.snapshots.append(snap)
+            return True
+        return False
 
     def _loop(self) -> None:
         while not self._stop.wait(STATUS_POLL_S):

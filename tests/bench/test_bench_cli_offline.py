@@ -335,3 +335,18 @@ def test_contiguity_prefers_the_tally_of_finished_requests():
                       "finished_blocks_per_run": {"count": 0, "mean": None}}]
     assert offline.contiguity(none_finished)["blocks_per_run_source"] == "running"
     assert offline.contiguity([])["blocks_per_run_source"] is None
+
+
+def test_the_sampler_waits_for_a_last_snapshot_written_just_after_the_run(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(offline, "STATUS_POLL_S", 0.05)
+    path = tmp_path / "status.json"
+    with offline.StatusSampler(path) as sampler:
+        write_status({"n": 1}, path=path)
+        time.sleep(0.3)
+        late = threading.Timer(0.3, lambda: write_status({"n": 2}, path=path))
+        late.start()                   # the engine's last write, after generate() returned
+    late.join()
+    assert [s["n"] for s in sampler.snapshots] == [1, 2]
