@@ -11,7 +11,11 @@ Layout::
      "num_blocks": 55735, "block_size": 16, "time": 1764470000.0,
      "allocator": {<BuddyAllocator.stats()>}, "num_evictable": 12,
      "running_blocks_per_run": [1.0, 3.5, ...], "alloc_seconds_total": 0.12, "steps": 420,
-     "invariants_ok": true}
+     "finished_blocks_per_run": {"count": 880, "mean": 12.0}, "invariants_ok": true}
+
+With Proxima off and ``PROXIMA_OBSERVE=1`` the read-only observer of stock vLLM
+(:mod:`proxima.engines.observe_v1`) writes the same contiguity fields with
+``"active": false, "observer": true`` (no allocator fields).
 """
 
 from __future__ import annotations
