@@ -2,6 +2,17 @@
 # Issues 4 and 5 on the lent H200s: the driver of the recorded GPU runs (docs/results/).
 # Run from the repo root on the GPU host; files land in $OUT (default ./gpu-out).
 #
+# Staging (on a networked machine, into the git-ignored .stage/):
+#   bash /work/shared/gpu/stage-vllm.sh                          # .stage/c1, .stage/c2: vLLM 0.26.0
+#   pip wheel --no-deps -w .stage/plugin .                       # Proxima (its plugin entry point)
+#   W="pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
+#   $W -d .stage/plugin gunicorn==27.0.1 uvicorn-worker==0.4.0 uvicorn==0.54.0 httptools \
+#      prometheus-fastapi-instrumentator python-multipart sse-starlette
+#   $W -d .stage/serve-extra model-hosting-container-standards==0.1.16 supervisor truststore \
+#      watchfiles jmespath email-validator dnspython pydantic-extra-types jsonschema \
+#      jsonschema-specifications referencing rpds-py      # what vLLM's api_server imports
+#
 #   bash tests/gpu/proof/run.sh c1                  # volume 1 + wheels (carry .stage/c1,
 #                                                   # .stage/plugin, .stage/serve-extra); exit 2 expected
 #   bash tests/gpu/proof/run.sh c2 BUDGET_S LANE... # volume 2 (carry .stage/c2), then the lanes
