@@ -21,7 +21,7 @@ from proxima.errors import UserError
 from proxima.workloads import WORKLOADS, RequestSpec, Workload, load_trace, make_workload
 
 ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout")
-OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "repeat", "check_outputs",
+OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "check_outputs",
                 "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")
 
 
@@ -72,10 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--tensor-parallel-size", type=int, metavar="TP")
     off.add_argument("--enforce-eager", action="store_true", default=None,
                      help="no torch.compile / CUDA graphs")
-    off.add_argument("--repeat", type=int, metavar="K",
-                     help="run each allocator K times, alternating (default 1)")
     off.add_argument("--check-outputs", action="store_true", default=None,
                      help="compare generated token ids of every run with the first stock run")
+
+    parser.add_argument("--repeat", type=int, metavar="K", help=(
+        "offline: run each allocator K times, alternating; online: K rounds over all "
+        "servers, round r with seed + r - 1, every other round in reverse server order; "
+        "medians and the run-to-run spread are reported (default 1)"))
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -87,20 +90,21 @@ def _given(args, names) -> list[str]:
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
 
 
-def request_list(args) -> tuple[Workload, list[RequestSpec]]:
-    """The workload and its requests in dispatch order.
+def request_list(args, seed: int | None = None) -> tuple[Workload, list[RequestSpec]]:
+    """The workload and its requests in dispatch order (``seed``: default ``--seed``).
 
     Requests are sent in ``arrival_step`` order (stable), so later turns of a conversation
     follow earlier ones; beyond that order, pacing comes from the concurrency or rate
     (online) or from vLLM's scheduler (offline, all submitted at once)."""
     if args.requests is not None and args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    seed = args.seed if seed is None else seed
     max_len = args.max_model_len or 8192
     if args.trace:
-        workload = load_trace(args.trace, seed=args.seed, max_model_len=max_len)
+        workload = load_trace(args.trace, seed=seed, max_model_len=max_len)
         specs = workload.requests[: args.requests] if args.requests else workload.requests
     else:
-        workload = make_workload(args.workload or "chat", args.requests, seed=args.seed,
+        workload = make_workload(args.workload or "chat", args.requests, seed=seed,
                                  max_model_len=max_len)
         specs = workload.requests
     return workload, sorted(specs, key=lambda s: s.arrival_step)
@@ -168,25 +172,46 @@ def run_online_mode(args) -> int:
     timeout = 600.0 if args.timeout is None else args.timeout
     if not timeout > 0:
         raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    repeat = 1 if args.repeat is None else args.repeat
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {args.repeat}")
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot")
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
-        from proxima.bench.online import run_online
+        from proxima.bench.online import merge_rounds, run_online
     except ModuleNotFoundError as exc:
         raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
     concurrency = None
     if args.request_rate is None:
         concurrency = args.concurrency or workload.concurrency or len(specs)
     endpoint = args.endpoint or "completions"
-    results = run_online(targets, specs, args.model, endpoint=endpoint, concurrency=concurrency,
-                         rate=args.request_rate, seed=args.seed, timeout_s=timeout,
-                         progress=not args.no_progress)
     info = _workload_info(args, workload, specs, "online")
     info.update(endpoint=endpoint, concurrency=concurrency, request_rate=args.request_rate,
-                timeout_s=timeout)
-    rep = {"mode": "online", "workload": info, "environment": environment(False),
+                timeout_s=timeout, repeat=repeat)
+    rounds = []
+    for r in range(repeat):
+        # Round r sends the workload made with seed + r (prompts the servers' prefix caches
+        # have not seen), to every server; even rounds go in reverse server order.
+        _, round_specs = request_list(args, seed=args.seed + r) if r else (workload, specs)
+        order = targets if r % 2 == 0 else targets[::-1]
+        if repeat > 1:
+            print(f"proxima bench: round {r + 1}/{repeat} (seed {args.seed + r}): "
+                  f"{', '.join(t.label for t in order)}", file=sys.stderr, flush=True)
+        result = run_online(order, round_specs, args.model, endpoint=endpoint,
+                            concurrency=concurrency, rate=args.request_rate,
+                            seed=args.seed + r, timeout_s=timeout,
+                            progress=not args.no_progress)
+        rounds.append({t.label: result[t.label] for t in targets})
+        if args.json and r + 1 < repeat:     # a bench cut short keeps the rounds it measured
+            report_mod.write_json({"mode": "online", "partial": True, "rounds_done": r + 1,
+                                   "rounds_planned": repeat, "workload": info,
+                                   "environment": environment(False), "per_round": rounds},
+                                  args.json)
+    results = merge_rounds(rounds)
+    rep = {"mode": "online", "partial": False, "workload": info,
+           "environment": environment(False),
            "results": results, "ratios": ratios(results, report_mod.RATIO_KEYS["online"])}
     status = 0
     for label, result in results.items():

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from proxima.bench.stats import latency_summary
+from proxima.bench.stats import latency_summary, median, spread
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
@@ -394,3 +394,46 @@ def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: s
         raise UserError("the request list is empty: --requests must be >= 1")
     return asyncio.run(_run_all(targets, specs, model, endpoint, concurrency, rate, seed,
                                 timeout_s, progress))
+
+
+SUMMED = ("requests", "completed", "errors", "output_tokens", "short_outputs")
+
+
+def merge_rounds(rounds: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """Several rounds (each ``{label: summarize(...)}``) -> one result per label.
+
+    Counts are summed over rounds (``preemptions`` too, None if any round lacks it); rates,
+    durations and each latency percentile are the median over rounds; ``rounds`` and
+    ``output_tokens_per_s_spread`` (the label's noise band) are added and every round's own
+    figures are kept in ``per_round``. A single round is returned as it is."""
+    if len(rounds) == 1:
+        return dict(rounds[0])
+    merged = {}
+    for label in rounds[0]:
+        per = [r[label] for r in rounds]
+        out = {"base_url": per[0]["base_url"], "rounds": len(per)}
+        for key, first in per[0].items():
+            if key in ("base_url", "error_samples", "output_tokens_source"):
+                continue
+            values = [p.get(key) for p in per]
+            if key in SUMMED:
+                out[key] = sum(v or 0 for v in values)
+            elif key == "preemptions":
+                out[key] = None if any(v is None for v in values) else sum(values)
+            elif isinstance(first, dict):
+                out[key] = {q: (sum(p[key].get(q) or 0 for p in per) if q == "n" else
+                                median(p[key].get(q) for p in per)) for q in first}
+            else:
+                out[key] = median(values)
+        samples: dict[str, int] = {}
+        for p in per:
+            for err, n in p["error_samples"].items():
+                samples[err] = samples.get(err, 0) + n
+        out["error_samples"] = dict(sorted(samples.items(), key=lambda kv: -kv[1])
+                                    [:MAX_ERROR_SAMPLES])
+        sources = {p["output_tokens_source"] for p in per}
+        out["output_tokens_source"] = sources.pop() if len(sources) == 1 else "mixed"
+        out["output_tokens_per_s_spread"] = spread(p["output_tokens_per_s"] for p in per)
+        out["per_round"] = per
+        merged[label] = out
+    return merged

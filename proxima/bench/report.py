@@ -56,6 +56,14 @@ OFFLINE_ROWS = [
     ("Proxima active", "proxima_active", "yesno", "n/a"),
 ]
 
+# Online with --repeat K > 1: the rounds and the noise band, before the other rows.
+ONLINE_ROUND_ROWS = [
+    ("rounds", "rounds", "{:d}", "n/a"),
+    ("output tok/s min", "output_tokens_per_s_spread.min", "{:.1f}", "n/a"),
+    ("output tok/s max", "output_tokens_per_s_spread.max", "{:.1f}", "n/a"),
+    ("run-to-run spread (%)", "output_tokens_per_s_spread.spread_pct", "{:.2f}", "n/a"),
+]
+
 # Ratio columns are shown for these keys only: a ratio of error counts means nothing.
 RATIO_KEYS = {
     "online": ["requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
@@ -80,6 +88,8 @@ def format_table(report: dict) -> str:
     """The terminal table: one column per label, then one per ratio."""
     rows = ONLINE_ROWS if report["mode"] == "online" else OFFLINE_ROWS
     labels = list(report["results"])
+    if report["mode"] == "online" and any("rounds" in report["results"][l] for l in labels):
+        rows = ONLINE_ROUND_ROWS + ONLINE_ROWS
     ratio_names = list(report.get("ratios", {}))
     header = [""] + labels + ratio_names
     body = []
@@ -107,6 +117,8 @@ def _describe(report: dict) -> str:
         pacing = (f"request rate {w['request_rate']:g}/s" if w.get("request_rate") is not None
                   else f"concurrency {w['concurrency']}")
         parts.append(f"{pacing}, endpoint {w['endpoint']}, model {w['model']}")
+        if (w.get("repeat") or 1) > 1:
+            parts.append(f"{w['repeat']} rounds (medians; round r uses seed + r - 1)")
     else:
         parts.append(f"model {w['model']}")
     parts.append(f"seed {w['seed']}")

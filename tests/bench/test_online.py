@@ -210,3 +210,39 @@ def test_synthetic_workload_and_request_count(fake_server, tmp_path):
     assert rep["workload"]["name"] == "chat" and rep["workload"]["concurrency"] == 20
     assert rep["results"]["A"]["output_tokens"] == 4 * 100 == server.state.tokens_streamed
     assert rep["results"]["A"]["base_url"] == server.url
+
+
+def test_repeat_runs_rounds_with_fresh_prompts_and_reports_the_noise_band(fake_server, tmp_path,
+                                                                          capsys):
+    a = fake_server(delay=0.0005, preemptions_per_request=1)
+    b = fake_server(delay=0.0005)
+    rc, rep = bench(tmp_path, "--base-url", a.url, "--label", "stock", "--base-url", b.url,
+                    "--label", "proxima", "--model", "tiny", "--workload", "chat",
+                    "--requests", "5", "--repeat", "3", "--seed", "7")
+    assert rc == 0 and rep["partial"] is False and rep["workload"]["repeat"] == 3
+    # every server got each round's list once; the rounds' prompts differ (seeds 7, 8, 9)
+    key = lambda body: tuple(body["prompt"])  # noqa: E731
+    assert Counter(map(key, a.state.bodies)) == Counter(map(key, b.state.bodies))
+    assert len(a.state.bodies) == 15 and len(set(map(key, a.state.bodies))) == 15
+    err = capsys.readouterr().err
+    assert "round 1/3 (seed 7): stock, proxima" in err
+    assert "round 2/3 (seed 8): proxima, stock" in err          # order reversed
+    for label in ("stock", "proxima"):
+        res = rep["results"][label]
+        per = res["per_round"]
+        assert res["rounds"] == 3 and len(per) == 3
+        assert res["completed"] == 15 and res["output_tokens"] == 15 * 100
+        tps = sorted(p["output_tokens_per_s"] for p in per)
+        assert res["output_tokens_per_s"] == pytest.approx(tps[1])
+        assert res["output_tokens_per_s_spread"]["spread_pct"] == pytest.approx(
+            (tps[2] - tps[0]) / tps[1] * 100)
+        assert res["e2e_ms"]["n"] == 15
+        assert res["e2e_ms"]["p90"] == pytest.approx(sorted(p["e2e_ms"]["p90"] for p in per)[1])
+    assert rep["results"]["stock"]["preemptions"] == 15
+    assert rep["ratios"]["proxima/stock"]["output_tokens_per_s"] == pytest.approx(
+        rep["results"]["proxima"]["output_tokens_per_s"]
+        / rep["results"]["stock"]["output_tokens_per_s"])
+    rc, _ = bench(tmp_path, "--base-url", a.url, "--model", "tiny", "--workload", "chat",
+                  "--requests", "2", "--repeat", "2")
+    table = capsys.readouterr().out
+    assert rc == 0 and "run-to-run spread (%)" in table and "2 rounds" in table

@@ -26,6 +26,11 @@
 #                (forces preemption), --check-outputs, --repeat ${REPEAT_identity:-2}
 #   chat, sharegpt, pressure   item 2 workloads (REPEAT_<name> overrides the repeat count)
 #   tp2          item 3: item 1 with tensor_parallel_size=2 (200 requests; needs 2 GPUs)
+#   online-default, online-pressure   item 2 the article's way (online, OpenAI API, streaming):
+#                two vLLM servers on the lane's GPU, stock (PROXIMA_ALLOCATOR=0) and Proxima (=1),
+#                started one after the other, then `proxima bench` loads them in turn:
+#                default KV: chat (concurrency 20) x ${REPEAT_online_chat:-5} rounds, sharegpt x ${REPEAT_online_sharegpt:-2};
+#                30,720-token KV: pressure x ${REPEAT_online_pressure:-3}
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
@@ -79,6 +84,51 @@ bench() {  # bench NAME ARGS...
   timed "$name" "$(( $(left) - 5 ))" python3 -m proxima.cli bench --offline --model "$MODEL" \
     --load-format dummy --no-progress --json "$OUT/$name.json" "$@"
 }
+# server NAME PORT ALLOCATOR KV_BYTES: a vLLM OpenAI server in the background, its pid in $NAME.pid
+server() {
+  local name=$1 port=$2 alloc=$3 kv=$4
+  echo "[$name] start $(date -u +%T) on GPU $CUDA_VISIBLE_DEVICES: PROXIMA_ALLOCATOR=$alloc port $port kv $kv" | tee -a "$LOG"
+  PROXIMA_ALLOCATOR=$alloc python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --load-format dummy --tokenizer "$PWD/proxima/models/tiny-llama" --port "$port" \
+    --gpu-memory-utilization 0.45 --kv-cache-memory-bytes "$kv" > "$OUT/$name.log" 2>&1 &
+  echo $! > "$OUT/$name.pid"
+}
+# healthy PORT LIMIT: wait until /health answers 200
+healthy() {
+  python3 - "$1" "$2" <<'PYEOF'
+import sys, time, urllib.request
+port, limit = sys.argv[1], float(sys.argv[2]); end = time.monotonic() + limit
+while time.monotonic() < end:
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(2)
+sys.exit(1)
+PYEOF
+}
+online() {  # online NAME KV_BYTES WORKLOAD:REPEAT...
+  local name=$1 kv=$2; shift 2
+  local base=$(( 8100 + 10 * ${CUDA_VISIBLE_DEVICES%%,*} )) t=$SECONDS w
+  server "$name-stock" $base 0 "$kv"
+  if healthy $base "$(( $(left) - 60 ))"; then
+    server "$name-proxima" $(( base + 1 )) 1 "$kv"
+    if healthy $(( base + 1 )) "$(( $(left) - 30 ))"; then
+      echo "[$name] both servers healthy after $((SECONDS - t))s" | tee -a "$LOG"
+      grep -h "Using Proxima contiguous allocator" "$OUT/$name-proxima.log" | tail -n 1 | tee -a "$LOG"
+      for w in "$@"; do
+        timed "$name-${w%%:*}" "$(( $(left) - 10 ))" python3 -m proxima.cli bench \
+          --base-url http://127.0.0.1:$base --label stock \
+          --base-url http://127.0.0.1:$(( base + 1 )) --label proxima --model "$MODEL" \
+          --workload "${w%%:*}" --repeat "${w#*:}" --no-progress \
+          --json "$OUT/$name-${w%%:*}.json" --plot "$OUT/$name-${w%%:*}.png"
+      done
+    else echo "[$name] proxima server not healthy" | tee -a "$LOG"; fi
+  else echo "[$name] stock server not healthy" | tee -a "$LOG"; fi
+  kill "$(cat "$OUT/$name-stock.pid")" "$(cat "$OUT/$name-proxima.pid" 2>/dev/null)" 2>/dev/null
+  wait 2>/dev/null
+}
 task() {
   case "$1" in
     identity) bench identity --workload multiturn --requests 400 --kv-cache-memory-bytes $KV_30K \
@@ -89,6 +139,9 @@ task() {
                 --repeat "${REPEAT_pressure:-2}" --check-outputs --plot "$OUT/pressure.png" ;;
     tp2)      bench tp2 --workload multiturn --requests 200 --tensor-parallel-size 2 \
                 --kv-cache-memory-bytes $KV_30K_TP2 --check-outputs ;;
+    online-default)  online online-default 40000000000 "chat:${REPEAT_online_chat:-5}" \
+                       "sharegpt:${REPEAT_online_sharegpt:-2}" ;;
+    online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
     serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
