@@ -529,6 +529,7 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         self.gpu_allocator.room_source = self._decode_room
         self._status_path = _status.stats_path()
         self._next_status = 0.0
+        self._invariants = _status.InvariantWatch()
         logger.info("%s: %d GPU blocks, block size %d (vLLM %s, V0 block manager, "
                     "prefix caching %s)", LOG_LINE, num_gpu_blocks, block_size,
                     vllm.__version__, "on" if enable_caching else "off")
@@ -615,17 +616,17 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 
     def _maybe_write_status(self, force: bool = False, check: bool = False) -> None:
         """Write the status file (if PROXIMA_STATS_FILE is set); at most once a second.
-        ``check``: also verify the buddy allocator's invariants on the live pool and record
-        the verdict (``invariants_ok``), as the V1 adapter does when it creates its pool; the
-        self-check of ``proxima serve`` reads it."""
+        Every snapshot carries the last verdict on the buddy allocator's invariants
+        (``invariants_ok``), checked on the live pool now when ``check`` and otherwise at
+        most once a minute, as the V1 adapter does; the self-check of ``proxima serve``
+        and ``proxima_invariants_ok`` read it."""
         if self._status_path is None:
             return
         now = time.monotonic()
         if force or now >= self._next_status:
             self._next_status = now + 1.0
             stats = self.proxima_stats()
-            if check:
-                stats.update(_status.invariants_verdict(self.gpu_allocator.buddy))
+            stats.update(self._invariants.current(self.gpu_allocator.buddy, force=check))
             _status.write_status(stats, self._status_path)
 
 

@@ -35,7 +35,7 @@ from typing import Iterator
 
 from proxima.allocator import BuddyAllocator, count_runs
 from proxima.engines import activation
-from proxima.engines.status import invariants_verdict, stats_path, write_status
+from proxima.engines.status import InvariantWatch, stats_path, write_status
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -207,6 +207,7 @@ def _block_pool_class():
             self.proxima_managers: list = []   # the per-group managers seen allocating
             self.proxima_steps = 0
             self.proxima_finished = FinishedTally()
+            self.proxima_invariants = InvariantWatch()
             self.proxima_status_path = stats_path()
             self._next_status = 0.0
             import vllm
@@ -240,7 +241,8 @@ def _block_pool_class():
 
         def publish_status(self, check: bool = False, now: bool = False) -> None:
             """Write the status file (if PROXIMA_STATS_FILE is set): at most once a second,
-            unless ``check`` (with the invariants) or ``now``."""
+            unless ``check`` (invariants checked now) or ``now``. Every snapshot carries the
+            last invariant verdict, renewed at most once a minute (``InvariantWatch``)."""
             if self.proxima_status_path is None:
                 return
             clock = time.monotonic()
@@ -248,8 +250,7 @@ def _block_pool_class():
                 return
             self._next_status = clock + STATUS_INTERVAL_S
             stats = self.proxima_stats()
-            if check:
-                stats.update(invariants_verdict(self.free_block_queue.buddy))
+            stats.update(self.proxima_invariants.current(self.free_block_queue.buddy, force=check))
             write_status(stats, self.proxima_status_path)
 
     return ProximaBlockPool

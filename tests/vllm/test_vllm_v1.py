@@ -394,3 +394,31 @@ def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
     # 9 blocks per request: Proxima keeps each in one run, stock interleaves decode growth
     assert means[True] == pytest.approx(9.0)
     assert means[False] < 3.0
+
+
+def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
+    from proxima.allocator import buddy as buddy_mod
+    from proxima.engines import status as status_mod
+
+    path = tmp_path / "status.json"
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(path))
+    monkeypatch.setattr(vllm_v1, "STATUS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(status_mod, "INVARIANTS_INTERVAL_S", 0.0)
+    vllm_v1.activate()
+    s = build_scheduler(proxima=True, num_blocks=300)
+    first = status_mod.read_status(path)
+    assert first["invariants_ok"] is True
+    add_requests(s, 6, prompt_len=100, max_tokens=20)
+    for _ in range(5):
+        step(s)
+    later = status_mod.read_status(path)
+    assert later["invariants_ok"] is True
+    assert later["invariants_checked_at"] > first["invariants_checked_at"]
+    # break the live pool behind the allocator's back: the next snapshot says so
+    pool = s.kv_cache_manager.block_pool
+    buddy = pool.free_block_queue.buddy
+    free_id = next(i for i in range(1, 300) if buddy._state[i] == buddy_mod.FREE)
+    buddy._state[free_id] = buddy_mod.ALLOCATED
+    pool.publish_status(now=True)
+    broken = status_mod.read_status(path)
+    assert broken["invariants_ok"] is False and "num_free" in broken["invariants_error"]

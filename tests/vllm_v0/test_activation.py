@@ -158,3 +158,21 @@ def test_status_file(clean_activation, monkeypatch, tmp_path):
     assert status["num_blocks"] == 100 and status["allocator"]["num_free"] == 100
     # the pool's invariants are checked when it is created (proxima serve's self-check reads it)
     assert status["invariants_ok"] is True and "invariants_error" not in status
+
+
+def test_status_carries_a_live_invariant_verdict(clean_activation, monkeypatch, tmp_path):
+    import json
+
+    from proxima.allocator import buddy as buddy_mod
+    from proxima.engines import status as status_mod
+
+    path = tmp_path / "status.json"
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(path))
+    monkeypatch.setattr(status_mod, "INVARIANTS_INTERVAL_S", 0.0)
+    manager = make_manager(True, 100)
+    buddy = manager.gpu_allocator.buddy
+    free_id = next(i for i in range(100) if buddy._state[i] == buddy_mod.FREE)
+    buddy._state[free_id] = buddy_mod.ALLOCATED          # broken behind the allocator's back
+    manager._maybe_write_status(force=True)
+    status = json.loads(path.read_text())
+    assert status["invariants_ok"] is False and "num_free" in status["invariants_error"]
