@@ -17,9 +17,7 @@ costs one clock read, as Proxima's own status writing does.
 
 from __future__ import annotations
 
-import time
-
-from proxima.engines.status import stats_path, write_status
+from proxima.engines.status import StatusWriter
 from proxima.engines.vllm_v1 import (STATUS_INTERVAL_S, FinishedTally, idle,
                                       running_blocks_per_run)
 
@@ -43,25 +41,22 @@ def snapshot(manager, steps: int, finished: FinishedTally) -> dict:
 
 
 class _Observer:
-    """Per-process state: steps seen, the finished tally, the next snapshot's time."""
+    """Per-process state: steps seen, the finished tally, the status writer."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.finished = FinishedTally()
-        self.next = 0.0
+        self.status = StatusWriter(STATUS_INTERVAL_S)
 
-    def publish(self, manager) -> None:
-        path = stats_path()
-        if path is not None:
-            self.next = time.monotonic() + STATUS_INTERVAL_S
-            write_status(snapshot(manager, self.steps, self.finished), path)
+    def publish(self, manager, force: bool = False) -> None:
+        self.status.publish(lambda: snapshot(manager, self.steps, self.finished), force=force)
 
 
 def _wrap(name: str, original, observer: _Observer):
     if name == "new_step_starts":
         def wrapper(self) -> None:
             observer.steps += 1
-            if time.monotonic() >= observer.next:
+            if observer.status.due():
                 observer.publish(self)
             return original(self)
     else:
@@ -72,7 +67,7 @@ def _wrap(name: str, original, observer: _Observer):
             observer.finished.add(managers, request.request_id)
             original(self, request)
             if idle(managers):
-                observer.publish(self)
+                observer.publish(self, force=True)
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     return wrapper

@@ -24,8 +24,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 STATS_ENV = "PROXIMA_STATS_FILE"
+STATUS_INTERVAL_S = 1.0
 INVARIANTS_INTERVAL_S = 60.0
 
 
@@ -71,6 +73,34 @@ class InvariantWatch:
             self._next = now + INVARIANTS_INTERVAL_S
             self.verdict = dict(invariants_verdict(buddy), invariants_checked_at=time.time())
         return self.verdict
+
+
+class StatusWriter:
+    """How an engine writes its status: to ``PROXIMA_STATS_FILE`` (read when the writer is
+    made; no file, no work), at most once every ``interval`` seconds unless ``force``d.
+    Given the pool's buddy allocator, each snapshot carries the last invariant verdict
+    (:class:`InvariantWatch`; ``check`` renews it now). Used by both engine adapters and by
+    the stock observer, so all three throttle and stamp snapshots the same way."""
+
+    def __init__(self, interval: float | None = None) -> None:
+        self.path = stats_path()
+        self.interval = STATUS_INTERVAL_S if interval is None else interval
+        self._next = 0.0
+        self._invariants = InvariantWatch()
+
+    def due(self) -> bool:
+        return self.path is not None and time.monotonic() >= self._next
+
+    def publish(self, stats: Callable[[], dict], buddy=None, force: bool = False,
+                check: bool = False) -> None:
+        """Write ``stats()`` if a file is set and it is time (or ``force`` / ``check``)."""
+        if self.path is None or not (force or check or self.due()):
+            return
+        self._next = time.monotonic() + self.interval
+        payload = stats()
+        if buddy is not None:
+            payload.update(self._invariants.current(buddy, force=check))
+        write_status(payload, self.path)
 
 
 def read_status(path: Path | None = None) -> dict | None:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import warnings
 from contextlib import contextmanager
 from typing import Iterator, List, Mapping, Optional
@@ -527,9 +526,7 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         self._expected_blocks: dict[int, int] = {}     # seq_id -> blocks at max_tokens
         self._decoding: Optional[Sequence] = None      # the sequence append_slots serves
         self.gpu_allocator.room_source = self._decode_room
-        self._status_path = _status.stats_path()
-        self._next_status = 0.0
-        self._invariants = _status.InvariantWatch()
+        self._status = _status.StatusWriter()
         logger.info("%s: %d GPU blocks, block size %d (vLLM %s, V0 block manager, "
                     "prefix caching %s)", LOG_LINE, num_gpu_blocks, block_size,
                     vllm.__version__, "on" if enable_caching else "off")
@@ -620,14 +617,8 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
         (``invariants_ok``), checked on the live pool now when ``check`` and otherwise at
         most once a minute, as the V1 adapter does; the self-check of ``proxima serve``
         and ``proxima_invariants_ok`` read it."""
-        if self._status_path is None:
-            return
-        now = time.monotonic()
-        if force or now >= self._next_status:
-            self._next_status = now + 1.0
-            stats = self.proxima_stats()
-            stats.update(self._invariants.current(self.gpu_allocator.buddy, force=check))
-            _status.write_status(stats, self._status_path)
+        self._status.publish(self.proxima_stats, self.gpu_allocator.buddy, force=force,
+                             check=check)
 
 
 # ------------------------------------------------------------------------- activation

@@ -35,11 +35,9 @@ from typing import Iterator
 
 from proxima.allocator import BuddyAllocator, count_runs
 from proxima.engines import activation
-from proxima.engines.status import InvariantWatch, stats_path, write_status
+from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
-
-STATUS_INTERVAL_S = 1.0
 
 
 class ProximaFreeQueue:
@@ -207,9 +205,7 @@ def _block_pool_class():
             self.proxima_managers: list = []   # the per-group managers seen allocating
             self.proxima_steps = 0
             self.proxima_finished = FinishedTally()
-            self.proxima_invariants = InvariantWatch()
-            self.proxima_status_path = stats_path()
-            self._next_status = 0.0
+            self.proxima_status = StatusWriter(STATUS_INTERVAL_S)
             import vllm
 
             logger.info("%s: %d blocks of %d tokens (vLLM %s, V1 engine)", activation.LOG_LINE,
@@ -242,16 +238,9 @@ def _block_pool_class():
         def publish_status(self, check: bool = False, now: bool = False) -> None:
             """Write the status file (if PROXIMA_STATS_FILE is set): at most once a second,
             unless ``check`` (invariants checked now) or ``now``. Every snapshot carries the
-            last invariant verdict, renewed at most once a minute (``InvariantWatch``)."""
-            if self.proxima_status_path is None:
-                return
-            clock = time.monotonic()
-            if not (check or now) and clock < self._next_status:
-                return
-            self._next_status = clock + STATUS_INTERVAL_S
-            stats = self.proxima_stats()
-            stats.update(self.proxima_invariants.current(self.free_block_queue.buddy, force=check))
-            write_status(stats, self.proxima_status_path)
+            last invariant verdict, renewed at most once a minute (``StatusWriter``)."""
+            self.proxima_status.publish(self.proxima_stats, self.free_block_queue.buddy,
+                                        force=now, check=check)
 
     return ProximaBlockPool
 
@@ -285,7 +274,7 @@ def _wrap_allocate_new_blocks(original):
             return original(self, request_id, num_tokens, num_tokens_main_model)
         finally:
             queue.after = queue.room = None
-            if pool.proxima_status_path is not None:
+            if pool.proxima_status.path is not None:
                 if self not in pool.proxima_managers:
                     pool.proxima_managers.append(self)
                 pool.publish_status()
@@ -319,7 +308,7 @@ def _wrap_free(original):
         tokens = pool.proxima_expected_tokens.pop(request.request_id, None)
         if tokens is not None:
             pool.proxima_expected_blocks -= -(-tokens // pool.hash_block_size)
-        if pool.proxima_status_path is None:
+        if pool.proxima_status.path is None:
             return original(self, request)
         managers = self.coordinator.single_type_managers
         pool.proxima_finished.add(managers, request.request_id)
