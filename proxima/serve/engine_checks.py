@@ -69,13 +69,19 @@ def check_invariants(status: dict | None) -> Check:
     if "invariants_ok" not in status:
         return failed("allocator-invariants", "the engine's status has no invariants_ok field",
                       "use the engine adapter of this proxima version (reinstall proxima)")
+    checked_at = status.get("invariants_checked_at")
     steps = status.get("steps") or 0
-    when = f"after {steps} scheduler steps" if steps else "when the engine created the pool"
+    if isinstance(checked_at, (int, float)):
+        # The engine renews its verdict at most once a minute and every snapshot carries the
+        # last one, so the snapshot's step count does not date it; its own time does.
+        when = time.strftime("at %H:%M:%S UTC", time.gmtime(checked_at))
+    else:
+        when = f"after {steps} scheduler steps" if steps else "when the engine created the pool"
     if not status["invariants_ok"]:
         error = status.get("invariants_error")
         return failed("allocator-invariants",
                       f"the engine (pid {status.get('pid')}) reports broken allocator invariants "
-                      f"on the live pool, {when}{f': {error}' if error else ''}",
+                      f"on the live pool, checked {when}{f': {error}' if error else ''}",
                       "do not serve: report it with the engine log; unset PROXIMA_ALLOCATOR and "
                       "run `vllm serve` meanwhile")
     alloc = status.get("allocator") or {}

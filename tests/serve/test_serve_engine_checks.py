@@ -71,6 +71,11 @@ def test_invariants(tmp_path):
     line = check_invariants(broken)
     assert line.failed and "run overlap" in line.detail and "do not serve" in line.fix
     assert check_invariants(status_file(tmp_path)).failed  # no verdict at all
+    # A verdict carries its own time: a snapshot at step 900 may hold one from step 0.
+    dated = status_file(tmp_path, steps=900, invariants_ok=True,
+                        invariants_checked_at=1764480612.0)       # 2025-11-30 05:30:12 UTC
+    detail = check_invariants(dated).detail
+    assert "checked at 05:30:12 UTC" in detail and "900" not in detail
 
 
 class _Completions(BaseHTTPRequestHandler):
