@@ -263,20 +263,24 @@ def _checkpoint(args, config, workload: Workload, specs):
         return None
 
     def save(runs: list, check: dict | None, planned: int) -> None:
-        info = _workload_info(args, workload, specs, "offline")
-        info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
         report_mod.write_json({"mode": "offline", "partial": True, "runs_done": len(runs),
-                               "runs_planned": planned, "workload": info,
+                               "runs_planned": planned,
+                               "workload": _offline_info(args, config, workload, specs),
                                "environment": environment(True), "runs": runs,
                                "check_outputs": check}, args.json)
 
     return save
 
 
-def offline_report(args, config, workload: Workload, specs, measured: dict) -> dict:
-    """The offline report dict from what :func:`run_offline` measured."""
+def _offline_info(args, config, workload: Workload, specs) -> dict:
     info = _workload_info(args, workload, specs, "offline")
     info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
+    return info
+
+
+def offline_report(args, config, workload: Workload, specs, measured: dict) -> dict:
+    """The offline report dict from what :func:`run_offline` measured."""
+    info = _offline_info(args, config, workload, specs)
     results = measured["results"]
     notes = []
     if results["proxima"]["proxima_active"] is not True:
