@@ -54,7 +54,7 @@ import math
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Iterator, List, Mapping, Optional
+from typing import Callable, Iterator, List, Mapping, Optional
 
 from proxima.allocator.buddy import BuddyAllocator, count_runs
 from proxima.engines import activation
@@ -91,6 +91,19 @@ except ImportError as exc:  # another vLLM generation: activate() explains, noth
 
 
 # ----------------------------------------------------------------------- GPU allocators
+
+
+def _copy_on_write(allocator, block: Block, place: Callable[[Optional[Block]], int]) -> int:
+    """vLLM's ``cow_block_if_not_appendable`` for both of Proxima's allocators: a shared
+    last block is released and copied to the id ``place(previous block)`` picks."""
+    src_block_id = block.block_id
+    assert src_block_id is not None
+    if allocator._cow_tracker.is_appendable(block):
+        return src_block_id
+    allocator._free_block_id(block)
+    trg_block_id = place(block.prev_block)
+    allocator._cow_tracker.record_cow(src_block_id, trg_block_id)
+    return trg_block_id
 
 
 class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
@@ -292,15 +305,8 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
     def cow_block_if_not_appendable(self, block: Block) -> int:
         """vLLM's copy-on-write; the copy is placed right after the previous block when
         that id is free (a forked sequence's new last block continues its run)."""
-        src_block_id = block.block_id
-        assert src_block_id is not None
-        if self._cow_tracker.is_appendable(block):
-            return src_block_id
-        self._free_block_id(block)
-        prev = block.prev_block
-        trg_block_id = self._allocate_block_id(None if prev is None else prev.block_id)
-        self._cow_tracker.record_cow(src_block_id, trg_block_id)
-        return trg_block_id
+        return _copy_on_write(self, block, lambda prev: self._allocate_block_id(
+            None if prev is None else prev.block_id))
 
     def get_num_free_blocks(self) -> int:
         return self.buddy.num_free + self.num_reserved
@@ -444,18 +450,9 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
         return blocks
 
     def cow_block_if_not_appendable(self, block: Block) -> int:
-        src_block_id = block.block_id
-        assert src_block_id is not None
-        if self._cow_tracker.is_appendable(block):
-            return src_block_id
-        self._free_block_id(block)
-        prev = block.prev_block
-        if prev is None:
-            trg_block_id = self._take_block_ids(1, None)[0]
-        else:
-            trg_block_id = self._take_block_ids(1, prev.block_id, not prev.computed)[0]
-        self._cow_tracker.record_cow(src_block_id, trg_block_id)
-        return trg_block_id
+        return _copy_on_write(self, block, lambda prev: (
+            self._take_block_ids(1, None) if prev is None
+            else self._take_block_ids(1, prev.block_id, not prev.computed))[0])
 
     def get_physical_block_id(self, absolute_id: int) -> int:
         return self._hashless_allocator.get_physical_block_id(absolute_id)
