@@ -1,7 +1,5 @@
 """Proxima inside vLLM 0.26's real V1 scheduler, KV-cache manager and block pool, on CPU."""
 
-import logging
-
 import pytest
 
 from proxima.engines import activation, vllm_v1
@@ -110,21 +108,10 @@ def test_untested_vllm_is_refused_unless_allowed(monkeypatch):
     assert vllm_v1.is_active()
 
 
-def test_the_engine_logs_the_activation_line_once():
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.proxima")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        build_scheduler(proxima=True, num_blocks=500)
-        build_scheduler(proxima=False, num_blocks=500)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    lines = [r.getMessage() for r in records]
+def test_the_engine_logs_the_activation_line_once(proxima_log):
+    build_scheduler(proxima=True, num_blocks=500)
+    build_scheduler(proxima=False, num_blocks=500)
+    lines = [r.getMessage() for r in proxima_log]
     assert lines == ["Using Proxima contiguous allocator: 500 blocks of 16 tokens "
                      "(vLLM 0.26.0, V1 engine)"]
 

@@ -3,8 +3,6 @@ the entry point, and that the block manager is a faithful copy of vLLM's."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from tests.vllm_v0.helpers import card_stack_or_skip, make_manager
@@ -28,17 +26,6 @@ def build_scheduler(num_blocks: int = 128, block_size: int = 16) -> Scheduler:
     cache.num_gpu_blocks, cache.num_cpu_blocks = num_blocks, 16
     sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=2048)
     return Scheduler(sched, cache, lora_config=None)
-
-
-@pytest.fixture
-def proxima_log():
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("vllm.proxima")
-    log.addHandler(handler)
-    yield records
-    log.removeHandler(handler)
 
 
 def test_tested_version_is_the_pinned_one(clean_activation):
