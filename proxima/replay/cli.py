@@ -40,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
+                        "as a GPU engine runs by default (V1 only; default: one step at a time)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each allocator K times, alternating (scheduler time: median)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -95,11 +98,17 @@ def run(args) -> int:
         raise UserError(f"request {too_long[0].request_id} needs more blocks than the pool "
                         f"has ({num_blocks} - 1 null block): raise --num-blocks")
     driver, version = _engine()
+    async_settings = {}
+    if args.async_scheduling:
+        if "async_scheduling" not in inspect.signature(driver.run_replay).parameters:
+            raise UserError(f"--async-scheduling needs vLLM's V1 engine; vLLM {version} "
+                            "schedules one step at a time")
+        async_settings["async_scheduling"] = True
     settings = dict(num_blocks=num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, **async_settings)
     print(f"proxima replay: {workload.name}, {len(workload.requests)} requests, "
           f"{num_blocks} blocks of {args.block_size} tokens, vLLM {version} "
           f"(scheduler on CPU, no model)", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -32,14 +33,17 @@ TINY_LLAMA = {
 def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
                     max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                     enable_prefix_caching: bool = True, max_model_len: int = 8192,
-                    kv_cache_groups=None, model_dir: str | None = None):
+                    kv_cache_groups=None, model_dir: str | None = None,
+                    async_scheduling: bool = False):
     """A real ``vllm.v1.core.sched.scheduler.Scheduler`` for a CPU-only machine.
 
     ``kv_cache_groups``: vLLM ``KVCacheGroupSpec`` list (default: one full-attention group).
+    ``async_scheduling``: vLLM's ``AsyncScheduler`` (what a vLLM 0.26 engine uses by default).
     Proxima is installed only while the scheduler is built and stays in its block pool.
     """
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -57,7 +61,8 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
         cache_config=cache,
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, is_encoder_decoder=False),
+            max_model_len=max_model_len, is_encoder_decoder=False,
+            async_scheduling=async_scheduling),
         device_config=DeviceConfig(device="cpu"),
     )
     if kv_cache_groups is None:
@@ -72,7 +77,8 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
     else:
         vllm_v1.deactivate()
     try:
-        return Scheduler(vllm_config=config, kv_cache_config=kv_config,
+        cls = AsyncScheduler if async_scheduling else Scheduler
+        return cls(vllm_config=config, kv_cache_config=kv_config,
                          structured_output_manager=StructuredOutputManager(config),
                          block_size=block_size, log_stats=True)
     finally:
@@ -87,8 +93,12 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Callable[[int, int], None] | None = None,
-               timeline_every: int = 0) -> dict:
-    """Replay ``workload`` once; return the figures of proxima.replay.report.FIELDS."""
+               timeline_every: int = 0, async_scheduling: bool = False) -> dict:
+    """Replay ``workload`` once; return the figures of proxima.replay.report.FIELDS.
+
+    ``async_scheduling``: vLLM's AsyncScheduler with its engine loop's batch queue of two
+    (a step is scheduled before the previous one's output is processed), as vLLM 0.26
+    runs by default on a GPU; otherwise the synchronous scheduler, one step at a time."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -100,7 +110,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     scheduler = build_scheduler(
         proxima=proxima, num_blocks=num_blocks, block_size=block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+        enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+        async_scheduling=async_scheduling)
     if proxima:
         vllm_v1.activate()       # the managers' growth hints must be live while we run
     # As vLLM's EngineCore does after start-up: move everything built so far (the block
@@ -156,8 +167,14 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
             block_hasher=hasher))
 
+    # Steps scheduled but not yet answered: vLLM 0.26's engine loop keeps up to two in
+    # flight with async scheduling (its batch queue), one without.
+    depth = 2 if async_scheduling else 1
+    in_flight_steps: deque = deque()
+
     try:
-        while next_i < len(pending) or released or scheduler.has_requests():
+        while (next_i < len(pending) or released or scheduler.has_requests()
+               or in_flight_steps):
             if released:
                 released.sort(key=lambda x: x[0])
                 while released and (released[0][0] <= step or not scheduler.has_requests()):
@@ -175,28 +192,24 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 while next_i < len(pending) and pending[next_i].arrival_step <= step:
                     submit(pending[next_i])
                     next_i += 1
-            t0 = time.perf_counter()
-            out = scheduler.schedule()
-            t1 = time.perf_counter()
-            req_ids = list(out.num_scheduled_tokens)
-            sampled = []
             requests = scheduler.requests
-            for rid in req_ids:
-                req = requests[rid]
-                done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_prompt_tokens
-                if not done:
-                    sampled.append([])
-                    continue
-                reply = replies.get(rid)
-                sampled.append([reply[req.num_output_tokens] if reply else 5])
-            runner_output = ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                pooler_output=[])
+            if scheduler.has_requests():
+                t0 = time.perf_counter()
+                out = scheduler.schedule()
+                sched_seconds += time.perf_counter() - t0
+                # What the model runner will return for this step: a token for every
+                # request whose prefill completes in it (vLLM's own flag, set by schedule()).
+                in_flight_steps.appendleft((out, [rid for rid in out.num_scheduled_tokens
+                                                  if not requests[rid].is_prefill_chunk]))
+                steps += 1
+                step += 1
+                if len(in_flight_steps) < depth and scheduler.has_requests():
+                    continue      # vLLM fills its batch queue before it waits for an output
+            out, sampling = in_flight_steps.pop()
+            runner_output = _runner_output(out, sampling, requests, replies)
             t2 = time.perf_counter()
             engine_outputs = scheduler.update_from_output(out, runner_output)
-            t3 = time.perf_counter()
-            sched_seconds += (t1 - t0) + (t3 - t2)
+            sched_seconds += time.perf_counter() - t2
             peak_running = max(peak_running, len(scheduler.running))
             for outputs in engine_outputs.values():
                 # update_from_output already drained the scheduler's stats into here.
@@ -219,8 +232,6 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                             progress(completed, total)
             if timeline_every and steps % timeline_every == 0:
                 free_run_timeline.append((steps, *_largest_free_run(pool)))
-            steps += 1
-            step += 1
     finally:
         kv.free = original_free
         gc.unfreeze()
@@ -253,6 +264,26 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         "largest_free_run_timeline": free_run_timeline,
         "num_blocks": num_blocks,
     }
+
+
+def _runner_output(out, sampling: list[str], requests: dict, replies: dict):
+    """The ``ModelRunnerOutput`` of one scheduled step: a token (the workload's recorded
+    reply, else 5) for each request in ``sampling``, nothing for partial prefills."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    sample = set(sampling)
+    sampled = []
+    for rid in req_ids:
+        req = requests.get(rid)
+        if rid not in sample or req is None:
+            sampled.append([])
+            continue
+        reply = replies.get(rid)
+        sampled.append([reply[req.num_output_tokens] if reply else 5])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=[])
 
 
 def _largest_free_run(pool) -> tuple[int, int, int]:

@@ -115,3 +115,12 @@ def test_progress_and_result_keys():
                 "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step",
                 "recompute_preemptions", "swap_preemptions"):
         assert key in result
+
+
+def test_async_scheduling_is_refused_on_the_v0_engine(capsys):
+    from proxima.cli import main
+
+    assert main(["replay", "--workload", "chat", "--requests", "4", "--async-scheduling",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("proxima replay: error: --async-scheduling needs vLLM's V1 engine")
