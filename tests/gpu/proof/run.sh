@@ -34,6 +34,8 @@
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
+# At the end, if $OUT holds more than 8 files (the most one device call brings back), all but
+# the step's own log are packed into $OUT/results-STEP.tgz (call 2 of session 3 lost files so).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 STEP=${1:?step}; shift
@@ -172,6 +174,14 @@ check_install() {  # check_install INSTALLER
 print('serve imports ok')" 2>&1 | tail -n 3 | tee -a "$LOG"
 }
 
+pack_out() {
+  local n; n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  [ "$n" -le 8 ] && return 0
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name "call-$STEP.txt" ! -name '*.tgz' -printf '%P\n' \
+     | LC_ALL=C sort > .packed && tar czf "results-$STEP.tgz" -T .packed && xargs rm -f < .packed \
+     && rm -f .packed) && echo "packed $((n - 1)) files into $OUT/results-$STEP.tgz" | tee -a "$LOG"
+}
+
 facts "$@" 2>&1 | tee "$LOG"
 case "$STEP" in
   c1)
@@ -187,3 +197,4 @@ case "$STEP" in
   *) echo "unknown step $STEP"; exit 64 ;;
 esac
 echo "== step $STEP done after ${SECONDS}s" | tee -a "$LOG"
+pack_out
