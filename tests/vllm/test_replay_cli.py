@@ -62,3 +62,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["replay", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_arrival_timing_alone_moves_preemptions_and_proxima_follows_stock():
+    """docs/benchmarks.md §3.1: on the GPU, how many requests the first step sees depends on
+    timing. Replayed on CPU, that split alone changes stock's preemption count, and for
+    every split Proxima preempts exactly as often as stock."""
+    from proxima.workloads import make_workload
+    from tests.bench.arrival_split import preemptions, split_arrivals
+
+    w = make_workload("pressure", 150, seed=0)
+    got = [preemptions(split_arrivals(w, first, 1), num_blocks=1920) for first in (5, 8, 55)]
+    assert [g["stock"] for g in got] == [47, 46, 52]
+    assert all(g["proxima"] == g["stock"] for g in got)
