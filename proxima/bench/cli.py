@@ -16,13 +16,14 @@ from pathlib import Path
 
 import proxima
 from proxima.bench import report as report_mod
+from proxima.bench.offline import ARRIVALS
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
 from proxima.workloads import WORKLOADS, RequestSpec, Workload, load_trace, make_workload
 
 ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout")
 OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "check_outputs",
-                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")
+                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "arrivals")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="no torch.compile / CUDA graphs")
     off.add_argument("--check-outputs", action="store_true", default=None,
                      help="compare generated token ids of every run with the first stock run")
+    off.add_argument("--arrivals", choices=ARRIVALS, default=None, help=(
+        "held (default): vLLM's scheduler is paused while generate() queues the requests, so "
+        "the engine's first step sees all of them in every run; as-sent: the engine starts "
+        "on the first request to arrive, as a plain LLM.generate does (how many the first "
+        "steps see then depends on timing, and with it the preemption count)"))
 
     parser.add_argument("--repeat", type=int, metavar="K", help=(
         "offline: run each allocator K times, alternating; online: K rounds over all "
@@ -232,7 +238,8 @@ def run_offline_mode(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
         enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
-        seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress)
+        seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress,
+        arrivals=args.arrivals or "held")
     validate(config)
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot")
@@ -289,6 +296,11 @@ def offline_report(args, config, workload: Workload, specs, measured: dict) -> d
                      "they may have run the stock pool")
     if results["stock"]["proxima_active"]:
         notes.append("the 'stock' runs reported Proxima active: the comparison is invalid")
+    not_held = [f"{r['allocator']}#{r['rep']}" for r in measured["runs"]
+                if config.arrivals == "held" and r.get("arrivals") != "held"]
+    if not_held:
+        notes.append(f"arrivals could not be held in {', '.join(not_held)} (this vLLM has no "
+                     "pause_scheduler utility): those runs took requests as sent")
     if results["stock"]["kv_blocks_per_run"] != results["proxima"]["kv_blocks_per_run"]:
         notes.append(f"KV-cache block counts differ: stock {results['stock']['kv_blocks_per_run']}, "
                      f"proxima {results['proxima']['kv_blocks_per_run']}")

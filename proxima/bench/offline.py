@@ -52,6 +52,7 @@ from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
 ALLOCATORS = ("stock", "proxima")
+ARRIVALS = ("held", "as-sent")
 STATUS_POLL_S = 0.5
 FINAL_SNAPSHOT_WAIT_S = 1.0
 MAX_DIFFERING_SHOWN = 5
@@ -79,6 +80,7 @@ class OfflineConfig:
     seed: int = 0
     check_outputs: bool = False
     progress: bool = True
+    arrivals: str = "held"      # see hold_arrivals
 
 
 def validate(config: OfflineConfig) -> None:
@@ -101,6 +103,8 @@ def validate(config: OfflineConfig) -> None:
                             f"(a config.json is enough with --load-format dummy)")
     elif config.model.startswith((".", "/", "~")):
         raise UserError(f"--model {config.model}: no such directory")
+    if config.arrivals not in ARRIVALS:
+        raise UserError(f"--arrivals must be one of {', '.join(ARRIVALS)}, got {config.arrivals}")
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip() == "0":
         raise UserError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core in this process, "
                         "where the Proxima plugin is loaded once for both runs: unset it")
@@ -291,6 +295,37 @@ def scoped_env(values: dict[str, str], defaults: dict[str, str] | None = None):
                 os.environ[key] = value
 
 
+def hold_arrivals(llm) -> bool:
+    """Make the engine's first step of the next ``llm.generate`` see every request.
+
+    ``LLM.generate`` sends its requests one by one to the engine-core process, which starts
+    scheduling on the first to arrive, so how many the first steps see depends on timing;
+    under memory pressure that split alone moves the preemption count (197 to 215 for the
+    same 500 requests, docs/benchmarks.md §3.1), whichever allocator runs. Here vLLM's own
+    ``pause_scheduler("keep")`` utility holds the scheduler, generate() queues everything,
+    and ``resume_scheduler`` runs just before generate() starts its engine loop (utility
+    calls and requests travel in order on one socket, so every request is queued by then).
+    Returns False, changing nothing, where this vLLM lacks what that needs."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    run_engine = getattr(llm, "_run_engine", None)
+    if not callable(getattr(core, "call_utility", None)) or not callable(run_engine):
+        return False
+    try:
+        core.call_utility("pause_scheduler", "keep", False)
+    except Exception as exc:     # an engine without the utility answers with an error
+        print(f"proxima bench: cannot hold arrivals ({exc}); requests go as sent",
+              file=sys.stderr, flush=True)
+        return False
+
+    def resume_then_run(*args, **kwargs):
+        del llm._run_engine                  # once: later calls find LLM's own method
+        core.call_utility("resume_scheduler")
+        return run_engine(*args, **kwargs)
+
+    llm._run_engine = resume_then_run
+    return True
+
+
 def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec],
              status_dir: Path, build_llm: Callable, sampling_params: Callable,
              rep: int) -> tuple[dict, list[list[int]]]:
@@ -306,6 +341,7 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
         before = metric_total(llm.get_metrics(), "vllm:num_preemptions")
         prompts = [{"prompt_token_ids": list(s.prompt_token_ids)} for s in specs]
         params = [sampling_params(s.max_tokens) for s in specs]
+        held = config.arrivals == "held" and hold_arrivals(llm)
         with StatusSampler(status_path) as sampler:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=config.progress)
@@ -330,6 +366,7 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
         "short_outputs": sum(1 for s, t in zip(specs, tokens) if len(t) != s.max_tokens),
         "preemptions": None if before is None or after is None else after - before,
         "kv_blocks": blocks,
+        "arrivals": "held" if held else "as-sent",
         "contiguity": contiguity(sampler.snapshots),
     }
     return figures, tokens

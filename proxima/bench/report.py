@@ -121,6 +121,10 @@ def _describe(report: dict) -> str:
             parts.append(f"{w['repeat']} rounds (medians; round r uses seed + r - 1)")
     else:
         parts.append(f"model {w['model']}")
+        arrivals = (w.get("settings") or {}).get("arrivals")
+        if arrivals:
+            parts.append("arrivals held (every request in the first step)" if arrivals == "held"
+                         else "arrivals as sent")
     parts.append(f"seed {w['seed']}")
     return ", ".join(parts)
 

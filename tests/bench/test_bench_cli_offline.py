@@ -21,13 +21,43 @@ from proxima.engines.status import write_status
 from proxima.workloads import make_workload
 
 
+class StandInCore:
+    """The engine-core client's side that bench touches: shutdown, and the utility calls
+    ``pause_scheduler`` / ``resume_scheduler``. Requests sent while paused are queued; the
+    core records how many the first step saw (all queued ones, or just the first)."""
+
+    def __init__(self, llm, utilities=True):
+        self.llm, self.paused, self.queued, self.first_step = llm, False, 0, None
+        if not utilities:
+            self.call_utility = None
+
+    def shutdown(self):
+        StandInLLM.events.append(f"shutdown:{self.llm.allocator}")
+
+    def call_utility(self, method, *args):
+        StandInLLM.events.append(f"{method}{args}")
+        if method == "pause_scheduler":
+            self.paused = True
+        elif method == "resume_scheduler":
+            self.paused = False
+        else:
+            raise RuntimeError(f"Invalid method {method}")
+
+    def add(self):
+        self.queued += 1
+        if self.first_step is None and not self.paused:
+            self.first_step = 1                     # the engine starts on the first one
+
+
 class StandInLLM:
-    """Greedy 'model': output token i of a request is (sum of its prompt + i) % 1000."""
+    """Greedy 'model': output token i of a request is (sum of its prompt + i) % 1000.
+    Shaped like vLLM's ``LLM``: generate() sends the requests, then runs ``_run_engine``."""
 
     built: list = []            # (allocator env, stats path) per construction, in order
     mp_methods: list = []       # VLLM_WORKER_MULTIPROC_METHOD seen at each construction
     observe_flags: list = []    # (PROXIMA_ALLOCATOR, PROXIMA_OBSERVE) at each construction
-    events: list = []           # "build:<alloc>" / "shutdown:<alloc>" in order
+    events: list = []           # "build:<alloc>" / "shutdown:<alloc>" / utility calls in order
+    first_steps: list = []      # requests the engine's first step saw, per run
     corrupt_index = -1          # proxima runs alter this request's last token (-1: none)
     blocks = {"0": 1000, "1": 1000}
 
@@ -45,8 +75,7 @@ class StandInLLM:
         self.llm_engine = SimpleNamespace(
             vllm_config=SimpleNamespace(cache_config=SimpleNamespace(
                 num_gpu_blocks=self.blocks[self.allocator])),
-            engine_core=SimpleNamespace(shutdown=lambda: StandInLLM.events.append(
-                f"shutdown:{self.allocator}")))
+            engine_core=StandInCore(self))
 
     def get_metrics(self):
         return [SimpleNamespace(name="vllm:num_preemptions", labels={"engine": "0"},
@@ -55,6 +84,16 @@ class StandInLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         assert len(prompts) == len(params)
+        for _ in prompts:
+            self.llm_engine.engine_core.add()
+        return self._run_engine(prompts, params)
+
+    def _run_engine(self, prompts, params):
+        core = self.llm_engine.engine_core
+        assert not core.paused, "a paused engine would never finish"
+        if core.first_step is None:
+            core.first_step = core.queued
+        StandInLLM.first_steps.append(core.first_step)
         if self.allocator == "1":
             write_status({"active": True, "running_blocks_per_run": [4.0, 8.0],
                           "allocator": {"largest_free_run": 512, "fragmentation": 0.1},
@@ -77,6 +116,7 @@ class StandInLLM:
 def stand_in(monkeypatch):
     monkeypatch.setattr(StandInLLM, "built", [])
     monkeypatch.setattr(StandInLLM, "events", [])
+    monkeypatch.setattr(StandInLLM, "first_steps", [])
     monkeypatch.setattr(StandInLLM, "mp_methods", [])
     monkeypatch.setattr(StandInLLM, "observe_flags", [])
     monkeypatch.setattr(StandInLLM, "corrupt_index", -1)
@@ -101,8 +141,12 @@ def test_runs_alternate_with_the_flag_set_for_each_engine(tmp_path, stand_in):
     measured = run(tmp_path, stand_in, specs, repeat=2)
     assert [a for a, _ in stand_in.built] == ["0", "1", "0", "1"]
     assert len({p for _, p in stand_in.built}) == 4          # a fresh status file per run
-    # each engine is shut down before the next one is built
-    assert stand_in.events == ["build:0", "shutdown:0", "build:1", "shutdown:1"] * 2
+    # each engine is shut down before the next one is built; arrivals are held in every run
+    hold = ["pause_scheduler('keep', False)", "resume_scheduler()"]
+    assert stand_in.events == ["build:0", *hold, "shutdown:0", "build:1", *hold,
+                               "shutdown:1"] * 2
+    assert stand_in.first_steps == [6] * 4                  # every request in the first step
+    assert [r["arrivals"] for r in measured["runs"]] == ["held"] * 4
     # engine cores are spawned: a forked one would inherit this process's loaded plugin
     assert stand_in.mp_methods == ["spawn"] * 4
     assert os.environ["PROXIMA_ALLOCATOR"] == "outer"       # restored
@@ -180,6 +224,7 @@ def test_differing_kv_block_counts_are_not_hidden(tmp_path, stand_in, monkeypatc
                          make_workload("chat", 2), specs, measured)
     assert rep["notes"] == ["KV-cache block counts differ: stock [1000], proxima [998]"]
     assert "note: KV-cache block counts differ" in report.format_table(rep)
+    assert ", arrivals held (every request in the first step), " in report.format_table(rep)
 
 
 def test_a_proxima_run_without_proxima_is_called_out(tmp_path, stand_in, monkeypatch):
@@ -350,3 +395,56 @@ def test_the_sampler_waits_for_a_last_snapshot_written_just_after_the_run(tmp_pa
         late.start()                   # the engine's last write, after generate() returned
     late.join()
     assert [s["n"] for s in sampler.snapshots] == [1, 2]
+
+
+def test_arrivals_as_sent_leave_the_engine_alone(tmp_path, stand_in):
+    measured = run(tmp_path, stand_in, make_workload("chat", 6).requests, arrivals="as-sent")
+    assert stand_in.events == ["build:0", "shutdown:0", "build:1", "shutdown:1"]
+    assert stand_in.first_steps == [1, 1]                   # the engine starts on the first
+    assert [r["arrivals"] for r in measured["runs"]] == ["as-sent"] * 2
+
+
+def test_hold_arrivals_holds_one_generate_only(stand_in, monkeypatch):
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "0")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", "/nonexistent/status.json")
+    llm = StandInLLM({})
+    prompts = [{"prompt_token_ids": [1, 2]}] * 3
+    params = [{"max_tokens": 2}] * 3
+    assert offline.hold_arrivals(llm) is True
+    llm.generate(prompts, params)
+    assert "_run_engine" not in vars(llm)                    # LLM's own method again
+    llm.generate(prompts, params)
+    assert stand_in.first_steps == [3, 3]
+    assert stand_in.events == ["build:0", "pause_scheduler('keep', False)",
+                               "resume_scheduler()"]
+
+
+@pytest.mark.parametrize("utilities", [False, "raises"])
+def test_without_the_pause_utility_requests_go_as_sent(stand_in, monkeypatch, capsys,
+                                                      utilities):
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "0")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", "/nonexistent/status.json")
+    llm = StandInLLM({})
+    if utilities is False:
+        llm.llm_engine.engine_core = StandInCore(llm, utilities=False)
+    else:
+        def refuse(method, *args):
+            raise RuntimeError(f"Call to {method} method failed: no such method")
+        llm.llm_engine.engine_core.call_utility = refuse
+    assert offline.hold_arrivals(llm) is False
+    assert "_run_engine" not in vars(llm)
+    if utilities == "raises":
+        assert "cannot hold arrivals (Call to pause_scheduler method failed" in \
+            capsys.readouterr().err
+
+
+def test_arrivals_not_held_are_noted_in_the_report(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setattr(offline, "hold_arrivals", lambda llm: False)
+    specs = make_workload("chat", 4).requests
+    cfg = config(tmp_path)
+    measured = offline.run_offline(cfg, specs, build_llm=stand_in,
+                                   sampling_params=lambda n: {"max_tokens": n})
+    rep = offline_report(SimpleNamespace(seed=0, trace=None, model=cfg.model), cfg,
+                         make_workload("chat", 4), specs, measured)
+    assert any(n.startswith("arrivals could not be held in stock#1, proxima#1") for n in rep["notes"])
+    assert "note: arrivals could not be held" in report.format_table(rep)

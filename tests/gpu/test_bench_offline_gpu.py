@@ -130,6 +130,23 @@ def test_throughput_side_by_side_with_noise_band(tmp_path, tiny_llama):
     assert rc == 0, log[-3000:]
 
 
+def test_held_arrivals_give_both_allocators_the_same_preemptions(tmp_path, tiny_llama):
+    """With arrivals held (the default), every run's first step sees every request, so the
+    scheduler's decisions no longer depend on timing: under memory pressure stock and
+    Proxima, each run twice, preempt exactly as often (CPU replay: docs/benchmarks.md §3.1)."""
+    rc, rep, log = bench_offline(tmp_path, "--model", str(tiny_llama), "--workload", "pressure",
+                                 "--requests", "200", "--max-model-len", "2048", "--enforce-eager",
+                                 "--kv-cache-memory-bytes", str(4096 * KV_BYTES_PER_TOKEN),
+                                 "--repeat", "2", "--check-outputs")
+    assert_proxima_was_on(rep, log)
+    assert_token_identical(rep, log)
+    assert [r["arrivals"] for r in rep["runs"]] == ["held"] * 4
+    counts = [r["preemptions"] for r in rep["runs"]]
+    assert counts[0] > 0, "the load did not force preemption"
+    assert counts == [counts[0]] * 4, counts
+    assert rc == 0, log[-3000:]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_identical_tokens_with_tensor_parallel_2(tmp_path, tiny_llama):
     """Item 3, small: the allocator lives in the scheduler, so TP=2 changes nothing."""

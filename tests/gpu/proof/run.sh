@@ -31,6 +31,7 @@
 #                started one after the other, then `proxima bench` loads them in turn:
 #                default KV: chat (concurrency 20) x ${REPEAT_online_chat:-5} rounds, sharegpt x ${REPEAT_online_sharegpt:-2};
 #                30,720-token KV: pressure x ${REPEAT_online_pressure:-3}
+#   (offline tasks hold arrivals, bench's default; ARRIVALS=as-sent as before 2026-11-30 s3)
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
@@ -84,7 +85,7 @@ timed() {
 bench() {  # bench NAME ARGS...
   local name=$1; shift
   timed "$name" "$(( $(left) - 5 ))" python3 -m proxima.cli bench --offline --model "$MODEL" \
-    --load-format dummy --no-progress --json "$OUT/$name.json" "$@"
+    --load-format dummy --no-progress --arrivals "${ARRIVALS:-held}" --json "$OUT/$name.json" "$@"
 }
 # server NAME PORT ALLOCATOR KV_BYTES: a vLLM OpenAI server in the background, its pid in $NAME.pid
 server() {
