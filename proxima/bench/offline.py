@@ -19,6 +19,9 @@ Why the order and the environment matter:
   The stock runs among themselves give the noise band (``spread_pct``).
 * The engine is shut down and collected before the next is built: two engines would not
   fit on one GPU with default memory settings.
+* Arrivals are held (``--arrivals held``, the default; :func:`hold_arrivals`): the engine's
+  first step sees every request, so the scheduler makes the same decisions in every run
+  and a difference between the allocators cannot hide in the timing of request arrival.
 
 Per run: elapsed wall time of ``LLM.generate`` (engine start-up excluded), requests/s,
 output and total tokens/s, preemptions (``vllm:num_preemptions`` via ``get_metrics``,
