@@ -63,6 +63,16 @@ def bench_offline(tmp_path: Path, *argv: str) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(out.read_text()), log
 
 
+def bench_tiny(tmp_path: Path, model: Path, kv_tokens: int, *argv: str):
+    """:func:`bench_offline` on the tiny Llama: eager, 2,048-token context, a fixed KV cache
+    of ``kv_tokens`` (left to vLLM's memory profiling it varies between engines of one
+    process: 8,401,590 vs 8,405,430 blocks seen for two stock engines on the H200), outputs
+    compared."""
+    return bench_offline(tmp_path, "--model", str(model), "--max-model-len", "2048",
+                         "--enforce-eager", "--kv-cache-memory-bytes",
+                         str(kv_tokens * KV_BYTES_PER_TOKEN), "--check-outputs", *argv)
+
+
 def shared_prefix_trace(path: Path, n: int) -> str:
     """Mixed lengths, four shared 256-token prefixes (prefix-cache hits)."""
     lines = []
@@ -93,10 +103,7 @@ def test_identical_tokens_under_prefix_sharing_and_preemption(tmp_path, tiny_lla
     """Item 1, small: 160 prompts sharing prefixes, KV cache of 8,192 tokens (forces
     preemption), greedy; every output token-identical, block counts identical."""
     trace = shared_prefix_trace(tmp_path / "trace.jsonl", 160)
-    rc, rep, log = bench_offline(tmp_path, "--model", str(tiny_llama), "--trace", trace,
-                                 "--max-model-len", "2048", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(8192 * KV_BYTES_PER_TOKEN),
-                                 "--check-outputs")
+    rc, rep, log = bench_tiny(tmp_path, tiny_llama, 8192, "--trace", trace)
     assert_proxima_was_on(rep, log)
     assert_token_identical(rep, log)
     assert rep["check_outputs"]["runs"]["proxima#1"]["identical"] == 160
@@ -109,12 +116,8 @@ def test_throughput_side_by_side_with_noise_band(tmp_path, tiny_llama):
     figures are reported, not judged here (a tiny model on a big GPU is noise-bound, and
     eager mode keeps the four engine starts short); contiguity is measured for both, and
     Proxima's runs must be longer than stock's."""
-    # The KV size is fixed: left to vLLM's memory profiling it varies between engines of
-    # one process (seen on the H200: 8,401,590 vs 8,405,430 blocks for two stock engines).
-    rc, rep, log = bench_offline(tmp_path, "--model", str(tiny_llama), "--workload", "chat",
-                                 "--requests", "100", "--max-model-len", "2048", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(65536 * KV_BYTES_PER_TOKEN),
-                                 "--repeat", "2", "--check-outputs")
+    rc, rep, log = bench_tiny(tmp_path, tiny_llama, 65536, "--workload", "chat",
+                              "--requests", "100", "--repeat", "2")
     assert_proxima_was_on(rep, log)
     assert_token_identical(rep, log)
     stock, prox = rep["results"]["stock"], rep["results"]["proxima"]
@@ -134,10 +137,8 @@ def test_held_arrivals_give_both_allocators_the_same_preemptions(tmp_path, tiny_
     """With arrivals held (the default), every run's first step sees every request, so the
     scheduler's decisions no longer depend on timing: under memory pressure stock and
     Proxima, each run twice, preempt exactly as often (CPU replay: docs/benchmarks.md §3.1)."""
-    rc, rep, log = bench_offline(tmp_path, "--model", str(tiny_llama), "--workload", "pressure",
-                                 "--requests", "200", "--max-model-len", "2048", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(4096 * KV_BYTES_PER_TOKEN),
-                                 "--repeat", "2", "--check-outputs")
+    rc, rep, log = bench_tiny(tmp_path, tiny_llama, 4096, "--workload", "pressure",
+                              "--requests", "200", "--repeat", "2")
     assert_proxima_was_on(rep, log)
     assert_token_identical(rep, log)
     assert [r["arrivals"] for r in rep["runs"]] == ["held"] * 4
@@ -151,11 +152,8 @@ def test_held_arrivals_give_both_allocators_the_same_preemptions(tmp_path, tiny_
 def test_identical_tokens_with_tensor_parallel_2(tmp_path, tiny_llama):
     """Item 3, small: the allocator lives in the scheduler, so TP=2 changes nothing."""
     trace = shared_prefix_trace(tmp_path / "trace.jsonl", 60)
-    rc, rep, log = bench_offline(tmp_path, "--model", str(tiny_llama), "--trace", trace,
-                                 "--max-model-len", "2048", "--enforce-eager",
-                                 "--tensor-parallel-size", "2",
-                                 "--kv-cache-memory-bytes", str(4096 * KV_BYTES_PER_TOKEN),
-                                 "--check-outputs")
+    rc, rep, log = bench_tiny(tmp_path, tiny_llama, 4096, "--trace", trace,
+                              "--tensor-parallel-size", "2")
     assert_proxima_was_on(rep, log)
     assert_token_identical(rep, log)
     assert rc == 0, log[-3000:]
