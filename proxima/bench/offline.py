@@ -308,8 +308,13 @@ def hold_arrivals(llm) -> bool:
     ``pause_scheduler("keep")`` utility holds the scheduler, generate() queues everything,
     and ``resume_scheduler`` runs just before generate() starts its engine loop (utility
     calls and requests travel in order on one socket, so every request is queued by then).
-    Returns False, changing nothing, where this vLLM lacks what that needs."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    An engine stepped in this process (vLLM 0.6's V0 ``LLMEngine``) needs nothing: generate()
+    queues every request before its first step. Returns False, changing nothing, where this
+    vLLM lacks what holding needs."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is None and callable(getattr(engine, "step", None)):
+        return True
     run_engine = getattr(llm, "_run_engine", None)
     if not callable(getattr(core, "call_utility", None)) or not callable(run_engine):
         return False

@@ -448,3 +448,18 @@ def test_arrivals_not_held_are_noted_in_the_report(tmp_path, stand_in, monkeypat
                          make_workload("chat", 4), specs, measured)
     assert any(n.startswith("arrivals could not be held in stock#1, proxima#1") for n in rep["notes"])
     assert "note: arrivals could not be held" in report.format_table(rep)
+
+
+def test_an_in_process_engine_holds_arrivals_by_itself():
+    """vLLM 0.6's V0 LLMEngine is stepped by generate() itself, after every request is
+    queued: nothing to pause, and the run counts as held."""
+    class V0ShapedLLM:
+        def __init__(self):
+            self.llm_engine = SimpleNamespace(step=lambda: [])
+
+        def _run_engine(self, *args):
+            raise AssertionError("not called here")
+
+    llm = V0ShapedLLM()
+    assert offline.hold_arrivals(llm) is True
+    assert "_run_engine" not in vars(llm)
