@@ -171,6 +171,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     # flight with async scheduling (its batch queue), one without.
     depth = 2 if async_scheduling else 1
     in_flight_steps: deque = deque()
+    requests = scheduler.requests        # vLLM's live dict: request id -> Request
 
     try:
         while (next_i < len(pending) or released or scheduler.has_requests()
@@ -192,15 +193,14 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 while next_i < len(pending) and pending[next_i].arrival_step <= step:
                     submit(pending[next_i])
                     next_i += 1
-            requests = scheduler.requests
             if scheduler.has_requests():
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
                 sched_seconds += time.perf_counter() - t0
                 # What the model runner will return for this step: a token for every
                 # request whose prefill completes in it (vLLM's own flag, set by schedule()).
-                in_flight_steps.appendleft((out, [rid for rid in out.num_scheduled_tokens
-                                                  if not requests[rid].is_prefill_chunk]))
+                in_flight_steps.appendleft((out, {rid for rid in out.num_scheduled_tokens
+                                                  if not requests[rid].is_prefill_chunk}))
                 steps += 1
                 step += 1
                 if len(in_flight_steps) < depth and scheduler.has_requests():
@@ -266,17 +266,16 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     }
 
 
-def _runner_output(out, sampling: list[str], requests: dict, replies: dict):
+def _runner_output(out, sampling: set[str], requests: dict, replies: dict):
     """The ``ModelRunnerOutput`` of one scheduled step: a token (the workload's recorded
     reply, else 5) for each request in ``sampling``, nothing for partial prefills."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(out.num_scheduled_tokens)
-    sample = set(sampling)
     sampled = []
     for rid in req_ids:
         req = requests.get(rid)
-        if rid not in sample or req is None:
+        if rid not in sampling or req is None:
             sampled.append([])
             continue
         reply = replies.get(rid)
