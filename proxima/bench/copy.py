@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 
+from proxima.bench.script import script_main
 from proxima.errors import UserError
 
 LAYOUTS = {
@@ -229,15 +230,7 @@ def _environment(torch, vllm) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m proxima.bench.copy",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as exc:
-        print(f"proxima.bench.copy: error: {exc}", file=sys.stderr)
-        return 2
+    return script_main("proxima.bench.copy", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

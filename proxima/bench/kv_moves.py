@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+from proxima.bench.script import script_main
 from proxima.errors import UserError
 
 DEFAULTS = dict(layers=32, kv_heads=8, head_size=128, block_size=16, run_blocks=16,
@@ -203,6 +204,16 @@ def capture(torch, fn):
     return graph
 
 
+def _graph_rates(torch, timer: Timer, fn, plan, peak: dict, max_reps: int) -> dict:
+    """Graph timings of ``fn``, or the reason it could not be captured (the run goes on)."""
+    try:
+        graph = capture(torch, fn)
+    except RuntimeError as exc:
+        torch.cuda.synchronize()
+        return {"graph_error": str(exc).splitlines()[0]}
+    return _rates("graph", timer.measure(graph.replay, max_reps=max_reps), plan, peak)
+
+
 def run(args) -> int:
     runs = _int_list(args.runs, "--runs")
     singles = _int_list(args.singles, "--singles")
@@ -283,10 +294,7 @@ def run(args) -> int:
                    "bytes_moved": plan.bytes_moved, "method": m,
                    **_rates("call", timer.measure(fns[m], max_reps=max_reps), plan, peak)}
             if graphs:
-                graph = capture(torch, fns[m])
-                row.update(_rates("graph", timer.measure(graph.replay, max_reps=max_reps),
-                                  plan, peak))
-                del graph
+                row.update(_graph_rates(torch, timer, fns[m], plan, peak, max_reps))
             if m == "triton":
                 row["plan_s"] = plan_s
             case_rows.append(row)
@@ -316,10 +324,9 @@ def run(args) -> int:
                 row = {"chunk_bytes": chunk, "block_bytes": block, "num_warps": warps,
                        "batch": name, **_rates("call", timer.measure(fn), plan, peak)}
                 if graphs:
-                    row.update(_rates("graph", timer.measure(capture(torch, fn).replay),
-                                      plan, peak))
+                    row.update(_graph_rates(torch, timer, fn, plan, peak, 200))
                 sweep.append(row)
-                key = "graph" if graphs else "call"
+                key = "graph" if "graph_s" in row else "call"
                 print(f"  {chunk:>6} {block:>6} {warps:>2}  {name:<22} "
                       f"{row[f'{key}_s'] * 1e6:>9.1f} us ({key}) {row[f'gbps_{key}']:>6.0f} GB/s "
                       f"{row[f'of_peak_{key}']:.2f} of peak", flush=True)
@@ -346,15 +353,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m proxima.bench.kv_moves",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as exc:
-        print(f"proxima.bench.kv_moves: error: {exc}", file=sys.stderr)
-        return 2
+    return script_main("proxima.bench.kv_moves", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
