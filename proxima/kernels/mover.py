@@ -60,7 +60,10 @@ class KVBlockMover:
     kv-first ``(2, num_blocks, ...)`` layouts). The mover keeps the tensors alive and reads
     their addresses once: make a new mover if the cache is reallocated.
     ``chunk_bytes``/``block_bytes``/``num_warps``: the kernel's work per program, per load,
-    and warps per program (defaults tuned on an H200, see docs/benchmarks.md).
+    and warps per program (``python3 -m proxima.bench.kv_moves --sweep`` compares them).
+
+    With the Triton backend, ``base_ptrs``, ``block_strides`` (bytes) and ``page_words``
+    are the device int64 tensors the kernel reads: one entry per region (layer, or K/V half).
     """
 
     def __init__(self, kv_caches, *, block_dim: int = 0, backend: str = "auto",
@@ -100,9 +103,9 @@ class KVBlockMover:
         if self.backend == "triton":
             def dev(values):
                 return torch.tensor(values, dtype=torch.int64, device=self.device)
-            self._bases = dev([r.base for r in self.regions])
-            self._strides = dev([r.stride for r in self.regions])
-            self._pages = dev(pages)
+            self.base_ptrs = dev([r.base for r in self.regions])
+            self.block_strides = dev([r.stride for r in self.regions])
+            self.page_words = dev(pages)
 
     def plan(self, src, dst, n=None, *, validate: bool = True) -> MovePlan:
         """Check the batch (:func:`proxima.kernels.moves.expand_moves`) and upload it
@@ -130,16 +133,15 @@ class KVBlockMover:
             apply_torch(self._views, plan.pairs[0], plan.pairs[1])
             return plan
         from proxima.kernels.triton_moves import launch
+        args = (plan.pairs, plan.num_moved, self.base_ptrs, self.block_strides, self.page_words)
         kwargs = dict(num_regions=len(self.regions), max_chunks=self.max_chunks,
                       word_bytes=self.word_bytes, align16=self.align16,
                       chunk=self.chunk_words, block=self.block_words, num_warps=self.num_warps)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
-                launch(plan.pairs, plan.num_moved, self._bases, self._strides, self._pages,
-                       **kwargs)
+                launch(*args, **kwargs)
         else:
-            launch(plan.pairs, plan.num_moved, self._bases, self._strides, self._pages,
-                   **kwargs)
+            launch(*args, **kwargs)
         return plan
 
     __call__ = apply
