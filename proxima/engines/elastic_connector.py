@@ -9,7 +9,9 @@ also on steps without tokens via ``no_forward``), and on which the workers answe
 step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel workers,
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
-race the step in flight. The same channel carries issue 14's block moves (``MOVE`` ops);
+race the step in flight. The same channel carries issue 14's block moves (``MOVE`` ops:
+applied in ``start_load_kv``, i.e. after the step's own block zeroing and copy-on-write
+copies in the V2 runner's ``update_requests`` and before its forward);
 other connectors compose with it through vLLM's ``MultiConnector``, which calls each
 child's hooks in order (Proxima's first: see :func:`proxima.engines.elastic_v1.
 with_elastic_connector`).
@@ -60,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from proxima.engines import elastic_v1
 from proxima.errors import UserError
+from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
@@ -110,16 +113,6 @@ def _current_stream() -> int:
     return torch.cuda.current_stream().cuda_stream if torch.cuda.is_initialized() else 0
 
 
-def _runs(granules) -> list[range]:
-    out: list[range] = []
-    for g in sorted(granules):
-        if out and out[-1].stop == g:
-            out[-1] = range(out[-1].start, g + 1)
-        else:
-            out.append(range(g, g + 1))
-    return out
-
-
 class HeldGranules:
     """Keeps the blocks of unmapped granules out of vLLM's block pool (stock or Proxima's
     free queue): each is taken with ``BlockPool.touch`` (as a prefix-cache hit would) when
@@ -151,7 +144,7 @@ class HeldGranules:
         return out
 
     def release(self, granules) -> None:
-        for run in _runs(granules):
+        for run in runs(sorted(granules)):
             for g in run:
                 if not self._releasable(g):
                     raise ChannelError(f"granule {g} holds a block in use or cached KV; it "
@@ -163,7 +156,7 @@ class HeldGranules:
             self.channel.unmap(run.start, len(run))
 
     def regrow(self, granules) -> None:
-        for run in _runs(granules):
+        for run in runs(sorted(granules)):
             self.channel.map(run.start, len(run))
 
     def _on_map(self, run: range, ok: bool) -> None:
@@ -328,8 +321,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return ElasticMetadata()
         if self.options.verify:
             self._verify(scheduler_output)
-        if self.cycler is not None and self.cycler.tick(self.steps):
-            self.write_stats()
+        if self.cycler is not None:
+            self.cycler.tick(self.steps)
         return ElasticMetadata(self.channel.build())
 
     def _verify(self, scheduler_output) -> None:
@@ -350,6 +343,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ElasticWorkerMetadata) and self.channel is not None:
             self.channel.on_report(meta.report)
+            self.write_stats()            # only steps that carried ops report: cheap
 
     def request_finished(self, request, block_ids):
         return False, None

@@ -173,6 +173,12 @@ def activate() -> None:
     original = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
+        if getattr(self, "kv_offloading_size", None) is not None:
+            # vLLM would then overwrite the connector name with its offloading connector
+            raise activation.ActivationError(
+                f"{ENV}=1 cannot be combined with --kv-offloading-size: pass the offloading "
+                "connector as --kv-transfer-config instead (Proxima composes with it), or "
+                f"unset {ENV}")
         self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config)
         return original(self, *args, **kwargs)
 

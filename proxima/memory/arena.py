@@ -152,7 +152,7 @@ class VmmArena:
             self._mapped += 1
             fresh.append(u)
         if fresh and self.zero_on_map:
-            for run in _runs(fresh):
+            for run in runs(fresh):
                 for r, size in enumerate(self.unit_bytes):
                     driver.zero(self.unit_address(r, run.start), size * len(run), stream)
         return GrowResult(len(fresh), failed)
@@ -220,10 +220,10 @@ class VmmArena:
             self._views[(region, nbytes)] = view
         return view
 
-def _runs(units: list[int]) -> list[range]:
-    """Sorted unit indices -> maximal ranges of consecutive ones."""
+def runs(indices) -> list[range]:
+    """Sorted indices -> maximal ranges of consecutive ones."""
     out: list[range] = []
-    for u in units:
+    for u in indices:
         if out and out[-1].stop == u:
             out[-1] = range(out[-1].start, u + 1)
         else:

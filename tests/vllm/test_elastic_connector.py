@@ -339,6 +339,18 @@ def test_activate_routes_engine_args_through_the_connector():
     assert args.kv_transfer_config is None
 
 
+def test_native_offloading_flag_is_refused_with_the_way_out():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from proxima.engines.activation import ActivationError
+
+    elastic_v1.activate()
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True,
+                      kv_offloading_size=4.0)
+    with pytest.raises(ActivationError, match="--kv-offloading-size.*--kv-transfer-config"):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"granule_bytes": 0}, "granule_bytes must be a positive integer"),
     ({"initial_granules": 0}, "initial_granules must be at least 1"),
