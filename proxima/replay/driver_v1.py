@@ -34,18 +34,21 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
                     max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                     enable_prefix_caching: bool = True, max_model_len: int = 8192,
                     kv_cache_groups=None, model_dir: str | None = None,
-                    async_scheduling: bool = False):
+                    async_scheduling: bool = False, kv_transfer_config=None):
     """A real ``vllm.v1.core.sched.scheduler.Scheduler`` for a CPU-only machine.
 
     ``kv_cache_groups``: vLLM ``KVCacheGroupSpec`` list (default: one full-attention group).
     ``async_scheduling``: vLLM's ``AsyncScheduler`` (what a vLLM 0.26 engine uses by default).
+    ``kv_transfer_config``: a vLLM ``KVTransferConfig`` (a KV connector); the KV cache config
+    then lists one tensor per layer, as the connector's scheduler side reads it.
     Proxima is installed only while the scheduler is built and stays in its block pool.
     """
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            KVCacheTensor)
     from vllm.v1.structured_output import StructuredOutputManager
 
     from proxima.engines import vllm_v1
@@ -64,12 +67,16 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
             max_model_len=max_model_len, is_encoder_decoder=False,
             async_scheduling=async_scheduling),
         device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
     )
     if kv_cache_groups is None:
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
                                  dtype=torch.bfloat16)
         kv_cache_groups = [KVCacheGroupSpec(["layer.0", "layer.1"], spec)]
-    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+    tensors = [] if kv_transfer_config is None else [
+        KVCacheTensor(size=group.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name])
+        for group in kv_cache_groups for name in group.layer_names]
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
                               kv_cache_groups=kv_cache_groups)
     was_active = vllm_v1.is_active()
     if proxima:

@@ -1,0 +1,172 @@
+"""The scheduler's side of the map/unmap channel: which granules may hold live blocks.
+
+Pure Python (no torch, no vLLM), one instance per engine, driven at step boundaries:
+
+* the pool or a policy calls :meth:`ElasticChannel.unmap` / :meth:`map` / :meth:`move`
+  (between steps, or while the scheduler builds a step);
+* :meth:`build` drains what was asked into the step's :class:`~proxima.memory.ops.OpBatch`
+  (vLLM: the KV connector's metadata, see :mod:`proxima.engines.elastic_connector`);
+* :meth:`on_report` takes the workers' :class:`~proxima.memory.ops.Report` back.
+
+Granule states, as the scheduler must see them:
+
+``MAPPED``   backed on every worker: its blocks may be handed out.
+``UNMAPPED`` not backed (or being released): its blocks must not be handed out. An unmap
+             takes effect here at once; the workers release the memory before the
+             forward of the step that carries it.
+``MAPPING``  a map was sent, not yet confirmed. Still not allocatable: with async
+             scheduling the next step is scheduled before this one ran, so blocks become
+             usable only once a report confirms the map (a failed map goes back to
+             ``UNMAPPED``, and an unmap is queued so that workers that did map release).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from proxima.memory.ops import Op, OpBatch, Report, validate
+
+MAPPED, UNMAPPED, MAPPING = 0, 1, 2
+_STATE = {MAPPED: "mapped", UNMAPPED: "unmapped", MAPPING: "mapping"}
+
+
+class ChannelError(RuntimeError):
+    """A map/unmap request that contradicts the granules' states (a caller bug)."""
+
+
+class ElasticChannel:
+    """Granule states of one KV pool of ``num_blocks`` blocks, ``granule_blocks`` a granule.
+
+    ``listeners`` are called as ``fn(granules: range, ok: bool)`` when a map is confirmed
+    (``ok``) or has failed.
+    """
+
+    def __init__(self, num_blocks: int, granule_blocks: int) -> None:
+        if num_blocks < 1 or granule_blocks < 1:
+            raise ValueError(f"need blocks and a granule size, got {num_blocks} blocks, "
+                             f"granule {granule_blocks}")
+        self.num_blocks = num_blocks
+        self.granule_blocks = granule_blocks
+        self.num_granules = -(-num_blocks // granule_blocks)
+        self.state = bytearray(self.num_granules)          # all MAPPED
+        self._queue: list[Op] = []
+        self._next_seq = 0
+        self._waiting: dict[int, list[range]] = {}         # seq -> its MAP ranges
+        self.listeners: list[Callable[[range, bool], None]] = []
+        self.reported_mapped: int | None = None            # the workers' last count
+        self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
+                      "map_failures": 0, "blocks_moved": 0, "reports": 0}
+
+    # ------------------------------------------------------------------ geometry
+    def granule_of(self, block_id: int) -> int:
+        return block_id // self.granule_blocks
+
+    def blocks_of(self, granule: int) -> range:
+        g = self.granule_blocks
+        return range(granule * g, min((granule + 1) * g, self.num_blocks))
+
+    def allocatable(self, block_id: int) -> bool:
+        return self.state[block_id // self.granule_blocks] == MAPPED
+
+    def count(self, state: int) -> int:
+        return self.state.count(state)
+
+    def ranges(self, state: int) -> list[range]:
+        """Maximal granule ranges in ``state``, in order."""
+        out, start = [], None
+        for g, s in enumerate(bytes(self.state) + bytes([255])):
+            if s == state and start is None:
+                start = g
+            elif s != state and start is not None:
+                out.append(range(start, g))
+                start = None
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def _expect(self, first: int, count: int, state: int, what: str) -> None:
+        validate([Op.map(first, count)], self.num_granules, self.num_blocks)
+        bad = [g for g in range(first, first + count) if self.state[g] != state]
+        if bad:
+            raise ChannelError(f"cannot {what} granules [{first}, {first + count}): granule "
+                               f"{bad[0]} is {_STATE[self.state[bad[0]]]}, not {_STATE[state]}")
+
+    def unmap(self, first: int, count: int = 1) -> None:
+        """Release granules ``[first, first + count)`` (all MAPPED, none holding a block in
+        use or cached KV: the caller's guarantee). Their blocks stop being allocatable now."""
+        validate([Op.unmap(first, count)], self.num_granules, self.num_blocks)
+        self._expect(first, count, MAPPED, "unmap")
+        self.state[first:first + count] = bytes([UNMAPPED]) * count
+        self._queue.append(Op.unmap(first, count))
+        self.stats["granules_unmapped"] += count
+
+    def map(self, first: int, count: int = 1) -> None:
+        """Ask for granules ``[first, first + count)`` (all UNMAPPED) to be backed again;
+        they become allocatable once a report confirms it."""
+        self._expect(first, count, UNMAPPED, "map")
+        self.state[first:first + count] = bytes([MAPPING]) * count
+        self._queue.append(Op.map(first, count))
+
+    def move(self, src: int, dst: int, count: int = 1) -> None:
+        """Copy blocks ``[src, src + count)`` to ``[dst, dst + count)`` before the next
+        forward (both ranges in MAPPED granules)."""
+        validate([Op.move(src, dst, count)], self.num_granules, self.num_blocks)
+        for b in (src, src + count - 1, dst, dst + count - 1):
+            if not self.allocatable(b):
+                raise ChannelError(f"cannot move blocks [{src}, {src + count}) -> {dst}: "
+                                   f"block {b} is in an unmapped granule")
+        self._queue.append(Op.move(src, dst, count))
+        self.stats["blocks_moved"] += count
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def pending(self) -> bool:
+        """Ops waiting to be sent, or maps waiting for their confirmation."""
+        return bool(self._queue or self._waiting)
+
+    def build(self) -> OpBatch | None:
+        """This step's ops (None when there are none), in the order they were asked for."""
+        if not self._queue:
+            return None
+        ops, self._queue = tuple(self._queue), []
+        batch = OpBatch(self._next_seq, ops)
+        self._next_seq += 1
+        maps = [range(op.first, op.first + op.count) for op in ops if op.code == 1]
+        if maps:
+            self._waiting[batch.seq] = maps
+        self.stats["batches"] += 1
+        self.stats["ops"] += len(ops)
+        return batch
+
+    def on_report(self, report: Report) -> None:
+        """Apply the workers' answer: confirm or fail the maps of the batches it covers."""
+        if report.granule_blocks != self.granule_blocks:
+            raise ChannelError(
+                f"the workers' KV granule is {report.granule_blocks} blocks, the scheduler "
+                f"assumed {self.granule_blocks}: the KV layout differs from the one "
+                "predicted from the KV cache config")
+        self.stats["reports"] += 1
+        self.reported_mapped = report.mapped_granules
+        for seq, failed in report.applied:
+            maps = self._waiting.pop(seq, None)
+            if not maps:
+                continue
+            bad = {g for first, n in failed for g in range(first, first + n)}
+            for rng in maps:
+                for run, ok in _split(rng, bad):
+                    self.state[run.start:run.stop] = bytes([MAPPED if ok else UNMAPPED]) * len(run)
+                    if ok:
+                        self.stats["granules_mapped"] += len(run)
+                    else:
+                        self.stats["map_failures"] += len(run)
+                        self._queue.append(Op.unmap(run.start, len(run)))   # reconcile
+                    for fn in self.listeners:
+                        fn(run, ok)
+
+
+def _split(rng: range, bad: set[int]):
+    """``rng`` as consecutive runs, each with whether it is free of ``bad``."""
+    start = rng.start
+    for g in range(rng.start + 1, rng.stop + 1):
+        if g == rng.stop or ((g in bad) != (start in bad)):
+            yield range(start, g), start not in bad
+            start = g

@@ -1,0 +1,120 @@
+"""A KV cache whose memory is mapped granule by granule (engine-agnostic).
+
+A KV cache is a few *regions* (raw byte tensors, one per layer for vLLM 0.26), each
+``num_blocks`` pages of ``size // num_blocks`` bytes, block-major. :class:`KvMemory`
+reserves all of them in one virtual range (:class:`~proxima.memory.arena.VmmArena`),
+sized for the whole pool, and maps it by granules of ``granule_blocks`` block ids: granule
+``g`` = blocks ``[g * G, (g + 1) * G)`` of every region, each region's slice a whole number
+of the GPU's 2 MiB allocation granules. The same block-id range is mapped in every layer,
+so the scheduler reasons in block ids only.
+
+It applies the channel's ops (:mod:`proxima.memory.ops`) in order; block moves go to a
+``mover`` the engine adapter supplies (the copy kernel is the engine's, or issue 14's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from proxima.memory.arena import VmmArena
+from proxima.memory.errors import CannotGrow
+from proxima.memory.layout import granule_blocks
+from proxima.memory.ops import MAP, MOVE, UNMAP, Op, validate
+
+GRANULE_BYTES = 2 << 20     # the H200's (and every current NVIDIA GPU's) VMM granularity
+
+
+def region_block_strides(region_sizes: Sequence[int], num_blocks: int) -> list[int]:
+    """Bytes per block in each block-major region."""
+    strides = []
+    for size in region_sizes:
+        if size <= 0 or size % num_blocks:
+            raise ValueError(f"a KV region of {size} bytes is not {num_blocks} equal pages")
+        strides.append(size // num_blocks)
+    return strides
+
+
+class KvMemory:
+    """The KV regions of one worker, in one reserved range, mapped by granules.
+
+    ``mapped``: granules backed at creation (default all of them, as a stock engine would
+    allocate; granule 0 always). Raises :class:`CannotGrow` if even those cannot be
+    backed -- at start-up that is the same failure as stock vLLM running out of memory.
+    """
+
+    def __init__(self, region_sizes: Sequence[int], num_blocks: int, *,
+                 granule_bytes: int = GRANULE_BYTES, device: int = 0, driver=None,
+                 mapped: int | None = None) -> None:
+        self.region_sizes = tuple(int(s) for s in region_sizes)
+        self.num_blocks = num_blocks
+        self.block_strides = region_block_strides(self.region_sizes, num_blocks)
+        self.granule_blocks = granule_blocks(self.block_strides, granule_bytes)
+        self.num_granules = -(-num_blocks // self.granule_blocks)
+        self.arena = VmmArena([self.granule_blocks * s for s in self.block_strides],
+                              self.num_granules, device=device, driver=driver)
+        if granule_bytes % self.arena.granularity:
+            self.arena.close()
+            raise ValueError(f"granule_bytes={granule_bytes} is not a multiple of the GPU's "
+                             f"allocation granularity ({self.arena.granularity} bytes)")
+        self.device = device
+        self.stats = {"map_ops": 0, "unmap_ops": 0, "move_ops": 0, "granules_mapped": 0,
+                      "granules_unmapped": 0, "map_failures": 0, "map_seconds": 0.0,
+                      "unmap_seconds": 0.0}
+        want = self.num_granules if mapped is None else max(1, min(mapped, self.num_granules))
+        result = self.arena.map(0, want)
+        if not result.ok:
+            self.arena.close()
+            raise CannotGrow("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY",
+                             f"the GPU cannot back the initial KV cache ({want} granules of "
+                             f"{self.arena.bytes_per_unit} bytes)")
+        self.arena.driver.synchronize()   # the zero-fill ran on the legacy default stream
+        self._tensors: list | None = None
+
+    @property
+    def mapped_granules(self) -> int:
+        return self.arena.mapped_units
+
+    @property
+    def bytes_per_granule(self) -> int:
+        return self.arena.bytes_per_unit
+
+    def tensors(self) -> list:
+        """One ``torch.uint8`` tensor per region, exactly its size (the views vLLM's own
+        allocation would return), over the reserved addresses."""
+        if self._tensors is None:
+            self._tensors = [self.arena.region_tensor(r, size)
+                             for r, size in enumerate(self.region_sizes)]
+        return self._tensors
+
+    def apply(self, ops: Sequence[Op], *, stream: int = 0,
+              mover: Callable[[int, int, int], None] | None = None) -> list[tuple[int, int]]:
+        """Apply ``ops`` in order. Returns the ``(first, count)`` granule ranges that could
+        not be mapped for lack of GPU memory (they stay unmapped; nothing raised)."""
+        validate(ops, self.num_granules, self.num_blocks)
+        failed: list[tuple[int, int]] = []
+        stats = self.stats
+        for op in ops:
+            t0 = time.perf_counter()
+            if op.code == MAP:
+                result = self.arena.map(op.first, op.first + op.count, stream)
+                stats["map_ops"] += 1
+                stats["granules_mapped"] += result.mapped
+                if not result.ok:
+                    failed.append((result.failed.start, len(result.failed)))
+                    stats["map_failures"] += len(result.failed)
+                stats["map_seconds"] += time.perf_counter() - t0
+            elif op.code == UNMAP:
+                stats["granules_unmapped"] += self.arena.unmap(op.first, op.first + op.count)
+                stats["unmap_ops"] += 1
+                stats["unmap_seconds"] += time.perf_counter() - t0
+            elif op.code == MOVE:
+                if mover is None:
+                    raise NotImplementedError(f"{op}: no block mover was given")
+                mover(op.first, op.dst, op.count)
+                stats["move_ops"] += 1
+        return failed
+
+    def close(self) -> None:
+        self._tensors = None
+        self.arena.close()

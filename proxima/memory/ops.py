@@ -1,0 +1,103 @@
+"""The commands that travel from the scheduler to the workers, and the workers' answer.
+
+One step carries at most one :class:`OpBatch`; a worker applies its ops in order before
+the step's forward pass reads any block id. Three kinds, as small tuples of ints so they
+pickle cheaply through vLLM's executor:
+
+* ``MAP(first, count)``: back granules ``[first, first + count)`` with memory (zeroed).
+  Idempotent. May fail for lack of GPU memory; the worker says so in its :class:`Report`.
+  The scheduler side only hands out blocks of a granule after a report confirmed its map
+  ("grow ahead, confirmed"), so no forward ever reads a granule that failed to map.
+* ``UNMAP(first, count)``: return those granules' memory (after a device synchronise).
+  Idempotent; never fails for a mapped granule. The sender guarantees no block in them is
+  in use or holds cached KV.
+* ``MOVE(src, dst, count)``: copy blocks ``[src, src + count)`` to ``[dst, dst + count)``
+  in every layer (compaction, issue 14; ranges must not overlap). Ordered with the other
+  ops: a MOVE before an UNMAP completes before that UNMAP's synchronise.
+
+Granules are counted in block ids: granule ``g`` is blocks ``[g * G, (g + 1) * G)`` with
+``G`` = ``granule_blocks`` (see :mod:`proxima.memory.layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+MAP, UNMAP, MOVE = 1, 2, 3
+_KIND = {MAP: "map", UNMAP: "unmap", MOVE: "move"}
+
+
+class Op(NamedTuple):
+    code: int
+    first: int      # MAP/UNMAP: first granule; MOVE: first source block
+    count: int      # granules (MAP/UNMAP) or blocks (MOVE)
+    dst: int = -1   # MOVE: first destination block
+
+    @classmethod
+    def map(cls, first: int, count: int = 1) -> "Op":
+        return cls(MAP, first, count)
+
+    @classmethod
+    def unmap(cls, first: int, count: int = 1) -> "Op":
+        return cls(UNMAP, first, count)
+
+    @classmethod
+    def move(cls, src: int, dst: int, count: int = 1) -> "Op":
+        return cls(MOVE, src, count, dst)
+
+    @property
+    def kind(self) -> str:
+        return _KIND.get(self.code, f"op{self.code}")
+
+    def __str__(self) -> str:
+        if self.code == MOVE:
+            return f"move blocks [{self.first}, {self.first + self.count}) -> {self.dst}"
+        return f"{self.kind} granules [{self.first}, {self.first + self.count})"
+
+
+class OpBatch(NamedTuple):
+    """The ops of one step, numbered by the scheduler (``seq`` increases by one a batch)."""
+
+    seq: int
+    ops: tuple[Op, ...]
+
+
+class Report(NamedTuple):
+    """A worker's answer: for each batch applied since its last report, ``(seq, failed)``
+    where ``failed`` lists the ``(first, count)`` granule ranges of that batch's MAP ops
+    that the GPU could not back; plus its mapped granule count and its granule size."""
+
+    applied: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    mapped_granules: int
+    granule_blocks: int
+
+
+def merge_reports(a: Report, b: Report) -> Report:
+    """Two workers' reports for the same steps as one (tensor parallelism): a granule failed
+    if it failed on any worker; the mapped count is the smallest."""
+    if a.granule_blocks != b.granule_blocks:
+        raise ValueError(f"workers disagree on the granule size: {a.granule_blocks} vs "
+                         f"{b.granule_blocks} blocks")
+    failed: dict[int, set[tuple[int, int]]] = {}
+    for seq, ranges in a.applied + b.applied:
+        failed.setdefault(seq, set()).update(ranges)
+    applied = tuple((seq, tuple(sorted(r))) for seq, r in sorted(failed.items()))
+    return Report(applied, min(a.mapped_granules, b.mapped_granules), a.granule_blocks)
+
+
+def validate(ops: Iterable[Op], num_granules: int, num_blocks: int) -> None:
+    """Raise ValueError for an op outside the pool or of an unknown kind."""
+    for op in ops:
+        if op.code in (MAP, UNMAP):
+            if op.count < 1 or op.first < 0 or op.first + op.count > num_granules:
+                raise ValueError(f"{op}: outside the pool's {num_granules} granules")
+            if op.code == UNMAP and op.first == 0:
+                raise ValueError(f"{op}: granule 0 holds the null block and stays mapped")
+        elif op.code == MOVE:
+            if op.count < 1 or min(op.first, op.dst) < 1 or \
+                    max(op.first, op.dst) + op.count > num_blocks:
+                raise ValueError(f"{op}: outside blocks [1, {num_blocks})")
+            if op.first < op.dst + op.count and op.dst < op.first + op.count:
+                raise ValueError(f"{op}: source and destination overlap")
+        else:
+            raise ValueError(f"unknown op code {op.code} in {op!r}")

@@ -1,0 +1,399 @@
+"""Proxima's elastic-KV connector inside vLLM 0.26's real scheduler, on CPU.
+
+The scheduler, KV-cache manager, block pool (stock or Proxima's) and vLLM's MultiConnector
+are vLLM's own code. The worker side is the connector's real worker code applying the ops
+to a KvMemory whose driver is the CPU stand-in (tests/memory/fake_driver.py): everything
+but the CUDA calls. After each step's ops, every block of every scheduled request must lie
+in a granule the worker has mapped -- the property that keeps a GPU from faulting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import pytest
+
+from proxima.engines import elastic_v1, vllm_v1
+from proxima.engines.elastic_connector import (ElasticMetadata, ElasticWorkerMetadata,
+                                               ProximaElasticConnector)
+from proxima.memory.channel import MAPPED
+from proxima.memory.kv import KvMemory
+from proxima.memory.ops import Op
+from proxima.replay.driver_v1 import _runner_output, build_scheduler
+from tests.memory.fake_driver import FakeDriver
+
+PAGE = 16 * 2 * 64 * 2 * 2      # the tiny Llama's page: 16 tokens, 2 KV heads, K+V, bf16
+GRANULE = (2 << 20) // PAGE     # 256 blocks
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    elastic_v1.deactivate()
+
+
+def elastic_config(**extra):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**elastic_v1.connector_config(extra))
+
+
+def specs(n=48, seed=3):
+    """Mixed prompts; every third shares a 64-token prefix with the one before (cache hits)."""
+    import random
+
+    rng = random.Random(seed)
+    out, prefix = [], []
+    for i in range(n):
+        body = [rng.randrange(3, 500) for _ in range(rng.randrange(20, 400))]
+        prompt = prefix + body if i % 3 == 2 else body
+        prefix = body[:64]
+        out.append((f"r{i}", prompt, rng.randrange(4, 60), i // 4))   # id, prompt, max, step
+    return out
+
+
+class Worker:
+    """The connector's worker side on the CPU stand-in driver, plus the V2 runner's block
+    tables, checked after every step's ops."""
+
+    def __init__(self, scheduler, capacity=1 << 40) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        self.conn = ProximaElasticConnector(scheduler.vllm_config, KVConnectorRole.WORKER,
+                                            scheduler.kv_cache_config)
+        num_blocks = scheduler.kv_cache_config.num_blocks
+        self.driver = FakeDriver(capacity=capacity)
+        self.memory = KvMemory([PAGE * num_blocks] * 2, num_blocks, driver=self.driver)
+        self.conn._memory = self.memory
+        self.tables: dict[str, list[int]] = {}
+        self.ops: list[Op] = []
+        self.checked = 0
+
+    def __call__(self, out):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, ElasticMetadata)
+        if meta.batch is not None:
+            self.ops += meta.batch.ops
+        for rid in out.finished_req_ids:
+            self.tables.pop(rid, None)
+        for req in out.scheduled_new_reqs:
+            self.tables[req.req_id] = list(req.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for rid, new in zip(cached.req_ids, cached.new_block_ids):
+            if new:
+                self.tables[rid] += new[0]
+        self.conn.bind_connector_metadata(meta)
+        self.conn.start_load_kv(None)
+        arena = self.memory.arena
+        for rid in out.num_scheduled_tokens:        # what this step's forward touches
+            for b in self.tables[rid]:
+                assert arena.is_mapped(b // self.memory.granule_blocks), (rid, b)
+                self.checked += 1
+        report = self.conn.build_connector_worker_meta()
+        self.conn.clear_connector_metadata()
+        return KVConnectorOutput(kv_connector_worker_meta=report)
+
+
+def drive(scheduler, workload, worker=None, depth=1, between=None):
+    """Run ``workload`` to completion like vLLM's engine loop (``depth`` 2: a step is
+    scheduled before the previous one's output is processed, as with async scheduling).
+    Returns one record per step: what was scheduled and which blocks were handed out."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    pending = deque(sorted(workload, key=lambda s: s[3]))
+    in_flight: deque = deque()
+    log, step = [], 0
+    requests = scheduler.requests
+    while pending or scheduler.has_requests() or in_flight:
+        while pending and (pending[0][3] <= step or not scheduler.has_requests()):
+            rid, prompt, max_tokens, _ = pending.popleft()
+            scheduler.add_request(Request(
+                request_id=rid, prompt_token_ids=prompt, pooling_params=None,
+                arrival_time=0.0, block_hasher=hasher,
+                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        if scheduler.has_requests():
+            if between is not None:
+                between(step)
+            out = scheduler.schedule()
+            sampling = {r for r in out.num_scheduled_tokens if not requests[r].is_prefill_chunk}
+            kv_out = worker(out) if worker is not None else None
+            in_flight.appendleft((out, sampling, kv_out))
+            cached = out.scheduled_cached_reqs
+            log.append((sorted(out.num_scheduled_tokens.items()),
+                        [(r.req_id, r.block_ids) for r in out.scheduled_new_reqs],
+                        list(zip(cached.req_ids, cached.new_block_ids)),
+                        sorted(out.preempted_req_ids or ()), sorted(out.finished_req_ids)))
+            step += 1
+            if len(in_flight) < depth and scheduler.has_requests():
+                continue
+        out, sampling, kv_out = in_flight.pop()
+        result = _runner_output(out, sampling, requests, {})
+        result.kv_connector_output = kv_out
+        scheduler.update_from_output(out, result)
+    return log
+
+
+def scheduler_for(proxima, num_blocks, depth, ktc=None, **kw):
+    return build_scheduler(proxima=proxima, num_blocks=num_blocks, async_scheduling=depth == 2,
+                           kv_transfer_config=ktc, **kw)
+
+
+def run(proxima, num_blocks, depth, ktc=None, worker=False, capacity=1 << 40, between=None,
+        **kw):
+    scheduler = scheduler_for(proxima, num_blocks, depth, ktc, **kw)
+    w = Worker(scheduler, capacity) if worker else None
+    if proxima:
+        vllm_v1.activate()
+    try:
+        log = drive(scheduler, specs(), w, depth,
+                    between=(lambda step: between(scheduler, step)) if between else None)
+    finally:
+        vllm_v1.deactivate()
+    return scheduler, w, log
+
+
+# ----------------------------------------------------------------------------- scheduling
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+@pytest.mark.parametrize("proxima", [False, True], ids=["stock", "proxima"])
+def test_the_connector_changes_no_scheduling_decision(proxima, depth):
+    # 400 blocks for 48 requests of up to 460 tokens: preemptions and prefix-cache hits
+    _, _, plain = run(proxima, 400, depth, max_num_batched_tokens=2048)
+    scheduler, worker, elastic = run(proxima, 400, depth, elastic_config(), worker=True,
+                                     max_num_batched_tokens=2048)
+    assert isinstance(scheduler.connector, ProximaElasticConnector)
+    assert not scheduler.defer_block_free          # kv_producer: frees are not deferred
+    assert elastic == plain                        # every step, every block id
+    assert worker.ops == [] and worker.checked > 0
+    assert sum(len(step[3]) for step in plain) > 0      # the workload did preempt
+
+
+def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monkeypatch):
+    import torch
+
+    # vLLM's copy stages its indices in pinned memory, which needs a GPU driver
+    monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)
+
+    scheduler = scheduler_for(True, 1024, 1, elastic_config())
+    worker = Worker(scheduler)
+    kv = {f"layer.{i}": torch.arange(1024 * 16, dtype=torch.float32).view(1024, 16) + i
+          for i in range(2)}
+    worker.conn._kv_caches = kv
+    conn = scheduler.connector
+    channel = conn.channel
+
+    def between(step):
+        if step == 0:
+            conn.held.release([3])        # blocks 768..1023, all free before any request
+        if step == 2:
+            channel.move(600, 650, 4)
+
+    vllm_v1.activate()
+    try:
+        drive(scheduler, specs(12), worker, between=between)
+    finally:
+        vllm_v1.deactivate()
+    assert worker.ops == [Op.unmap(3, 1), Op.move(600, 650, 4)]
+    assert not worker.memory.arena.is_mapped(3) and channel.state[3] != MAPPED
+    for i in range(2):       # vLLM's own copy kernel moved blocks 600..603 to 650..653
+        assert torch.equal(kv[f"layer.{i}"][650:654],
+                           torch.arange(600 * 16, 604 * 16, dtype=torch.float32).view(4, 16) + i)
+
+
+def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
+    from proxima.memory.channel import ChannelError
+
+    scheduler = scheduler_for(False, 1024, 1, elastic_config())
+    # unmapped behind the pool's back: its blocks are still in vLLM's free queue
+    scheduler.connector.channel.unmap(1, 3)
+    with pytest.raises(ChannelError, match=r"was given block \d+, in granule [123], which "
+                                           r"is not mapped"):
+        drive(scheduler, specs(), Worker(scheduler))
+
+
+# ----------------------------------------------------------------------------- forced cycles
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+@pytest.mark.parametrize("proxima", [False, True], ids=["stock", "proxima"])
+def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(proxima, depth,
+                                                                         tmp_path):
+    stats = tmp_path / "elastic.json"
+    ktc = elastic_config(force_cycle_every=3, force_cycle_hold=2, force_cycle_granules=3,
+                         stats_file=str(stats))
+    # 16 granules of 256 blocks: most stay free, so the cycles take no capacity anyone needs
+    # 64 granules of 256 blocks: enough stay free of live and cached blocks (Proxima's
+    # placement spreads requests over the pool: with 16 granules it would find few)
+    _, _, plain = run(proxima, 64 * GRANULE, depth)
+    scheduler, worker, elastic = run(proxima, 64 * GRANULE, depth, ktc, worker=True)
+    conn = scheduler.connector
+    assert conn.cycler.cycles >= 3
+    unmaps = [op for op in worker.ops if op.kind == "unmap"]
+    maps = [op for op in worker.ops if op.kind == "map"]
+    # every released granule was mapped again, but those of a cycle still open at the end
+    still_out = conn.channel.num_granules - conn.channel.count(MAPPED)
+    assert unmaps and sum(op.count for op in unmaps) - sum(op.count for op in maps) == still_out
+    assert worker.memory.stats["granules_unmapped"] > 0
+    # the same requests ran the same steps with the same token counts
+    assert [s[0] for s in elastic] == [s[0] for s in plain]
+    conn.shutdown()
+    written = json.loads(stats.read_text())
+    assert written["forced_cycles"] == conn.cycler.cycles and written["map_failures"] == 0
+    assert written["granule_blocks"] == GRANULE and written["reported_mapped"] is not None
+
+
+def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out():
+    ktc = elastic_config(initial_granules=6, force_cycle_every=2, force_cycle_hold=1,
+                         force_cycle_granules=2)
+    scheduler = scheduler_for(False, 8 * GRANULE, 1, ktc)
+    worker = Worker(scheduler)
+    conn = scheduler.connector
+
+    def between(step):
+        # until step 12 another process takes whatever memory the engine gives back
+        worker.driver.capacity = worker.driver.used if step < 12 else 1 << 40
+
+    drive(scheduler, specs(), worker, between=between)
+    assert worker.ops[0] == Op.unmap(6, 2)        # initial_granules: released at once
+    assert conn.channel.stats["map_failures"] >= 1     # while memory was short
+    assert conn.cycler.cycles >= 1                      # and completed once it was back
+    assert worker.checked > 0
+
+
+def test_initial_granules_leave_only_their_blocks_to_the_scheduler():
+    scheduler = scheduler_for(True, 8 * GRANULE, 1, elastic_config(initial_granules=2))
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 2 * GRANULE - 1      # minus the null block
+    assert scheduler.connector.channel.count(MAPPED) == 2
+    batch = scheduler.connector.channel.build()
+    assert batch.ops == (Op.unmap(2, 6),)
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def test_with_elastic_connector_composes_with_other_connectors():
+    from vllm.config import KVTransferConfig
+
+    alone = elastic_v1.with_elastic_connector(None)
+    assert alone.kv_connector == elastic_v1.CONNECTOR and alone.kv_role == "kv_producer"
+    assert elastic_v1.with_elastic_connector(alone) is alone
+    theirs = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+    multi = elastic_v1.with_elastic_connector(theirs)
+    assert multi.kv_connector == "MultiConnector" and multi.kv_role == "kv_both"
+    assert multi.engine_id == theirs.engine_id
+    children = multi.kv_connector_extra_config["connectors"]
+    assert [c["kv_connector"] for c in children] == [elastic_v1.CONNECTOR, "ExampleConnector"]
+    assert "engine_id" not in children[1] and children[1]["kv_connector_extra_config"] == {
+        "shared_storage_path": "/tmp/x"}
+    assert elastic_v1.with_elastic_connector(multi) is multi
+    other_multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                   kv_connector_extra_config={"connectors": [children[1]]})
+    again = elastic_v1.with_elastic_connector(other_multi)
+    assert [c["kv_connector"] for c in again.kv_connector_extra_config["connectors"]] == [
+        elastic_v1.CONNECTOR, "ExampleConnector"]
+    assert elastic_v1.with_elastic_connector(
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}).kv_connector == \
+        "MultiConnector"
+
+
+def test_composed_in_vllms_multiconnector_the_ops_still_travel(tmp_path):
+    from vllm.config import KVTransferConfig
+
+    theirs = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    ktc = elastic_v1.with_elastic_connector(theirs)
+    ktc.kv_connector_extra_config["connectors"][0]["kv_connector_extra_config"] = {
+        "initial_granules": 2}
+    scheduler = scheduler_for(True, 4 * GRANULE, 1, ktc)
+    ours = scheduler.connector._connectors[0]
+    assert isinstance(ours, ProximaElasticConnector)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 2 * GRANULE - 1
+    meta = scheduler.schedule().kv_connector_metadata
+    assert meta.metadata[0].batch.ops == (Op.unmap(2, 2),)
+
+
+def test_activate_routes_engine_args_through_the_connector():
+    from vllm.engine.arg_utils import EngineArgs
+
+    elastic_v1.activate()
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+    try:
+        args.create_engine_config()
+    except Exception:     # a CPU-only machine has no device platform: the rest cannot run
+        pass
+    assert args.kv_transfer_config.kv_connector == elastic_v1.CONNECTOR
+    elastic_v1.deactivate()
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+    try:
+        args.create_engine_config()
+    except Exception:
+        pass
+    assert args.kv_transfer_config is None
+
+
+def test_native_offloading_flag_is_refused_with_the_way_out():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from proxima.engines.activation import ActivationError
+
+    elastic_v1.activate()
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True,
+                      kv_offloading_size=4.0)
+    with pytest.raises(ActivationError, match="--kv-offloading-size.*--kv-transfer-config"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"granule_bytes": 0}, "granule_bytes must be a positive integer"),
+    ({"initial_granules": 0}, "initial_granules must be at least 1"),
+    ({"force_cycle_every": -1}, "force_cycle_every must be 0"),
+    ({"granule": 1}, "unknown option"),
+])
+def test_bad_options_are_one_clear_error(extra, message):
+    from proxima.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        elastic_v1.ElasticOptions.from_extra(extra)
+
+
+def test_the_workers_report_must_agree_with_the_predicted_granule():
+    from proxima.memory.channel import ChannelError
+    from proxima.memory.ops import Report
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler = scheduler_for(False, 2 * GRANULE, 1, elastic_config())
+    with pytest.raises(ChannelError, match="assumed 256"):
+        scheduler.connector.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=ElasticWorkerMetadata(Report((), 2, 32))))
+
+
+# ----------------------------------------------------------------------------- the switch
+
+def test_elastic_needs_the_allocator_and_is_one_clear_error(monkeypatch):
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv(elastic_v1.ENV, "1")
+    monkeypatch.delenv("PROXIMA_ALLOCATOR", raising=False)
+    with pytest.raises(SystemExit, match="PROXIMA_ELASTIC=1 needs PROXIMA_ALLOCATOR=1"):
+        register()
+    monkeypatch.setenv(elastic_v1.ENV, "yes")
+    with pytest.raises(SystemExit, match="PROXIMA_ELASTIC must be 1"):
+        register()
+    monkeypatch.setenv(elastic_v1.ENV, "1")
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
+    register()
+    assert elastic_v1.is_active() and vllm_v1.is_active()
+    monkeypatch.setenv(elastic_v1.ENV, "0")
+    elastic_v1.deactivate()
+    vllm_v1.deactivate()
+    register()
+    assert not elastic_v1.is_active()
