@@ -12,6 +12,7 @@ active. Online mode also takes the flag names of ``vllm bench serve`` (VLLM_FLAG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -390,7 +391,8 @@ def run_offline_mode(args) -> int:
     # (the engine-core processes inherit it). A user's own setting wins.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        import vllm  # noqa: F401 - fail here, in one line, not inside the first run
+        with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
+            import vllm  # noqa: F401 - fail here, in one line, not inside the first run
     except ModuleNotFoundError:
         raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
     logs_to_stderr("vllm")

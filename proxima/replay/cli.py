@@ -13,6 +13,7 @@ Results are written to a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -140,7 +141,8 @@ def _engine():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        import vllm
+        with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
+            import vllm
     except ImportError:
         raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
                         "pip install 'proxima[vllm]'") from None

@@ -123,7 +123,9 @@ def _right(ax, report: dict, runs: dict[str, list[dict]], largest_request_blocks
         ax.set_xticks([])
         ax.set_yticks([])
     medians = {label: statistics.median(p[2] for p in pts) for label, pts in lines.items() if pts}
-    text = "Solid: the largest run of consecutive free (or evictable) blocks; dotted: all free. "
+    free_kind = "free" if str(report.get("vllm_version", "")).startswith("0.6.") else \
+        "free (or evictable)"                # the V1 driver counts cached blocks too
+    text = f"Solid: the largest run of consecutive {free_kind} blocks; dotted: all of them. "
     if "stock" in medians and "proxima" in medians and medians["proxima"] < 0.5 * medians["stock"]:
         text += ("Proxima's largest free run is lower by design, not lost memory: while the "
                  "pool has room to spare it places new requests apart, so that each can grow "
