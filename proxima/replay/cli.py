@@ -258,8 +258,9 @@ def _report(workload, args, version: str, settings: dict, runs: dict, done: int)
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
-    if done < args.repeat:
-        report.update(partial=True, repeats_done=done)
+    report["partial"] = done < args.repeat
+    if report["partial"]:
+        report["repeats_done"] = done
     return report
 
 
