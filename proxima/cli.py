@@ -8,11 +8,18 @@ exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
 from proxima import __version__
 from proxima.errors import UserError
+
+EXIT_STATUS = """\
+exit status of every command: 0 done; 1 done, but a check failed or the results are
+not trustworthy (the command says why; see its --help); 2 bad input or environment (one
+line: what was wrong, the value, what to do; nothing was run or written); 130 interrupted
+(what was finished is kept)."""
 
 # name -> (module, one-line help). Modules import lazily.
 SUBCOMMANDS = {
@@ -24,13 +31,54 @@ SUBCOMMANDS = {
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help says its default: ``(default: X)`` is added where the help text
+    does not already say it (an on/off flag: ``default: off``). Epilogs keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or "required" in text or action.default is argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            return text
+        if action.nargs == 0:                           # store_true / store_false
+            shown = "off" if action.default in (False, None) else "on"
+        elif action.default in (None, []):
+            shown = "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (what was wrong, where to look), not a usage block;
+    an unknown option names the closest known one."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def unknown(self, extra: list[str]):
+        known = [o for a in self._actions for o in a.option_strings]
+        hints = []
+        for token in extra:
+            close = difflib.get_close_matches(token.partition("=")[0], known, n=1)
+            if token.startswith("-") and close:
+                hints.append(f"{token} (did you mean {close[0]}?)")
+            else:
+                hints.append(token)
+        self.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="proxima", description=__doc__.splitlines()[0])
+    parser = Parser(prog="proxima", description=__doc__.splitlines()[0],
+                    epilog=EXIT_STATUS, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"proxima {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)
         if name == chosen:
             try:
                 mod = importlib.import_module(module)
@@ -45,7 +93,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen = getattr(args, "command", None)
+        subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+                    None)
+        (subs.choices[chosen] if subs and chosen in subs.choices else parser).unknown(extra)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -15,11 +15,15 @@ A trace file is JSON Lines, one request a line:
   {"prompt_len": 812, "output_len": 128, "prefix_id": "sys-a", "prefix_len": 256, "arrival_step": 40}
 Only prompt_len and output_len are required. Requests with the same prefix_id share their first
 prefix_len tokens (default: 256, capped at the prompt); arrival_step (default 0) is the
-scheduler step at which the request arrives.
+scheduler step at which the request arrives. Any other key is refused (a misspelt
+``promt_len`` must not be silently ignored), and so is a file that is not UTF-8 text.
+Sizes are bounded (MAX_REQUESTS, MAX_PROMPT_TOKENS, MAX_MODEL_LEN below): everything is
+built in memory before the work starts.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import random
@@ -30,6 +34,11 @@ from proxima.errors import UserError
 
 WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure")
 VOCAB = (3, 31999)          # token ids drawn here: clear of bos/eos (1, 2) of the tiny models
+# Bounds on what is built in memory before any work starts (prompts are lists of ints,
+# ~36 bytes a token): 100,000 requests, 50 M prompt tokens (~2 GB), 1 M tokens a request.
+MAX_REQUESTS = 100_000
+MAX_PROMPT_TOKENS = 50_000_000
+MAX_MODEL_LEN = 1_048_576
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,7 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
     if name not in WORKLOADS:
         raise UserError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)} "
                         f"or pass --trace FILE")
-    if requests is not None and requests < 1:
-        raise UserError(f"--requests must be >= 1, got {requests}")
+    check_sizes(requests, max_model_len)
     rng = random.Random(f"{name}:{seed}")
     specs: list[RequestSpec] = []
     concurrency = None
@@ -128,34 +136,92 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
     return Workload(name, specs, concurrency)
 
 
-def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192) -> Workload:
-    """Read a JSONL trace (see the module docstring). Errors name the line and the field."""
-    path = Path(path)
+TRACE_KEYS = ("prompt_len", "output_len", "prefix_id", "prefix_len", "arrival_step")
+
+
+def check_sizes(requests: int | None = None, max_model_len: int | None = None) -> None:
+    """Refuse sizes that would exhaust memory before any work starts (one line, the bound)."""
+    if requests is not None:
+        if requests < 1:
+            raise UserError(f"--requests must be >= 1, got {requests}")
+        if requests > MAX_REQUESTS:
+            raise UserError(f"--requests {requests:,} is above the bound of {MAX_REQUESTS:,} "
+                            f"(every request's prompt is built in memory first): use at most "
+                            f"{MAX_REQUESTS:,}")
+    if max_model_len is not None:
+        if max_model_len < 2:
+            raise UserError(f"--max-model-len must be >= 2, got {max_model_len}")
+        if max_model_len > MAX_MODEL_LEN:
+            raise UserError(f"--max-model-len {max_model_len:,} is above the bound of "
+                            f"{MAX_MODEL_LEN:,} tokens: use at most {MAX_MODEL_LEN:,}")
+
+
+def _trace_lines(path: Path):
+    """(line number, text) of a trace file, read as UTF-8 line by line."""
     try:
-        lines = path.read_text().splitlines()
+        handle = path.open("rb")
+    except IsADirectoryError:
+        raise UserError(f"cannot read trace {path}: it is a directory (give a .jsonl file)") from None
     except OSError as exc:
         raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    with handle:
+        for lineno, raw in enumerate(handle, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
+                                f"at column {exc.start + 1}): a trace is a JSON Lines text "
+                                f"file, one request per line") from None
+            if "\x00" in text:
+                raise UserError(f"{path}:{lineno}: holds a NUL byte: a trace is a JSON Lines "
+                                f"text file, one request per line (is this a binary file?)")
+            yield lineno, text
+
+
+def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
+               limit: int | None = None) -> Workload:
+    """Read a JSONL trace (see the module docstring). Errors name the line and the field.
+
+    ``limit``: read only the first ``limit`` requests (``--requests N``). A trace longer
+    than :data:`MAX_REQUESTS` requests, or holding more than :data:`MAX_PROMPT_TOKENS`
+    prompt tokens, is refused (with the bound) before its prompts are built."""
+    path = Path(path)
+    check_sizes(limit, max_model_len)
     rng = random.Random(f"trace:{seed}")
-    prefixes: dict[str, list[int]] = {}
-    specs = []
-    for lineno, line in enumerate(lines, 1):
+    rows = []
+    prompt_total = 0
+    for lineno, line in _trace_lines(path):
         if not line.strip():
             continue
+        if limit is not None and len(rows) >= limit:
+            break
         where = f"{path}:{lineno}"
+        if len(rows) >= MAX_REQUESTS:
+            raise UserError(f"trace {path} holds more than {MAX_REQUESTS:,} requests (the "
+                            f"bound): pass --requests N (at most {MAX_REQUESTS:,}) to use "
+                            f"its first N")
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: not JSON ({exc.msg})") from None
+            raise UserError(f"{where}: not JSON ({exc.msg}): a trace line looks like "
+                            f'{{"prompt_len": 100, "output_len": 50}}') from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object like "
                             f'{{"prompt_len": 100, "output_len": 50}}, got {line.strip()[:60]}')
+        unknown = [k for k in row if k not in TRACE_KEYS]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(str(key), TRACE_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the keys are {', '.join(TRACE_KEYS)}"
+            raise UserError(f"{where}: unknown key {key!r}: {hint}")
         values = {}
         for key, required, low in (("prompt_len", True, 1), ("output_len", True, 1),
                                    ("arrival_step", False, 0), ("prefix_len", False, 0)):
             value = row.get(key)
             if value is None:
                 if required:
-                    raise UserError(f"{where}: missing {key!r}")
+                    raise UserError(f"{where}: missing {key!r} (a trace line looks like "
+                                    f'{{"prompt_len": 100, "output_len": 50}})')
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise UserError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
@@ -163,7 +229,21 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192) -> Wo
         prompt_len, output_len = values["prompt_len"], values["output_len"]
         if prompt_len + output_len > max_model_len:
             raise UserError(f"{where}: prompt_len + output_len = {prompt_len + output_len} "
-                            f"exceeds the model length {max_model_len}")
+                            f"exceeds the model length {max_model_len} (raise --max-model-len "
+                            f"or shorten the request)")
+        prompt_total += prompt_len
+        if prompt_total > MAX_PROMPT_TOKENS:
+            raise UserError(f"trace {path}: its prompts pass the bound of "
+                            f"{MAX_PROMPT_TOKENS:,} tokens at line {lineno} (they are built "
+                            f"in memory): pass --requests N to use fewer")
+        rows.append((lineno, row, values))
+    if not rows:
+        raise UserError(f"trace {path} holds no requests (a trace line looks like "
+                        f'{{"prompt_len": 100, "output_len": 50}})')
+    prefixes: dict[str, list[int]] = {}
+    specs = []
+    for lineno, row, values in rows:
+        prompt_len = values["prompt_len"]
         tokens: list[int] = []
         if row.get("prefix_id") is not None:
             key = str(row["prefix_id"])
@@ -173,8 +253,6 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192) -> Wo
                 prefix += _tokens(rng, shared - len(prefix))
             tokens = prefix[:shared]
         tokens = tokens + _tokens(rng, prompt_len - len(tokens))
-        specs.append(RequestSpec(f"trace-{lineno}", tokens, output_len,
+        specs.append(RequestSpec(f"trace-{lineno}", tokens, values["output_len"],
                                  values.get("arrival_step", 0)))
-    if not specs:
-        raise UserError(f"trace {path} holds no requests")
     return Workload(f"trace:{path.name}", specs)

@@ -1,17 +1,24 @@
 """`proxima bench`: arguments, validation and dispatch to the online or offline mode.
 
 Every check on the arguments happens before any load is sent or engine built, and ends
-in a UserError (one line, exit 2). Exit status of a finished run: 0; 1 when a server
-completed no request at all, when ``--check-outputs`` found differing outputs, or when
-the Proxima runs did not report Proxima active (the report is still printed and written).
+in a UserError (one line, exit 2). The exit status of a finished run says whether its
+figures can be trusted (EXIT_RULE below, also in --help and docs/operations.md): 0 when
+every request of every run completed; 1 when the report is printed (and written) but is
+not trustworthy: a request failed or its stream was cut, a server completed nothing,
+``--check-outputs`` found differing outputs, or the Proxima runs did not report Proxima
+active. Online mode also takes the flag names of ``vllm bench serve`` (VLLM_FLAGS).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import proxima
@@ -19,62 +26,116 @@ from proxima.bench import report as report_mod
 from proxima.bench.offline import ARRIVALS
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
-from proxima.workloads import WORKLOADS, RequestSpec, Workload, load_trace, make_workload
+from proxima.ioutil import logs_to_stderr
+from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS, RequestSpec, Workload, \
+    check_sizes, load_trace, make_workload
 
-ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout")
+ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout",
+               "save_result", "result_filename", "result_dir")
 OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "check_outputs",
                 "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "arrivals")
 
 
+ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# `vllm bench serve`'s datasets that proxima bench does not generate (it builds its own,
+# seeded, and never downloads one).
+VLLM_DATASETS = ("burstgpt", "sonnet", "random", "random-mm", "random-rerank", "hf", "custom",
+                 "custom_audio", "prefix_repetition", "spec_bench", "timed_trace")
+VLLM_FLAGS = ("--num-prompts", "--max-concurrency", "--dataset-name", "--save-result",
+              "--result-filename", "--result-dir", "--disable-tqdm", "--endpoint PATH")
+
+TABLE = """\
+the table (one column per server or allocator, then each one's ratio to the first):
+  online:  requests/s, output and total (prompt + output) tokens/s over the wall time of
+           the run; TTFT (time to first token), ITL (gap between tokens), E2E (whole
+           request) percentiles in ms over the completed requests; completed, errors
+           (failed or cut streams: left out of every figure above), short outputs
+           (completed with fewer tokens than asked), preemptions (the server's counter)
+  offline: per allocator, medians over the runs: elapsed s, requests/s, tokens/s with
+           the min-max and spread % of the runs, preemptions, KV-cache blocks, blocks
+           per run (KV blocks per contiguous run of block ids: 1.0 = scattered, higher
+           = more contiguous), largest free run of the pool, short outputs, Proxima active
+  --repeat K > 1 (online) adds the rounds and their min/max/spread rows.
+
+exit status:
+  0    every request of every run completed: the figures stand
+  1    the report is printed (and written) but is NOT trustworthy: a request failed or
+       its stream was cut before [DONE] (a server that died), a server completed no
+       request, --check-outputs found differing tokens, or the Proxima runs did not
+       report Proxima active
+  2    bad input or environment (one line), nothing measured
+  130  interrupted (with --json: what was measured so far is kept, "partial": true)
+
+vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
+(= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
+(no rate, as without it), --dataset-name W (one of the workloads above), --save-result
+[--result-filename F] [--result-dir D] (= --json), --disable-tqdm, --endpoint PATH.
+
+online:  proxima bench --base-url http://127.0.0.1:8000 --label stock \\
+           --base-url http://127.0.0.1:8001 --label proxima --workload chat
+offline: proxima bench --offline --model CONFIG_DIR --load-format dummy \\
+           --workload pressure --kv-cache-memory-bytes 4026531840 --repeat 3 --check-outputs"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = (
-        "online:  proxima bench --base-url http://127.0.0.1:8000 --label stock "
-        "--base-url http://127.0.0.1:8001 --label proxima --model M --workload chat\n"
-        "offline: proxima bench --offline --model CONFIG_DIR --load-format dummy "
-        "--workload pressure --kv-cache-memory-bytes 4026531840 --repeat 3 --check-outputs")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = TABLE
     src = parser.add_argument_group("requests (shared with `proxima replay`)")
     which = src.add_mutually_exclusive_group()
     which.add_argument("--workload", choices=WORKLOADS, default=None,
                        help="synthetic workload (default: chat)")
-    which.add_argument("--trace", metavar="FILE", help="JSON Lines trace (see proxima.workloads)")
-    src.add_argument("--requests", "-n", type=int, metavar="N",
-                     help="number of requests (default: the workload's; with --trace: its first N)")
-    src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
+    which.add_argument("--dataset-name", metavar="W", default=None,
+                       help="vllm bench serve's name for --workload (default: chat)")
+    which.add_argument("--trace", metavar="FILE",
+                       help="JSON Lines trace (see proxima.workloads; default: none)")
+    src.add_argument("--requests", "-n", "--num-prompts", dest="requests", type=int, metavar="N",
+                     help=f"number of requests (default: the workload's: chat 100, sharegpt "
+                          f"1000, multiturn 400, pressure 500; with --trace: all its lines; "
+                          f"at most {MAX_REQUESTS:,})")
+    src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     src.add_argument("--max-model-len", type=int, metavar="TOKENS",
-                     help="longest prompt+output the workload may build (default 8192); "
-                          "offline: also passed to LLM")
-    src.add_argument("--model", required=True,
-                     help="online: the served model name; offline: a model path or config dir")
+                     help=f"longest prompt+output the workload may build (default 8192; at "
+                          f"most {MAX_MODEL_LEN:,}); offline: also passed to LLM")
+    src.add_argument("--model", default=None,
+                     help="online: the served model name (default: the first server's first "
+                          "model, as vllm bench serve does); offline: a model path or config "
+                          "dir (required)")
 
     on = parser.add_argument_group("online mode (OpenAI-compatible servers)")
     on.add_argument("--base-url", action="append", metavar="URL",
                     help="server to load, e.g. http://127.0.0.1:8000; give twice to compare "
-                         "(the first is the baseline of the ratio)")
+                         "(the first is the baseline of the ratio; required online)")
     on.add_argument("--label", action="append", metavar="NAME",
-                    help="name of each --base-url in the report, in the same order")
-    pace = on.add_mutually_exclusive_group()
-    pace.add_argument("--concurrency", "-c", type=int, metavar="C",
-                      help="closed loop, C requests in flight (default: the workload's, "
-                           "else all at once)")
-    pace.add_argument("--request-rate", type=float, metavar="R",
-                      help="open loop: Poisson arrivals at R requests/s (seeded)")
-    on.add_argument("--endpoint", choices=("completions", "chat"),
-                    help="completions (prompt as token ids; default) or chat (prompt as text)")
+                    help="name of each --base-url in the report, in the same order "
+                         "(default: A, B, ...)")
+    on.add_argument("--concurrency", "-c", "--max-concurrency", dest="concurrency", type=int,
+                    metavar="C",
+                    help="at most C requests in flight: a closed loop, or with --request-rate "
+                         "a cap (default: the workload's, else all at once)")
+    on.add_argument("--request-rate", type=float, metavar="R",
+                    help="open loop: Poisson arrivals at R requests/s, seeded; inf = no rate, "
+                         "as without it (default: closed loop)")
+    on.add_argument("--endpoint", metavar="E",
+                    help="completions (prompt as token ids; default) or chat (prompt as text); "
+                         "or vllm bench serve's /v1/completions, /v1/chat/completions")
     on.add_argument("--timeout", type=float, metavar="S",
                     help="per-request timeout in seconds (default 600)")
 
     off = parser.add_argument_group("offline mode (vLLM LLM in this process, stock vs Proxima)")
-    off.add_argument("--offline", action="store_true", help="run vLLM in-process instead")
-    off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only")
+    off.add_argument("--offline", action="store_true",
+                     help="run vLLM in-process instead (needs a GPU; default: online)")
+    off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only "
+                                           "(default: vLLM's, auto)")
     off.add_argument("--kv-cache-memory-bytes", type=int, metavar="B",
-                     help="fix the KV cache size (e.g. to force preemption)")
-    off.add_argument("--gpu-memory-utilization", type=float, metavar="F")
-    off.add_argument("--tensor-parallel-size", type=int, metavar="TP")
+                     help="fix the KV cache size, e.g. to force preemption (default: vLLM "
+                          "sizes it from --gpu-memory-utilization)")
+    off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                     help="share of GPU memory for vLLM (default: vLLM's, 0.9)")
+    off.add_argument("--tensor-parallel-size", type=int, metavar="TP", help="GPUs (default 1)")
     off.add_argument("--enforce-eager", action="store_true", default=None,
-                     help="no torch.compile / CUDA graphs")
+                     help="no torch.compile / CUDA graphs (default: off)")
     off.add_argument("--check-outputs", action="store_true", default=None,
-                     help="compare generated token ids of every run with the first stock run")
+                     help="compare generated token ids of every run with the first stock run "
+                          "(default: off)")
     off.add_argument("--arrivals", choices=ARRIVALS, default=None, help=(
         "held (default): vLLM's scheduler is paused while generate() queues the requests, so "
         "the engine's first step sees all of them in every run; as-sent: the engine starts "
@@ -87,9 +148,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "medians and the run-to-run spread are reported (default 1)"))
 
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    out.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
+    out.add_argument("--save-result", action="store_true",
+                     help="vllm bench serve's way to write the JSON: to --result-filename, "
+                          "else proxima-{rate}qps[-concurrency{C}]-{model}-{date}.json, in "
+                          "--result-dir (default: off)")
+    out.add_argument("--result-filename", metavar="NAME", help="with --save-result (default: "
+                                                                "the name above)")
+    out.add_argument("--result-dir", metavar="DIR", help="with --save-result (default: the "
+                                                         "current directory)")
+    out.add_argument("--plot", metavar="PATH.png", help="write a PNG (needs matplotlib; "
+                                                        "default: none)")
+    out.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                     help="no progress bar (default: a bar per server on stderr)")
+
+
+def _resolve_aliases(args) -> None:
+    """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
+    if args.dataset_name is not None:
+        name = args.dataset_name
+        if name in WORKLOADS:
+            args.workload = name
+        elif name in VLLM_DATASETS:
+            raise UserError(f"--dataset-name {name}: proxima bench does not build vLLM's "
+                            f"{name!r} dataset; it generates {', '.join(WORKLOADS)} (seeded, "
+                            f"nothing downloaded) or reads --trace FILE (JSON Lines of "
+                            f"prompt_len/output_len)")
+        else:
+            raise UserError(f"--dataset-name {name!r} is not a workload: choose one of "
+                            f"{', '.join(WORKLOADS)}, or pass --trace FILE")
+    if args.endpoint is not None:
+        endpoint = ENDPOINT_PATHS.get(args.endpoint.rstrip("/"), args.endpoint)
+        if endpoint not in ("completions", "chat"):
+            raise UserError(f"--endpoint must be completions or chat (or /v1/completions, "
+                            f"/v1/chat/completions), got {args.endpoint!r}")
+        args.endpoint = endpoint
+    if args.request_rate is not None and math.isinf(args.request_rate) and args.request_rate > 0:
+        args.request_rate = None        # vllm bench serve's default: no pacing
+    if (args.result_filename or args.result_dir) and not args.save_result:
+        raise UserError("--result-filename / --result-dir only apply with --save-result "
+                        "(as in vllm bench serve); or use --json PATH")
+    if args.save_result and args.json:
+        raise UserError("give --json PATH or --save-result, not both (they write the same file)")
+
+
+def _save_result_path(args, model: str, concurrency: int | None) -> str:
+    """Where --save-result writes, named as vllm bench serve names it."""
+    if args.result_filename:
+        name = args.result_filename
+    else:
+        rate = "inf" if args.request_rate is None else f"{args.request_rate:g}"
+        conc = f"-concurrency{concurrency}" if concurrency is not None else ""
+        base = model.rstrip("/").split("/")[-1] or "model"
+        name = f"proxima-{rate}qps{conc}-{base}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if args.result_dir:
+        try:
+            os.makedirs(args.result_dir, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--result-dir {args.result_dir}: cannot create it "
+                            f"({exc.strerror or exc})") from None
+        name = os.path.join(args.result_dir, name)
+    return name
 
 
 def _given(args, names) -> list[str]:
@@ -102,13 +221,12 @@ def request_list(args, seed: int | None = None) -> tuple[Workload, list[RequestS
     Requests are sent in ``arrival_step`` order (stable), so later turns of a conversation
     follow earlier ones; beyond that order, pacing comes from the concurrency or rate
     (online) or from vLLM's scheduler (offline, all submitted at once)."""
-    if args.requests is not None and args.requests < 1:
-        raise UserError(f"--requests must be >= 1, got {args.requests}")
+    check_sizes(args.requests, args.max_model_len)
     seed = args.seed if seed is None else seed
     max_len = args.max_model_len or 8192
     if args.trace:
-        workload = load_trace(args.trace, seed=seed, max_model_len=max_len)
-        specs = workload.requests[: args.requests] if args.requests else workload.requests
+        workload = load_trace(args.trace, seed=seed, max_model_len=max_len, limit=args.requests)
+        specs = workload.requests
     else:
         workload = make_workload(args.workload or "chat", args.requests, seed=seed,
                                  max_model_len=max_len)
@@ -170,32 +288,41 @@ def run_online_mode(args) -> int:
     if stray:
         raise UserError(f"{', '.join(stray)} only apply with --offline")
     if not args.base_url:
-        raise UserError("give --base-url URL (a server to load) or --offline")
+        raise UserError("give --base-url URL (a server to load, e.g. http://127.0.0.1:8000) "
+                        "or --offline")
     if args.concurrency is not None and args.concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
-    if args.request_rate is not None and not args.request_rate > 0:
-        raise UserError(f"--request-rate must be > 0 requests/s, got {args.request_rate}")
+    if args.request_rate is not None and not (args.request_rate > 0
+                                              and math.isfinite(args.request_rate)):
+        raise UserError(f"--request-rate must be > 0 requests/s (or inf: no rate), got "
+                        f"{args.request_rate}")
     timeout = 600.0 if args.timeout is None else args.timeout
-    if not timeout > 0:
-        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise UserError(f"--timeout must be > 0 seconds (a finite number), got {args.timeout}")
     repeat = 1 if args.repeat is None else args.repeat
     if repeat < 1:
         raise UserError(f"--repeat must be >= 1, got {args.repeat}")
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot")
+    report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    if args.save_result and args.result_filename:
+        report_mod.check_writable(_save_result_path(args, "", None), "--result-filename")
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
-        from proxima.bench.online import merge_rounds, run_online
+        from proxima.bench.online import check_servers, merge_rounds, run_online
     except ModuleNotFoundError as exc:
         raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
-    concurrency = None
+    concurrency = args.concurrency
     if args.request_rate is None:
         concurrency = args.concurrency or workload.concurrency or len(specs)
     endpoint = args.endpoint or "completions"
+    model = check_servers(targets, args.model)      # every server, before any load
+    if args.save_result:
+        args.json = _save_result_path(args, model, args.concurrency)
+        report_mod.check_writable(args.json, "--save-result")
     info = _workload_info(args, workload, specs, "online")
-    info.update(endpoint=endpoint, concurrency=concurrency, request_rate=args.request_rate,
-                timeout_s=timeout, repeat=repeat)
+    info.update(model=model, endpoint=endpoint, concurrency=concurrency,
+                request_rate=args.request_rate, timeout_s=timeout, repeat=repeat)
     rounds = []
     for r in range(repeat):
         # Round r sends the workload made with seed + r (prompts the servers' prefix caches
@@ -205,7 +332,7 @@ def run_online_mode(args) -> int:
         if repeat > 1:
             print(f"proxima bench: round {r + 1}/{repeat} (seed {args.seed + r}): "
                   f"{', '.join(t.label for t in order)}", file=sys.stderr, flush=True)
-        result = run_online(order, round_specs, args.model, endpoint=endpoint,
+        result = run_online(order, round_specs, model, endpoint=endpoint,
                             concurrency=concurrency, rate=args.request_rate,
                             seed=args.seed + r, timeout_s=timeout,
                             progress=not args.no_progress)
@@ -216,21 +343,37 @@ def run_online_mode(args) -> int:
                                    "environment": environment(False), "per_round": rounds},
                                   args.json)
     results = merge_rounds(rounds)
+    untrusted = untrustworthy(results)
     rep = {"mode": "online", "partial": False, "workload": info,
-           "environment": environment(False),
+           "environment": environment(False), "trustworthy": not untrusted,
+           "notes": untrusted,
            "results": results, "ratios": ratios(results, report_mod.RATIO_KEYS["online"])}
-    status = 0
+    _emit(rep, args)
+    for reason in untrusted:
+        print(f"proxima bench: not trustworthy: {reason}", file=sys.stderr)
+    return 1 if untrusted else 0
+
+
+def untrustworthy(results: dict) -> list[str]:
+    """Why an online report cannot be trusted (empty: every request completed): the rule
+    behind exit status 1."""
+    reasons = []
     for label, result in results.items():
         if result["completed"] == 0:
-            print(f"proxima bench: server {label} completed no request", file=sys.stderr)
-            status = 1
-    return _emit(rep, args) or status
+            reasons.append(f"server {label} completed no request of {result['requests']}")
+        elif result["errors"]:
+            reasons.append(f"server {label}: {result['errors']} of {result['requests']} "
+                           f"requests failed (left out of its figures)")
+    return reasons
 
 
 def run_offline_mode(args) -> int:
     stray = _given(args, ONLINE_ONLY)
     if stray:
         raise UserError(f"{', '.join(stray)} do not apply with --offline (no server is used)")
+    if not args.model:
+        raise UserError("--offline needs --model DIR (a model directory, or a config.json "
+                        "directory with --load-format dummy)")
     from proxima.bench.offline import OfflineConfig, run_offline, validate
     config = OfflineConfig(
         model=args.model, load_format=args.load_format,
@@ -242,22 +385,29 @@ def run_offline_mode(args) -> int:
         arrivals=args.arrivals or "held")
     validate(config)
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot")
+    report_mod.check_writable(args.plot, "--plot", suffix=".png")
     workload, specs = request_list(args)
+    # vLLM logs to stdout by default: its lines go to stderr, the table alone to stdout
+    # (the engine-core processes inherit it). A user's own setting wins.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        import vllm  # noqa: F401 - fail here, in one line, not inside the first run
+        with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
+            import vllm  # noqa: F401 - fail here, in one line, not inside the first run
     except ModuleNotFoundError:
         raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
+    logs_to_stderr("vllm")
     measured = run_offline(config, specs, after_run=_checkpoint(args, config, workload, specs))
-    status = _emit(offline_report(args, config, workload, specs, measured), args)
+    rep = offline_report(args, config, workload, specs, measured)
+    _emit(rep, args)
+    status = 0
     check = measured["check_outputs"]
     if check and any(c["differing"] for c in check["runs"].values()):
-        print("proxima bench: generated tokens differ between runs (see the table)",
-              file=sys.stderr)
+        print("proxima bench: not trustworthy: generated tokens differ between runs (see "
+              "the table)", file=sys.stderr)
         status = 1
     if measured["results"]["proxima"]["proxima_active"] is not True:
-        print("proxima bench: Proxima did not report itself active in the 'proxima' runs",
-              file=sys.stderr)
+        print("proxima bench: not trustworthy: Proxima did not report itself active in the "
+              "'proxima' runs", file=sys.stderr)
         status = 1
     return status
 
@@ -323,4 +473,5 @@ def _emit(rep: dict, args) -> int:
 
 
 def run(args) -> int:
+    _resolve_aliases(args)
     return run_offline_mode(args) if args.offline else run_online_mode(args)

@@ -256,7 +256,30 @@ def default_build_llm(kwargs: dict):
     try:
         return LLM(**kwargs)
     except ValueError as exc:               # vLLM's own argument checks, e.g. KV too small
-        raise UserError(f"vLLM refused the settings: {exc}") from None
+        raise UserError(f"vLLM refused the settings: {' '.join(str(exc).split())}") from None
+
+
+def require_device() -> None:
+    """One line before the first engine where vLLM finds no GPU platform (vLLM itself
+    fails deep inside its config with "Device string must not be empty"). vLLM detects
+    the platform through NVML, without initialising CUDA in this process."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    unspecified = getattr(current_platform, "is_unspecified", None)
+    if (callable(unspecified) and unspecified()) or getattr(current_platform, "device_type",
+                                                            None) == "" \
+            or str(getattr(current_platform, "_enum", "")).endswith("UNSPECIFIED"):  # vLLM 0.6
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise UserError(f"--offline runs vLLM's engine on a GPU and vLLM finds none{why}: run "
+                        f"on a machine with an NVIDIA GPU, or benchmark running servers with "
+                        f"--base-url URL")
+
+
+# Checked by run_offline before the first run (stand-in builders in tests carry none).
+default_build_llm.check_device = require_device
 
 
 def default_sampling_params(max_tokens: int):
@@ -418,6 +441,9 @@ def run_offline(config: OfflineConfig, specs: Sequence[RequestSpec],
     validate(config)
     if not specs:
         raise UserError("the request list is empty: --requests must be >= 1")
+    check_device = getattr(build_llm, "check_device", None)
+    if check_device is not None:
+        check_device()
     request_ids = [s.request_id for s in specs]
     runs: list[dict] = []
     reference: list[list[int]] | None = None

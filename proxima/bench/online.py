@@ -7,7 +7,9 @@ Invariants that make two servers comparable:
 * every server is checked (reachable, serves the model) before any load is sent, so a
   typo in the second URL does not waste the first server's run;
 * a failed request is counted and described, never raised: throughput and latency come
-  from the successful requests only, and ``errors`` says how many were left out.
+  from the successful requests only, and ``errors`` says how many were left out. A request
+  is successful only when its stream ended with ``data: [DONE]``: a stream cut short (the
+  server died, the connection closed) is an error, never a short completion.
 
 What is measured per request (``time.perf_counter``, from just before the POST):
 TTFT is the arrival of the first chunk that carries output tokens; inter-token latency
@@ -145,29 +147,51 @@ def parse_preemptions(metrics_text: str) -> int | None:
     return None
 
 
-async def preflight(session: aiohttp.ClientSession, target: Target, model: str) -> None:
-    """Raise UserError unless the server answers GET /v1/models and lists ``model``."""
+def served_models(payload, where: str) -> list[str]:
+    """The model ids of a ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        shown = json.dumps(payload)[:80] if _jsonable(payload) else repr(payload)[:80]
+        raise UserError(f"{where} answered GET /v1/models with {shown}, not an OpenAI model "
+                        f'list {{"data": [{{"id": ...}}]}}: is it an OpenAI-compatible server?')
+    return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id") is not None]
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+async def preflight(session: aiohttp.ClientSession, target: Target,
+                    model: str | None) -> list[str]:
+    """Raise UserError unless the server answers GET /v1/models and lists ``model`` (any
+    model when ``model`` is None); return the models it serves, in its order."""
     url = target.base_url + "/v1/models"
+    where = f"server {target.label} ({target.base_url})"
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=PREFLIGHT_TIMEOUT_S)) as resp:
             if resp.status != 200:
-                raise UserError(f"server {target.label} ({target.base_url}) answered HTTP "
-                                f"{resp.status} to GET /v1/models: is it an OpenAI-compatible "
-                                f"server?")
+                raise UserError(f"{where} answered HTTP {resp.status} to GET /v1/models: is it "
+                                f"an OpenAI-compatible server?")
             payload = await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach server {target.label} at {target.base_url} ({reason}): "
                         f"is it running? check --base-url") from None
-    except ValueError:
-        raise UserError(f"server {target.label} ({target.base_url}) sent a /v1/models "
-                        f"answer that is not JSON") from None
-    served = [m.get("id") for m in payload.get("data", []) if isinstance(m, dict)] \
-        if isinstance(payload, dict) else []
-    if model not in served:
-        raise UserError(f"server {target.label} ({target.base_url}) does not serve model "
-                        f"{model!r}; it serves: {', '.join(map(str, served)) or 'nothing'} "
-                        f"(pass one of these to --model)")
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{where} sent a /v1/models answer that is not JSON: is it an "
+                        f"OpenAI-compatible server?") from None
+    served = served_models(payload, where)
+    if model is None and not served:
+        raise UserError(f"{where} serves no model (its /v1/models list is empty): start it "
+                        f"with a model, or pass --model")
+    if model is not None and model not in served:
+        raise UserError(f"{where} does not serve model {model!r}; it serves: "
+                        f"{', '.join(served) or 'nothing'} (pass one of these to --model)")
+    return served
 
 
 async def read_preemptions(session: aiohttp.ClientSession, base_url: str) -> int | None:
@@ -254,6 +278,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: dict, spec: R
                         last = now
                 if done:
                     break
+            if not done:                # not a short completion: the answer was cut
+                rec.output_tokens = usage_tokens if usage_tokens is not None else chunk_tokens
+                rec.error = ("stream cut before [DONE] (the connection closed mid-answer: "
+                             "did the server die?)")
+                return rec
         rec.e2e = time.perf_counter() - start
         rec.tokens_from_usage = usage_tokens is not None
         rec.output_tokens = usage_tokens if usage_tokens is not None else chunk_tokens
@@ -300,7 +329,7 @@ async def load_one_server(target: Target, specs: Sequence[RequestSpec], model: s
     url = target.base_url + ENDPOINTS[endpoint]
     in_flight = len(specs) if concurrency is None else min(concurrency, len(specs))
     _raise_fd_limit(in_flight)
-    connector = aiohttp.TCPConnector(limit=0 if rate is not None else in_flight)
+    connector = aiohttp.TCPConnector(limit=in_flight)
     records: list[RequestRecord | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), desc=f"{target.label}", unit="req", file=sys.stderr,
                disable=not progress, leave=True, dynamic_ncols=True)
@@ -314,9 +343,14 @@ async def load_one_server(target: Target, specs: Sequence[RequestSpec], model: s
             bar.update(1)
 
         if rate is not None:
+            # Poisson starts; with a concurrency too, at most that many run at once (a start
+            # waits for a free slot, as vllm bench serve's --max-concurrency does).
+            slots = asyncio.Semaphore(in_flight)
+
             async def at(i: int, offset: float) -> None:
                 await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-                await one(i)
+                async with slots:
+                    await one(i)
             await asyncio.gather(*(at(i, off) for i, off in
                                    enumerate(poisson_offsets(len(specs), rate, seed))))
         else:
@@ -369,12 +403,24 @@ def summarize(target: Target, records: Sequence[RequestRecord], duration: float,
     }
 
 
+async def resolve_model(targets: Sequence[Target], model: str | None) -> str:
+    """Check every server before any load; the model is ``model``, else the first server's
+    first model (as ``vllm bench serve`` does without --model), which every other server
+    must serve too."""
+    async with aiohttp.ClientSession() as session:
+        for target in targets:
+            served = await preflight(session, target, model)
+            if model is None:
+                model = served[0]
+                print(f"proxima bench: --model not given: using {model!r}, the first model "
+                      f"of server {target.label}", file=sys.stderr, flush=True)
+    return model
+
+
 async def _run_all(targets: Sequence[Target], specs: Sequence[RequestSpec], model: str,
                    endpoint: str, concurrency: int | None, rate: float | None, seed: int,
                    timeout_s: float, progress: bool) -> dict[str, dict]:
-    async with aiohttp.ClientSession() as session:
-        for target in targets:
-            await preflight(session, target, model)
+    model = await resolve_model(targets, model)
     results = {}
     for target in targets:                  # one after the other: never load both at once
         results[target.label] = await load_one_server(target, specs, model, endpoint,
@@ -383,7 +429,12 @@ async def _run_all(targets: Sequence[Target], specs: Sequence[RequestSpec], mode
     return results
 
 
-def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: str,
+def check_servers(targets: Sequence[Target], model: str | None) -> str:
+    """:func:`resolve_model`, synchronously: the model every server will be asked for."""
+    return asyncio.run(resolve_model(targets, model))
+
+
+def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: str | None,
                endpoint: str = "completions", concurrency: int | None = None,
                rate: float | None = None, seed: int = 0, timeout_s: float = 600.0,
                progress: bool = True) -> dict[str, dict]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 from typing import Sequence
 
 from proxima.bench.stats import flatten
 from proxima.errors import UserError
+from proxima.ioutil import check_output_path, write_atomic, write_text_atomic
 
 # (title, key in a result, format, text when missing)
 ONLINE_ROWS = [
@@ -148,23 +147,15 @@ def _footer(report: dict) -> list[str]:
     return [""] + lines if lines else []
 
 
-def check_writable(path: str | None, flag: str) -> None:
+def check_writable(path: str | None, flag: str, suffix: str | None = None) -> None:
     """Fail before a long run, not after it, when an output path cannot be written."""
-    if path is None:
-        return
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise UserError(f"{flag} {path} is a directory: give a file name")
-    if not parent.is_dir():
-        raise UserError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {parent} is not writable")
+    check_output_path(path, flag, suffix)
 
 
 def write_json(report: dict, path: str) -> None:
-    """Strict JSON (no NaN), stable key order: what was measured, with null for unknown."""
-    Path(path).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    """Strict JSON (no NaN), stable key order: what was measured, with null for unknown.
+    Written to a temporary name and renamed: never half a file."""
+    write_text_atomic(path, json.dumps(report, indent=2, allow_nan=False) + "\n")
 
 
 def write_plot(report: dict, path: str) -> None:
@@ -206,8 +197,10 @@ def write_plot(report: dict, path: str) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(_describe(report), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _short(value) -> str:

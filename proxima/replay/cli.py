@@ -2,11 +2,18 @@
 
 Both runs see the identical request list. With ``--repeat K`` the two allocators run
 alternately K times each; counts must agree between repeats (the scheduler is
-deterministic) and the scheduler time is the median of the K runs.
+deterministic) and the scheduler time is the median of the K runs. Interrupted (Ctrl-C,
+SIGINT), the repeats already finished are kept: their table is printed and, with --json,
+written (``"partial": true``); --json is also rewritten after every finished repeat.
+
+Every input is checked before the first scheduler is built: sizes against their bounds
+(the pool and the prompts are built in memory), --json / --plot as writable file names.
+Results are written to a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -15,42 +22,86 @@ import sys
 from pathlib import Path
 
 from proxima.errors import UserError
-from proxima.workloads import WORKLOADS, load_trace, make_workload
+from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
+from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
+    make_workload
 
 DEFAULT_NUM_BLOCKS = 55735            # stock vLLM 0.26, Llama-3.1-8B, one H200, util 0.9
 PRESSURE_NUM_BLOCKS = 1920            # 30,720 tokens: the GPU baseline's pressure run
+# vLLM builds one Python object per block (~250 bytes, ~8 s per million blocks here).
+MAX_NUM_BLOCKS = 4_194_304
+# The replay's stand-in model is a Llama config whose max_position_embeddings is 131,072:
+# vLLM refuses a longer --max-model-len for it.
+REPLAY_MAX_MODEL_LEN = 131_072
+TIMELINE_POINTS = 100                 # free-space samples wanted per run (--plot)
+
+COLUMNS = """\
+the table (one row per figure; columns: stock, proxima, proxima/stock):
+  completed              requests that finished (must be equal)
+  steps                  scheduler steps until the last request finished
+  peak_running           most requests running in one step
+  preemptions            preemptions over the run (a running request's KV blocks
+                         taken back to make room; it is computed again later)
+  prefix_hit_rate        prompt tokens found in the prefix cache / tokens looked up
+  blocks_per_run         KV blocks per contiguous run of block ids, over every finished
+                         request's final block table (1.0 = fully scattered; higher is
+                         more contiguous; a request in one run counts all its blocks)
+  single_run_fraction    share of finished requests whose blocks form ONE run
+  scheduler_ms_per_step  CPU time of schedule() + update_from_output() per step
+                         (median over --repeat runs)
+then the parity checks (same completed count, no more preemptions than stock, prefix-hit
+rate within 0.005, no block leaked) and the scheduler time ratio.
+
+exit status: 0 done (parity checks are printed, not turned into an exit status);
+2 bad input (one line, nothing run); 130 interrupted (finished repeats kept)."""
 
 FIELDS = ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
           "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step")
 
 
 def add_arguments(p) -> None:
+    p.epilog = COLUMNS
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="chat",
-                     help="generated workload (default: chat)")
+                     help="generated workload")
     src.add_argument("--trace", metavar="FILE",
-                     help="JSONL trace: prompt_len, output_len[, prefix_id, prefix_len, arrival_step]")
-    p.add_argument("--requests", type=int, help="number of requests (default per workload)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-blocks", type=int,
+                     help="JSONL trace, one request per line: prompt_len, output_len[, prefix_id, "
+                          "prefix_len, arrival_step] (default: none, use --workload)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help=f"number of requests; with --trace its first N (default per workload: "
+                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500; at most "
+                        f"{MAX_REQUESTS:,})")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated prompts")
+    p.add_argument("--num-blocks", type=int, metavar="B",
                    help=f"KV blocks in the pool (default {DEFAULT_NUM_BLOCKS}; "
-                        f"{PRESSURE_NUM_BLOCKS} for pressure)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--no-prefix-caching", action="store_true")
+                        f"{PRESSURE_NUM_BLOCKS} for pressure; at most {MAX_NUM_BLOCKS:,})")
+    p.add_argument("--block-size", type=int, default=16, metavar="T", help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=1024, metavar="N",
+                   help="vLLM's cap on requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, metavar="T",
+                   help="vLLM's cap on tokens scheduled in one step")
+    p.add_argument("--max-model-len", type=int, default=8192, metavar="T",
+                   help=f"longest prompt + output in tokens (default: 8192; at most "
+                        f"{REPLAY_MAX_MODEL_LEN:,})")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="switch vLLM's prefix cache off (default: prefix caching on)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
-                        "as a GPU engine runs by default (V1 only; default: one step at a time)")
-    p.add_argument("--repeat", type=int, default=1,
+                        "as a GPU engine runs by default (V1 only; default: off, one step at "
+                        "a time)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="run each allocator K times, alternating (scheduler time: median)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG (runs per request, free-run timeline)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the figures as JSON (default: none)")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="write a PNG: runs per finished request, free space over time "
+                        "(default: none)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: a bar on stderr)")
 
 
 def _validate(args) -> None:
+    """Everything that can be checked before any work: numbers, bounds, output paths."""
     for name in ("requests", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "repeat"):
         value = getattr(args, name)
@@ -58,21 +109,44 @@ def _validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UserError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
-    for path in (args.json, args.plot):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise UserError(f"cannot write {path}: directory {Path(path).parent} does not exist")
+    check_sizes(args.requests, args.max_model_len)
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= "
+                        f"--max-num-seqs ({args.max_num_seqs}), as vLLM requires")
+    if args.max_model_len > REPLAY_MAX_MODEL_LEN:
+        raise UserError(f"--max-model-len {args.max_model_len:,} is above the bound of "
+                        f"{REPLAY_MAX_MODEL_LEN:,} (the stand-in model's context): use at most "
+                        f"{REPLAY_MAX_MODEL_LEN:,}")
+    if args.num_blocks is not None and args.num_blocks > MAX_NUM_BLOCKS:
+        raise UserError(f"--num-blocks {args.num_blocks:,} is above the bound of "
+                        f"{MAX_NUM_BLOCKS:,} (vLLM builds one object per block in memory): "
+                        f"use at most {MAX_NUM_BLOCKS:,}")
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot", suffix=".png")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'proxima[plot]'") from None
+    if args.trace and any(p and Path(p).resolve() == Path(args.trace).resolve()
+                          for p in (args.json, args.plot)):
+        raise UserError(f"--json {args.json} would overwrite the trace: give another name")
 
 
 def _engine():
     """The replay driver for the installed vLLM (V1 for 0.2x, V0 for 0.6.x)."""
-    # vLLM's INFO lines (one set per scheduler built) would drown the table; a user's
-    # own VLLM_LOGGING_LEVEL wins.
+    # vLLM's INFO lines (one set per scheduler built) would drown the table, and its log
+    # goes to stdout unless told otherwise: warnings go to stderr, the table alone to
+    # stdout. A user's own VLLM_LOGGING_LEVEL / VLLM_LOGGING_STREAM win.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        import vllm
+        with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
+            import vllm
     except ImportError:
         raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
                         "pip install 'proxima[vllm]'") from None
+    logs_to_stderr("vllm")
     if vllm.__version__.startswith("0.6."):
         from proxima.replay import driver_v0 as driver
     else:
@@ -83,10 +157,8 @@ def _engine():
 def run(args) -> int:
     _validate(args)
     if args.trace:
-        workload = load_trace(args.trace, seed=args.seed, max_model_len=args.max_model_len)
-        if args.requests:
-            workload = type(workload)(workload.name, workload.requests[:args.requests],
-                                      workload.concurrency)
+        workload = load_trace(args.trace, seed=args.seed, max_model_len=args.max_model_len,
+                              limit=args.requests)
     else:
         workload = make_workload(args.workload, args.requests, seed=args.seed,
                                  max_model_len=args.max_model_len)
@@ -98,9 +170,10 @@ def run(args) -> int:
         raise UserError(f"request {too_long[0].request_id} needs more blocks than the pool "
                         f"has ({num_blocks} - 1 null block): raise --num-blocks")
     driver, version = _engine()
+    params = inspect.signature(driver.run_replay).parameters
     async_settings = {}
     if args.async_scheduling:
-        if "async_scheduling" not in inspect.signature(driver.run_replay).parameters:
+        if "async_scheduling" not in params:
             raise UserError(f"--async-scheduling needs vLLM's V1 engine; vLLM {version} "
                             "schedules one step at a time")
         async_settings["async_scheduling"] = True
@@ -109,39 +182,106 @@ def run(args) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching,
                     max_model_len=args.max_model_len, **async_settings)
+    extra = {}
+    if args.plot and "timeline_every" in params:
+        extra["timeline_every"] = timeline_every(workload, args.max_num_seqs)
     print(f"proxima replay: {workload.name}, {len(workload.requests)} requests, "
           f"{num_blocks} blocks of {args.block_size} tokens, vLLM {version} "
           f"(scheduler on CPU, no model)", file=sys.stderr)
     runs: dict[str, list[dict]] = {"stock": [], "proxima": []}
-    for rep in range(args.repeat):
-        for label in ("stock", "proxima"):
-            bar = _progress(f"{label} {rep + 1}/{args.repeat}", len(workload.requests),
-                            disabled=args.no_progress)
-            extra = {}
-            if args.plot and "timeline_every" in inspect.signature(driver.run_replay).parameters:
-                extra["timeline_every"] = 25
-            try:
-                result = driver.run_replay(workload, proxima=label == "proxima",
-                                           progress=bar.update_to if bar else None,
-                                           **settings, **extra)
-            finally:
-                if bar:
-                    bar.close()
-            runs[label].append(_normalize(result))
-    results = {label: _combine(rs) for label, rs in runs.items()}
+    done = 0
+    try:
+        for rep in range(args.repeat):
+            for label in ("stock", "proxima"):
+                bar = _progress(f"{label} {rep + 1}/{args.repeat}", len(workload.requests),
+                                disabled=args.no_progress)
+                try:
+                    result = driver.run_replay(workload, proxima=label == "proxima",
+                                               progress=bar.update_to if bar else None,
+                                               **settings, **extra)
+                except ValueError as exc:
+                    refused = _config_refusal(exc)
+                    if refused is None or done or label != "stock":
+                        raise
+                    raise UserError(f"vLLM refused the settings: {refused}") from None
+                finally:
+                    if bar:
+                        bar.close()
+                runs[label].append(_normalize(result))
+            done = rep + 1
+            if args.json and done < args.repeat:     # a replay cut short keeps these
+                write_text_atomic(args.json, _json_text(
+                    _report(workload, args, version, settings, runs, done)))
+    except KeyboardInterrupt:
+        if not done:
+            raise
+        print(f"proxima replay: interrupted during repeat {done + 1} of {args.repeat}: "
+              f"keeping the {done} finished", file=sys.stderr, flush=True)
+        _emit(_report(workload, args, version, settings, runs, done), args, runs, workload,
+              done)
+        raise
+    _emit(_report(workload, args, version, settings, runs, done), args, runs, workload, done)
+    return 0
+
+
+def _config_refusal(exc: ValueError) -> str | None:
+    """The one-line reason of vLLM's config validation (a pydantic ValidationError, or the
+    ValueError of vLLM 0.6's configs) when building the first scheduler; None otherwise."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return " ".join(str(first.get("msg", exc)).removeprefix("Value error, ").split())
+        except (IndexError, TypeError, AttributeError):
+            return None
+    text = " ".join(str(exc).split())
+    return text if "max_num" in text or "max_model_len" in text else None
+
+
+def timeline_every(workload, max_num_seqs: int) -> int:
+    """Steps between free-space samples, so that even a short run gets ~TIMELINE_POINTS of
+    them and a long one no more than needed (each sample walks the whole free queue).
+
+    The run's length is not known before it ends; its lower bound is: the longest request
+    (arrival + output tokens), and all output tokens spread over the requests that can
+    run at once."""
+    in_flight = min(max_num_seqs, workload.concurrency or len(workload.requests)) or 1
+    longest = max((r.arrival_step + r.max_tokens for r in workload.requests), default=1)
+    steps = max(longest, workload.total_output_tokens // in_flight, 1)
+    return max(1, min(25, steps // TIMELINE_POINTS))
+
+
+def _report(workload, args, version: str, settings: dict, runs: dict, done: int) -> dict:
+    """The report of the first ``done`` repeats (both allocators finished in each)."""
+    kept = {label: rs[:done] for label, rs in runs.items()}
+    results = {label: _combine(rs) for label, rs in kept.items()}
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
-    print(format_table(report))
+    report["partial"] = done < args.repeat
+    if report["partial"]:
+        report["repeats_done"] = done
+    return report
+
+
+def _json_text(report: dict) -> str:
+    return json.dumps(report, indent=2) + "\n"
+
+
+def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
+    """The table on stdout; --json and --plot written whole (temporary name, then renamed)."""
+    print(format_table(report), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(args.json, _json_text(report))
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         from proxima.replay.plot import write_plot
 
-        write_plot(report, runs, args.plot)
+        largest = max(-(-(r.prompt_len + r.max_tokens) // args.block_size)
+                      for r in workload.requests)
+        write_plot(report, {label: rs[:done] for label, rs in runs.items()}, args.plot,
+                   largest_request_blocks=largest)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
 
 
 def _normalize(result: dict) -> dict:
@@ -200,23 +340,31 @@ def format_table(report: dict) -> str:
 
 
 class _Bar:
-    def __init__(self, tqdm_bar):
-        self._bar = tqdm_bar
+    """A tqdm bar that appears with the first finished request: vLLM's imports and the
+    pool's construction happen before it, so its rate (and ETA) measure the replay only."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self._bar = label, total, None
 
     def update_to(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, desc=self.label, unit="req",
+                             file=sys.stderr, leave=False, mininterval=0.5)
         self._bar.n = done
         self._bar.refresh()
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _progress(label: str, total: int, disabled: bool):
     if disabled:
         return None
     try:
-        from tqdm import tqdm
+        import tqdm  # noqa: F401
     except ImportError:
         return None
-    return _Bar(tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False,
-                     mininterval=0.5))
+    return _Bar(label, total)

@@ -3,6 +3,8 @@
 Order of work, cheapest first, so bad input fails in seconds with one line:
 environment and install -> options on the raw command line (model path, block size, port)
 -> GPU pre-flight (a child process) -> vLLM's own parser and engine config -> gunicorn.
+Where the pre-flight finds no GPU, vLLM's parser still reads the options (under its CPU
+platform, just before exiting), so that a bad option is reported, not only the GPU.
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
         log.info("self-check %s", check.line())
     first = next((c for c in checks if c.failed), None)
     if first is not None:
+        if first.name in ("gpu", "cuda"):
+            # vLLM's parser needs a GPU platform: a bad option would otherwise hide behind
+            # the missing GPU. Checked on the way out only (see vllm_args).
+            from proxima.serve import vllm_args
+
+            vllm_args.check_options_without_gpu(argv, f"{first.name} self-check failed too "
+                                                        f"(see above)")
         raise UserError(f"self-check failed, not serving: {first.line()}")
     validate.check_plugin()
 

@@ -37,7 +37,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """Bad input in one line before any check runs (the GPU probe takes seconds)."""
+    if args.url is not None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(args.url.strip())
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UserError(f"--url must look like http://HOST:PORT (a running proxima serve), "
+                            f"got {args.url!r}")
+        if args.no_engine or args.model:
+            raise UserError("--url reads a running server's report: --no-engine and --model "
+                            "do not apply with it")
+    if args.model is not None:
+        if args.no_engine:
+            raise UserError(f"--model {args.model} is for the engine checks, which --no-engine "
+                            f"skips: drop one of them")
+        from proxima.serve.validate import check_model
+
+        check_model(args.model)
+
+
 def run(args: argparse.Namespace) -> int:
+    _validate(args)
     if args.url:
         data = fetch_remote(args.url)
         checks = [Check(**c) for c in data.get("checks", [])]

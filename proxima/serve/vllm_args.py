@@ -97,6 +97,26 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
     return args
 
 
+def check_options_without_gpu(argv: list[str], also: str) -> None:
+    """Raise the UserError of a bad option in ``argv`` on a machine where vLLM finds no GPU.
+
+    vLLM builds its parser only under a detected platform; here its CPU platform stands in.
+    Hundreds of vLLM modules bind ``current_platform`` when imported, so after this the
+    process must not build an engine: call it only on the way out (the GPU check failed).
+    Options that parse are left to the GPU error; anything else going wrong is ignored."""
+    try:
+        if not card_stack():           # vLLM 0.6 builds its parser on any machine
+            import vllm.platforms as platforms
+            from vllm.platforms.cpu import CpuPlatform
+
+            platforms._current_platform = CpuPlatform()
+        parse(argv)
+    except UserError as exc:
+        raise UserError(f"{exc}; the {also}") from None
+    except Exception:  # noqa: BLE001 - the GPU error is the one to report then
+        return
+
+
 def check_supported(args: argparse.Namespace) -> None:
     """Modes of ``vllm serve`` that do not fit one engine behind one gunicorn worker."""
     if getattr(args, "headless", False):

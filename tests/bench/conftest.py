@@ -10,6 +10,8 @@ streamed, so tests compare the client's figures with what was really sent.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -29,6 +31,10 @@ class ServerConfig:
     stream_error_every: int = 0         # every k-th -> an {"error": ...} chunk mid-stream
     preemptions_per_request: int = 0    # added to the counter per finished request
     metrics: str = "total"              # "total" | "bare" | "none"
+    models_answer: bytes | None = None  # the body of GET /v1/models instead of the list
+    die_after: int = 0                  # SIGKILL this process midway through the k-th stream
+                                        # (a server dying mid-run: run it as a subprocess,
+                                        # tests/bench/standin_server.py)
 
 
 @dataclass
@@ -37,6 +43,8 @@ class ServerState:
     tokens_streamed: int = 0                         # tokens of successfully finished streams
     chunks_streamed: int = 0
     preemptions: int = 0
+    active: int = 0                                  # streams open now
+    peak_active: int = 0                             # most streams open at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -78,7 +86,9 @@ class FakeOpenAIServer:
 
             def do_GET(self):
                 cfg = server.config
-                if self.path == "/v1/models":
+                if self.path == "/v1/models" and cfg.models_answer is not None:
+                    self._send(200, cfg.models_answer, "application/json")
+                elif self.path == "/v1/models":
                     data = {"object": "list",
                             "data": [{"id": m, "object": "model"} for m in cfg.models]}
                     self._send(200, json.dumps(data).encode(), "application/json")
@@ -108,6 +118,17 @@ class FakeOpenAIServer:
                     nth = len(state.bodies)
                 if cfg.fail_every and nth % cfg.fail_every == 0:
                     return self._send(500, b'{"error": "injected failure"}', "application/json")
+                with state.lock:
+                    state.active += 1
+                    state.peak_active = max(state.peak_active, state.active)
+                try:
+                    self._stream(body, chat, nth)
+                finally:
+                    with state.lock:
+                        state.active -= 1
+
+            def _stream(self, body, chat, nth):
+                cfg, state = server.config, server.state
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -139,6 +160,8 @@ class FakeOpenAIServer:
                     chunk = {"object": "chunk", "choices": [choice]}
                     if usage_each:
                         chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}
+                    if cfg.die_after and nth >= cfg.die_after and sent > total // 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
                     if cfg.stream_error_every and nth % cfg.stream_error_every == 0 and sent > total // 2:
                         emit({"error": {"message": "injected stream error", "code": 500}})
                         self.wfile.write(b"data: [DONE]\n\n")

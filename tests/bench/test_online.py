@@ -114,7 +114,9 @@ def test_failed_requests_are_counted_not_raised(fake_server, trace_file, tmp_pat
     rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
                     "--trace", trace_file(PAIRS), "--concurrency", "2")
     res = rep["results"]["A"]
-    assert rc == 0
+    assert rc == 1                                     # printed and written, not trustworthy
+    assert rep["trustworthy"] is False
+    assert rep["notes"] == ["server A: 2 of 6 requests failed (left out of its figures)"]
     assert res["errors"] == len(PAIRS) // 3 and res["completed"] == len(PAIRS) - len(PAIRS) // 3
     assert res["output_tokens"] == server.state.tokens_streamed
     [(message, count)] = res["error_samples"].items()
@@ -128,6 +130,7 @@ def test_error_inside_the_stream_is_an_error(fake_server, trace_file, tmp_path):
     rc, rep = bench(tmp_path, "--base-url", server.url, "--model", "tiny",
                     "--trace", trace_file(PAIRS), "--concurrency", "1")
     res = rep["results"]["A"]
+    assert rc == 1
     assert res["errors"] == len(PAIRS) // 2
     assert all("injected stream error" in m for m in res["error_samples"])
     assert res["output_tokens"] == server.state.tokens_streamed
@@ -246,3 +249,92 @@ def test_repeat_runs_rounds_with_fresh_prompts_and_reports_the_noise_band(fake_s
                   "--requests", "2", "--repeat", "2")
     table = capsys.readouterr().out
     assert rc == 0 and "run-to-run spread (%)" in table and "2 rounds" in table
+
+
+def test_a_server_killed_mid_run_gives_errors_and_exit_1_never_completions(trace_file, tmp_path,
+                                                                          capsys):
+    """The stand-in server runs in its own process and SIGKILLs itself midway through the
+    40th of 200 streams: the streams it cut are errors (not short completions), the
+    requests after it fail to connect, and the exit status says the figures cannot be
+    trusted; the report is still printed and written."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    server = subprocess.Popen([sys.executable, "-m", "tests.bench.standin_server",
+                               "--die-after", "40", "--delay", "0.003"],
+                              cwd=repo, stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        rc, rep = bench(tmp_path, "--base-url", url, "--model", "tiny", "--concurrency", "8",
+                        "--trace", trace_file([(8, 10)] * 200), "--timeout", "60")
+        server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == -signal.SIGKILL            # it really died mid-run
+    assert rc == 1
+    res = rep["results"]["A"]
+    assert res["requests"] == 200 and res["completed"] + res["errors"] == 200
+    assert 0 < res["completed"] < 40                       # only what ended with [DONE]
+    assert res["short_outputs"] == 0                       # a cut stream is no completion
+    assert res["output_tokens"] == 10 * res["completed"]
+    cut = res["error_samples"].get("stream cut before [DONE] (the connection closed "
+                                   "mid-answer: did the server die?)", 0)
+    assert cut >= 1
+    assert rep["trustworthy"] is False
+    assert rep["notes"] == [f"server A: {res['errors']} of 200 requests failed (left out of "
+                            f"its figures)"]
+    assert res["preemptions"] is None                      # /metrics is gone with it
+    err = capsys.readouterr().err
+    assert "proxima bench: not trustworthy: server A:" in err and "Traceback" not in err
+
+
+def test_vllm_bench_serve_flag_names(fake_server, tmp_path, capsys, monkeypatch):
+    """`vllm bench serve`'s spellings: --num-prompts, --max-concurrency, --dataset-name,
+    --endpoint PATH, --disable-tqdm, --save-result/--result-filename/--result-dir, and no
+    --model (the server's first model)."""
+    server = fake_server(models=("first", "second"), delay=0.0005)
+    out = tmp_path / "saved.json"
+    rc = main(["bench", "--base-url", server.url, "--dataset-name", "pressure",
+               "--num-prompts", "6", "--max-concurrency", "2", "--endpoint", "/v1/completions",
+               "--disable-tqdm", "--save-result", "--result-filename", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    w = rep["workload"]
+    assert (w["name"], w["requests"], w["concurrency"], w["endpoint"], w["model"]) == \
+        ("pressure", 6, 2, "completions", "first")
+    assert {b["model"] for b in server.state.bodies} == {"first"}
+    assert server.state.peak_active <= 2
+    err = capsys.readouterr().err
+    assert "--model not given: using 'first', the first model of server A" in err
+    assert "%|" not in err                                 # --disable-tqdm: no bar
+    # --save-result without a name: vllm's pattern, in --result-dir (made if missing)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["bench", "--base-url", server.url, "--model", "second", "--num-prompts", "2",
+               "--max-concurrency", "1", "--disable-tqdm", "--save-result",
+               "--result-dir", "results"])
+    assert rc == 0
+    [saved] = (tmp_path / "results").iterdir()
+    assert saved.name.startswith("proxima-infqps-concurrency1-second-") and \
+        saved.suffix == ".json"
+    assert json.loads(saved.read_text())["workload"]["model"] == "second"
+
+
+def test_request_rate_with_max_concurrency_caps_the_streams_in_flight(fake_server, tmp_path):
+    """As in vllm bench serve: --request-rate paces the starts, --max-concurrency caps how
+    many run at once (a start waits for a free slot)."""
+    server = fake_server(delay=0.005)
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--workload", "chat",
+                    "--requests", "12", "--request-rate", "1000", "--max-concurrency", "3")
+    assert rc == 0 and rep["results"]["A"]["completed"] == 12
+    assert rep["workload"]["request_rate"] == 1000 and rep["workload"]["concurrency"] == 3
+    assert 1 < server.state.peak_active <= 3
+    rc, rep = bench(tmp_path, "--base-url", server.url, "--workload", "chat", "--requests", "4",
+                    "--request-rate", "inf")           # vllm's default: all at once
+    assert rc == 0 and rep["workload"]["request_rate"] is None
+    assert rep["workload"]["concurrency"] == 20            # the chat workload's own
