@@ -12,14 +12,15 @@ writes its status file itself; the stock pool writes none. With Proxima off,
   (``finished_blocks_per_run``), and a snapshot at once when no request holds blocks.
 
 Nothing that allocates, frees, evicts or admits changes; between snapshots the step wrapper
-costs one clock read, as Proxima's own status writing does.
+costs one clock read, as Proxima's own status writing does. The measurement itself is
+:mod:`proxima.engines.contiguity`, shared with Proxima's pool; this module does not import
+the Proxima adapter.
 """
 
 from __future__ import annotations
 
-from proxima.engines.status import StatusWriter
-from proxima.engines.vllm_v1 import (STATUS_INTERVAL_S, FinishedTally, idle,
-                                      running_blocks_per_run)
+from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
+from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 _saved: list[tuple[object, str, object]] = []
 
