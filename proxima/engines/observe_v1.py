@@ -19,6 +19,7 @@ the Proxima adapter.
 
 from __future__ import annotations
 
+from proxima.engines import activation
 from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
@@ -79,9 +80,14 @@ def is_active() -> bool:
 
 
 def activate() -> None:
-    """Start observing (idempotent). Engines running or built afterwards are observed."""
+    """Start observing (idempotent). Engines running or built afterwards are observed.
+    Asks the version policy first, as the adapters do (the observer reads vLLM's
+    internals too)."""
     if _saved:
         return
+    import vllm
+
+    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
 
     cls = kv_cache_manager.KVCacheManager

@@ -310,14 +310,23 @@ def _all_subclasses(cls):
 
 
 def is_active() -> bool:
+    """Whether Proxima is installed in vLLM's V1 classes."""
     return bool(_saved)
 
 
 def activate() -> None:
-    """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it."""
+    """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it.
+
+    The version policy is asked first (:func:`proxima.engines.activation.require`): an
+    untested vLLM is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (ActivationError,
+    nothing patched). Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
+    caller's question: the plugin asks it."""
     global ProximaBlockPool
     if _saved:
         return
+    import vllm
+
+    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
     import vllm.v1.core.kv_cache_coordinator as coordinator
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
     import vllm.v1.core.sched.scheduler as scheduler

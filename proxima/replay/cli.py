@@ -64,20 +64,27 @@ def _validate(args) -> None:
 
 
 def _engine():
-    """The replay driver for the installed vLLM (V1 for 0.2x, V0 for 0.6.x)."""
+    """The replay driver for the installed vLLM's engine generation, once the version
+    policy accepted it (:mod:`proxima.engines.activation`: tested, or untested with
+    ``PROXIMA_ALLOW_UNTESTED_VLLM=1``)."""
+    from proxima.engines import activation
+
+    activation.check_environment()
+    version = activation.installed_version("vllm")
+    if version is None:
+        raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
+                        "pip install 'proxima[vllm]'")
+    verdict = activation.judge(version, activation.installed_version("torch"))
+    if not verdict.allowed:
+        raise UserError(verdict.refusal(stock_hint="replay needs both allocators"))
     # vLLM's INFO lines (one set per scheduler built) would drown the table; a user's
     # own VLLM_LOGGING_LEVEL wins.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-    except ImportError:
-        raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
-                        "pip install 'proxima[vllm]'") from None
-    if vllm.__version__.startswith("0.6."):
+    if verdict.engine == "v0":
         from proxima.replay import driver_v0 as driver
     else:
         from proxima.replay import driver_v1 as driver
-    return driver, vllm.__version__
+    return driver, version
 
 
 def run(args) -> int:

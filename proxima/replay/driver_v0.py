@@ -44,7 +44,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     Args:
         proxima: build the scheduler with Proxima's block manager (else vLLM's own),
-            whatever ``PROXIMA_ALLOCATOR`` says; the vLLM version check applies.
+            whatever ``PROXIMA_ALLOCATOR`` says; the version policy applies
+            (``vllm_v0.block_manager_class`` asks it).
         num_blocks: GPU KV blocks (vLLM's ``num_gpu_blocks``).
         num_cpu_blocks: swap space in blocks (preemption by swap).
         preemption_mode: None (vLLM's choice: recompute for single sequences), "swap"
@@ -65,8 +66,6 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     from vllm.engine.output_processor.stop_checker import StopChecker
     from vllm.utils import Counter, Device
 
-    if proxima:
-        vllm_v0.check_version()
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,

@@ -117,7 +117,7 @@ def test_serve_without_gpu_stops_with_one_line():
 
 def test_serve_bad_allocator_value_and_missing_model(tmp_path):
     done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR="yes"))
-    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be unset, 0 or 1", "'yes'")
+    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be 1 (Proxima on)", "'yes'")
     done = run_proxima("serve", str(tmp_path / "no-such-model"))
     assert_one_line_error(done, "does not exist")
 

@@ -48,18 +48,6 @@ def step(scheduler, scheduled=None) -> list[str]:
 
 # ------------------------------------------------------------------ activation
 
-@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
-def test_activation_values(value, expected):
-    env = {} if value is None else {activation.ENV: value}
-    assert activation.enabled(env) is expected
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "true", "on"])
-def test_any_other_value_is_a_clear_error(value):
-    with pytest.raises(activation.ActivationError, match="PROXIMA_ALLOCATOR must be 1"):
-        activation.enabled({activation.ENV: value})
-
-
 def test_plugin_does_nothing_unless_enabled(monkeypatch):
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.block_pool import BlockPool
@@ -93,27 +81,59 @@ def test_plugin_entry_point_is_registered_with_vllm():
     assert names.get("proxima") == "proxima.engines.plugin:register"
 
 
-def test_untested_vllm_is_refused_unless_allowed(monkeypatch):
+def test_untested_vllm_is_refused_unless_allowed(monkeypatch, proxima_log):
     import vllm
 
     from proxima.engines.plugin import register
 
     monkeypatch.setenv(activation.ENV, "1")
     monkeypatch.setattr(vllm, "__version__", "0.27.1")
-    with pytest.raises(SystemExit, match="this is vLLM 0.27.1"):
+    monkeypatch.setattr(activation, "_warned", set())
+    with pytest.raises(SystemExit, match="proxima: vLLM 0.27.1 with torch .* is not a "
+                                         "version Proxima was tested with"):
+        register()
+    with pytest.raises(activation.ActivationError, match="PROXIMA_ALLOW_UNTESTED_VLLM=1"):
+        vllm_v1.activate()                  # the adapter asks the same policy
+    assert not vllm_v1.is_active()
+    monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "yes")     # not 1: an error, not a no
+    with pytest.raises(SystemExit, match="PROXIMA_ALLOW_UNTESTED_VLLM must be 1 .* got 'yes'"):
         register()
     assert not vllm_v1.is_active()
     monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
     register()
     assert vllm_v1.is_active()
+    assert any("0.27.1" in r.getMessage() and "trying it anyway" in r.getMessage()
+               for r in proxima_log)
+
+
+def test_the_v0_vllm_series_is_refused_by_the_v1_adapter(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.6.3.post1")
+    monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
+    with pytest.raises(activation.ActivationError, match="runs the V0 engine"):
+        vllm_v1.activate()
+    assert not vllm_v1.is_active()
+
+
+def test_a_bad_stats_file_stops_the_plugin_before_anything_is_patched(monkeypatch, tmp_path):
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv(activation.ENV, "1")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "missing" / "status.json"))
+    with pytest.raises(SystemExit, match="PROXIMA_STATS_FILE must be .* does not exist"):
+        register()
+    assert not vllm_v1.is_active()
 
 
 def test_the_engine_logs_the_activation_line_once(proxima_log):
+    import vllm
+
     build_scheduler(proxima=True, num_blocks=500)
     build_scheduler(proxima=False, num_blocks=500)
     lines = [r.getMessage() for r in proxima_log]
     assert lines == ["Using Proxima contiguous allocator: 500 blocks of 16 tokens "
-                     "(vLLM 0.26.0, V1 engine)"]
+                     f"(vLLM {vllm.__version__}, V1 engine)"]
 
 
 def test_stock_when_off_proxima_when_on():
