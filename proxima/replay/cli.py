@@ -2,7 +2,10 @@
 
 Both runs see the identical request list. With ``--repeat K`` the two allocators run
 alternately K times each; counts must agree between repeats (the scheduler is
-deterministic) and the scheduler time is the median of the K runs.
+deterministic) and the scheduler time is the median of the K runs. The driver is the one
+of the installed vLLM's engine generation (``driver_v1``, ``driver_v0``: the version
+policy of :mod:`proxima.engines.activation` picks it); both return one
+:class:`~proxima.replay.result.ReplayResult` per run.
 """
 
 from __future__ import annotations
@@ -10,18 +13,15 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 from proxima.errors import UserError
+from proxima.replay.result import FIELDS, ReplayResult, combine
 from proxima.workloads import WORKLOADS, load_trace, make_workload
 
 DEFAULT_NUM_BLOCKS = 55735            # stock vLLM 0.26, Llama-3.1-8B, one H200, util 0.9
 PRESSURE_NUM_BLOCKS = 1920            # 30,720 tokens: the GPU baseline's pressure run
-
-FIELDS = ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
-          "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step")
 
 
 def add_arguments(p) -> None:
@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
                         "as a GPU engine runs by default (V1 only; default: one step at a time)")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"),
+                   help="how vLLM's V0 engine preempts (V0 only; default: vLLM's choice, "
+                        "recompute for single sequences)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each allocator K times, alternating (scheduler time: median)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -105,37 +108,29 @@ def run(args) -> int:
         raise UserError(f"request {too_long[0].request_id} needs more blocks than the pool "
                         f"has ({num_blocks} - 1 null block): raise --num-blocks")
     driver, version = _engine()
-    async_settings = {}
-    if args.async_scheduling:
-        if "async_scheduling" not in inspect.signature(driver.run_replay).parameters:
-            raise UserError(f"--async-scheduling needs vLLM's V1 engine; vLLM {version} "
-                            "schedules one step at a time")
-        async_settings["async_scheduling"] = True
+    engine_settings = _engine_settings(args, driver, version)
     settings = dict(num_blocks=num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching,
-                    max_model_len=args.max_model_len, **async_settings)
+                    max_model_len=args.max_model_len, **engine_settings)
     print(f"proxima replay: {workload.name}, {len(workload.requests)} requests, "
           f"{num_blocks} blocks of {args.block_size} tokens, vLLM {version} "
           f"(scheduler on CPU, no model)", file=sys.stderr)
-    runs: dict[str, list[dict]] = {"stock": [], "proxima": []}
+    runs: dict[str, list[ReplayResult]] = {"stock": [], "proxima": []}
     for rep in range(args.repeat):
         for label in ("stock", "proxima"):
             bar = _progress(f"{label} {rep + 1}/{args.repeat}", len(workload.requests),
                             disabled=args.no_progress)
-            extra = {}
-            if args.plot and "timeline_every" in inspect.signature(driver.run_replay).parameters:
-                extra["timeline_every"] = 25
             try:
                 result = driver.run_replay(workload, proxima=label == "proxima",
                                            progress=bar.update_to if bar else None,
-                                           **settings, **extra)
+                                           timeline_every=25 if args.plot else 0, **settings)
             finally:
                 if bar:
                     bar.close()
-            runs[label].append(_normalize(result))
-    results = {label: _combine(rs) for label, rs in runs.items()}
+            runs[label].append(result)
+    results = {label: combine(rs) for label, rs in runs.items()}
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
@@ -146,35 +141,30 @@ def run(args) -> int:
     if args.plot:
         from proxima.replay.plot import write_plot
 
-        write_plot(report, runs, args.plot)
+        write_plot(report, {label: [r.as_dict() for r in rs] for label, rs in runs.items()},
+                   args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
-def _normalize(result: dict) -> dict:
-    """The V0 driver's result under the V1 driver's names (the JSON layout is shared)."""
-    if "blocks_leaked" not in result and "leaked_blocks" in result:
-        result["blocks_leaked"] = result["leaked_blocks"]
-    if "runs_per_request_histogram" not in result:
-        result["runs_per_request_histogram"] = {
-            int(k): v for k, v in result.get("runs_per_request", {}).items()}
-    if "largest_free_run_timeline" not in result and "free_runs_over_time" in result:
-        result["largest_free_run_timeline"] = result["free_runs_over_time"]
-    return result
+#: options only one engine generation's driver has: flag -> run_replay parameter
+ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "vLLM's V1 engine"),
+                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine")}
 
 
-def _combine(results: list[dict]) -> dict:
-    """One allocator's repeats: the counts must agree; the time is the median."""
-    first = dict(results[0])
-    for other in results[1:]:
-        for key in ("completed", "steps", "preemptions", "blocks_per_run"):
-            if other[key] != first[key]:
-                raise RuntimeError(f"replay is not deterministic: {key} {first[key]} vs {other[key]}")
-    times = [r["scheduler_ms_per_step"] for r in results]
-    first["scheduler_ms_per_step"] = statistics.median(times)
-    first["scheduler_ms_per_step_runs"] = times
-    first.pop("largest_free_run_timeline", None)
-    return first
+def _engine_settings(args, driver, version: str) -> dict:
+    """The engine-specific options given, refused (one line) where this driver lacks them."""
+    accepted = inspect.signature(driver.run_replay).parameters
+    settings = {}
+    for name, (flag, needs) in ENGINE_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value in (None, False):
+            continue
+        if name not in accepted:
+            raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
+                            f"drop {flag}")
+        settings[name] = value
+    return settings
 
 
 def _checks(results: dict) -> dict:

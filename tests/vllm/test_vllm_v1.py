@@ -153,9 +153,9 @@ def test_prefill_chunks_and_decode_grow_one_run():
     # 1,500 prompt tokens in chunks of 256, then 400 decode steps: 119 blocks, one run.
     w = Workload("one", [one_request("r", range(3, 1503), 400)])
     out = run_replay(w, proxima=True, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
-    assert out["completed"] == 1 and out["runs_per_request_histogram"] == {1: 1}
+    assert out.completed == 1 and out.runs_per_request_histogram == {1: 1}
     stock = run_replay(w, proxima=False, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
-    assert stock["steps"] == out["steps"]
+    assert stock.steps == out.steps
 
 
 def test_prefix_cache_hit_reuses_the_cached_blocks():
@@ -164,7 +164,7 @@ def test_prefix_cache_hit_reuses_the_cached_blocks():
                          one_request("b", prompt + [7] * 40, 8, arrival=3, follows="a")])
     for proxima in (False, True):
         out = run_replay(w, proxima=proxima, num_blocks=400)
-        assert out["prefix_hit_rate_new_requests"] == pytest.approx(320 / (320 + 360))
+        assert out.details["prefix_hit_rate_new_requests"] == pytest.approx(320 / (320 + 360))
 
 
 def test_eviction_takes_the_least_recently_used_cached_blocks_like_stock():
@@ -185,8 +185,8 @@ def test_eviction_takes_the_least_recently_used_cached_blocks_like_stock():
     w = Workload("lru", reqs)
     stock = run_replay(w, proxima=False, num_blocks=64)
     prox = run_replay(w, proxima=True, num_blocks=64)
-    assert 0 < stock["prefix_hit_rate"] < 1
-    assert prox["prefix_hit_rate"] == stock["prefix_hit_rate"]
+    assert 0 < stock.prefix_hit_rate < 1
+    assert prox.prefix_hit_rate == stock.prefix_hit_rate
 
 
 def test_cached_blocks_are_evicted_only_when_no_free_block_is_left():
@@ -237,10 +237,10 @@ def test_preemption_leaves_no_block_behind_and_matches_stock_capacity():
     w = make_workload("pressure", 60, seed=1)
     stock = run_replay(w, proxima=False, num_blocks=300)
     prox = run_replay(w, proxima=True, num_blocks=300)
-    assert stock["preemptions"] > 0                    # the pool really is too small
+    assert stock.preemptions > 0                    # the pool really is too small
     for key in ("completed", "steps", "peak_running", "preemptions"):
-        assert prox[key] == stock[key], key
-    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
+        assert getattr(prox, key) == getattr(stock, key), key
+    assert prox.blocks_leaked == 0 == stock.blocks_leaked
 
 
 def test_hybrid_model_with_sliding_window_and_full_attention_groups():
@@ -289,14 +289,14 @@ def test_replay_parity_and_contiguity(name, n, blocks, contiguous):
     w = make_workload(name, n, seed=0)
     stock = run_replay(w, proxima=False, num_blocks=blocks)
     prox = run_replay(w, proxima=True, num_blocks=blocks)
-    assert prox["completed"] == stock["completed"] == n
-    assert prox["preemptions"] <= stock["preemptions"]
-    assert prox["prefix_hit_rate"] >= stock["prefix_hit_rate"] - 0.005
-    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
-    assert stock["blocks_per_run"] < 5                    # stock scatters
-    assert prox["blocks_per_run"] > stock["blocks_per_run"]
+    assert prox.completed == stock.completed == n
+    assert prox.preemptions <= stock.preemptions
+    assert prox.prefix_hit_rate >= stock.prefix_hit_rate - 0.005
+    assert prox.blocks_leaked == 0 == stock.blocks_leaked
+    assert stock.blocks_per_run < 5                    # stock scatters
+    assert prox.blocks_per_run > stock.blocks_per_run
     if contiguous:
-        assert prox["single_run_fraction"] >= 0.95
+        assert prox.single_run_fraction >= 0.95
 
 
 # ------------------------------------------------------------------ observing stock
