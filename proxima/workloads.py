@@ -66,14 +66,6 @@ class Workload:
     requests: list[RequestSpec]
     concurrency: int | None = None   # closed loop: at most this many in flight (None: open)
 
-    @property
-    def total_prompt_tokens(self) -> int:
-        return sum(r.prompt_len for r in self.requests)
-
-    @property
-    def total_output_tokens(self) -> int:
-        return sum(r.max_tokens for r in self.requests)
-
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     lo, hi = VOCAB

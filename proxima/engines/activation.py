@@ -1,69 +1,297 @@
-"""When Proxima is on: one variable, checked the same way in every process and engine.
+"""Proxima's one policy: which vLLM versions it runs on, through which adapter, and what
+every ``PROXIMA_*`` variable may say. Every caller asks this module: the plugin and both
+engine adapters, ``proxima serve``'s checks and self-check, ``proxima replay``.
 
-``PROXIMA_ALLOCATOR``: unset or ``0`` -> stock vLLM, nothing patched; ``1`` -> Proxima;
-anything else -> :class:`ActivationError` (the engine must not start half-configured).
-``PROXIMA_ALLOW_UNTESTED_VLLM=1`` lets Proxima activate on a vLLM version it was not
-tested with, with a warning.
+Versions
+    :data:`TESTED` lists the tested releases, one :class:`Tested` entry each: the vLLM
+    version, the engine generation its adapter drives (``"v1"``:
+    :mod:`proxima.engines.vllm_v1`, ``"v0"``: :mod:`proxima.engines.vllm_v0`), the torch
+    releases it was tested with and the ``proxima[...]`` extra that installs it. A release
+    is added by adding one entry. A vLLM that is not listed (or a listed one with another
+    torch) is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1``, and then it is tried with
+    the adapter :func:`engine_for` names, with a warning.
 
-``PROXIMA_OBSERVE``: with Proxima off, ``1`` measures stock vLLM's contiguity without
-changing its allocation (:mod:`proxima.engines.observe_v1`; ``proxima bench`` uses it for
-its stock runs). Same values as ``PROXIMA_ALLOCATOR``.
+Variables (:data:`VARIABLES`; a bad value of any of them is one :class:`ActivationError`
+naming the variable, the value and what is accepted)
+    ``PROXIMA_ALLOCATOR``  ``1``: Proxima's allocator; ``0`` / unset: stock vLLM.
+    ``PROXIMA_OBSERVE``    ``1`` (with Proxima off): measure stock vLLM's contiguity without
+                           changing its allocation (:mod:`proxima.engines.observe_v1`).
+    ``PROXIMA_ALLOW_UNTESTED_VLLM``  ``1``: try an untested vLLM anyway; ``0`` / unset: refuse.
+    ``PROXIMA_ELASTIC``    ``1`` (with ``PROXIMA_ALLOCATOR=1``, V1 only): elastic KV memory
+                           (:mod:`proxima.engines.elastic_v1`); ``0`` / unset: a fixed pool.
+    ``PROXIMA_STATS_FILE`` a file path in a writable directory: where the engine writes its
+                           status (:mod:`proxima.engines.status`); unset: no status file.
+
+This module imports nothing of vLLM or torch: ``proxima serve`` asks it before anything
+heavy is loaded.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
 
 from proxima.errors import UserError
 
 ENV = "PROXIMA_ALLOCATOR"
-ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
 OBSERVE_ENV = "PROXIMA_OBSERVE"
+ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
+STATS_ENV = "PROXIMA_STATS_FILE"
+ELASTIC_ENV = "PROXIMA_ELASTIC"
 LOG_LINE = "Using Proxima contiguous allocator"
 
-#: engine generation -> the vLLM versions Proxima was tested with
-TESTED_VLLM = {
-    "v1": ("0.26.0",),
-    "v0": ("0.6.3.post1",),
-}
+logger = logging.getLogger("vllm.proxima")   # a child of vLLM's logger: its handler, its format
 
 
 class ActivationError(UserError, RuntimeError):
     """Proxima was asked for but cannot be switched on as asked."""
 
 
-def _flag(name: str, on: str, off: str, environ: dict | None) -> bool:
-    value = (os.environ if environ is None else environ).get(name)
-    if value is None or value.strip() in ("", "0"):
-        return False
-    if value.strip() == "1":
-        return True
-    raise ActivationError(f"{name} must be 1 ({on}) or 0 / unset ({off}), got {value!r}")
+# ----------------------------------------------------------------------------- versions
+
+@dataclass(frozen=True)
+class Tested:
+    """One tested vLLM release."""
+
+    vllm: str                #: the exact release, as ``vllm.__version__`` spells it
+    engine: str              #: "v1" or "v0": the engine generation, i.e. which adapter
+    torch: tuple[str, ...]   #: torch releases it was tested with (without a +cuXXX tag)
+    extra: str               #: ``pip install 'proxima[<extra>]'`` installs it
+    stack: str               #: what the docs call it
 
 
-def enabled(environ: dict | None = None) -> bool:
-    """True when ``PROXIMA_ALLOCATOR=1``; raises ActivationError on any value but 0/1/unset."""
-    return _flag(ENV, "Proxima on", "stock vLLM", environ)
+#: The tested releases, newest first (add a release: add one entry, and its extra in
+#: pyproject.toml; tests/unit/test_activation.py checks the two agree).
+TESTED: tuple[Tested, ...] = (
+    Tested("0.26.0", "v1", ("2.11.0",), extra="vllm", stack="the tested stack"),
+    # The card stack: torch 2.4.0 is vLLM 0.6.3.post1's own pin; 2.5.1 is what the Nix
+    # image builds it against (nixos-24.11's torch, nix/image.nix).
+    Tested("0.6.3.post1", "v0", ("2.4.0", "2.5.1"), extra="vllm-cu121", stack="the card stack"),
+)
+
+#: vLLM releases older than this run the V0 adapter, this one and later the V1 adapter:
+#: 0.8.0 made V1 vLLM's default engine. It decides only which adapter an untested release
+#: is tried with (under the override); a tested one says its own.
+V1_SINCE = (0, 8)
+ENGINE_NAMES = {"v1": "V1 engine", "v0": "V0 engine"}
 
 
-def observing(environ: dict | None = None) -> bool:
-    """True when ``PROXIMA_OBSERVE=1`` (same values as :func:`enabled`)."""
-    return _flag(OBSERVE_ENV, "measure stock vLLM's contiguity", "do not", environ)
+def release(version: str) -> tuple[int, ...]:
+    """``"0.6.3.post1"`` -> ``(0, 6, 3)``: the leading numeric parts."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) < len(piece):
+            break
+    return tuple(parts)
 
 
-def check_version(engine: str, version: str, environ: dict | None = None) -> str | None:
-    """Refuse an untested vLLM version unless explicitly allowed.
+def tested(vllm: str | None) -> Tested | None:
+    """The table's entry for this exact vLLM release, or None."""
+    return next((t for t in TESTED if t.vllm == vllm), None)
 
-    Returns a warning message when the override was used, None when the version is tested.
-    """
-    tested = TESTED_VLLM[engine]
-    if version in tested:
+
+def engine_for(vllm: str) -> str:
+    """``"v1"`` or ``"v0"``: the engine generation (adapter) for this vLLM release."""
+    entry = tested(vllm)
+    if entry is not None:
+        return entry.engine
+    return "v1" if release(vllm) >= V1_SINCE else "v0"
+
+
+def _base(torch: str) -> str:
+    return torch.split("+")[0]
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution (package metadata; nothing is imported)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return None
-    env = os.environ if environ is None else environ
-    if env.get(ALLOW_UNTESTED_ENV) == "1":
-        return (f"Proxima was tested with vLLM {', '.join(tested)}, not {version}; "
-                f"activating anyway because {ALLOW_UNTESTED_ENV}=1")
-    raise ActivationError(
-        f"Proxima supports vLLM {', '.join(tested)} ({engine} engine); this is vLLM {version}. "
-        f"Install a tested version (pip install 'proxima[vllm]'), unset {ENV} to run "
-        f"stock vLLM, or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
+
+
+def tested_summary() -> str:
+    """``vllm 0.26.0 with torch 2.11.0 (V1 engine, the tested stack); ...``"""
+    return "; ".join(f"vllm {t.vllm} with torch {' or '.join(t.torch)} "
+                     f"({ENGINE_NAMES[t.engine]}, {t.stack})" for t in TESTED)
+
+
+def install_hint() -> str:
+    """``install a tested vLLM: pip install 'proxima[vllm]' (vLLM 0.26.0) or ...``"""
+    extras = " or ".join(f"pip install 'proxima[{t.extra}]' (vLLM {t.vllm})" for t in TESTED)
+    return f"install a tested vLLM: {extras}; in a checkout, ./dev sets one up"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the policy says about one vLLM (and torch) install."""
+
+    vllm: str
+    torch: str | None        #: None: torch not checked (unknown)
+    engine: str              #: the adapter that runs it
+    entry: Tested | None     #: the tested release, when vLLM's version is one
+    tested: bool             #: vLLM and torch are a tested pair
+    allowed: bool            #: tested, or untested with PROXIMA_ALLOW_UNTESTED_VLLM=1
+
+    @property
+    def seen(self) -> str:
+        return f"vLLM {self.vllm}" + (f" with torch {self.torch}" if self.torch else "")
+
+    def warning(self) -> str | None:
+        """The line to log when an untested install is tried under the override."""
+        if self.tested:
+            return None
+        return (f"{self.seen} is not a tested combination (tested: {tested_summary()}); "
+                f"trying it anyway with Proxima's {ENGINE_NAMES[self.engine]} adapter "
+                f"because {ALLOW_UNTESTED_ENV}=1")
+
+    def refusal(self, stock_hint: str = f"unset {ENV} to run stock vLLM") -> str:
+        """The one-line error for an untested install without the override."""
+        return (f"{self.seen} is not a version Proxima was tested with (tested: "
+                f"{tested_summary()}): {install_hint()}; {stock_hint}; or set "
+                f"{ALLOW_UNTESTED_ENV}=1 to try it anyway")
+
+
+def judge(vllm: str, torch: str | None = None,
+          environ: Mapping[str, str] | None = None) -> Verdict:
+    """The policy's verdict on vLLM ``vllm`` with torch ``torch`` (None: not checked).
+    Raises ActivationError only for a bad ``PROXIMA_ALLOW_UNTESTED_VLLM`` value."""
+    entry = tested(vllm)
+    ok = entry is not None and (torch is None or _base(torch) in entry.torch)
+    allowed = ok or allow_untested(environ)
+    return Verdict(vllm, torch, engine_for(vllm), entry, ok, allowed)
+
+
+_warned: set[tuple[str, str | None]] = set()
+
+
+def require(engine: str, vllm: str, torch: str | None = None,
+            environ: Mapping[str, str] | None = None) -> Verdict:
+    """What an adapter asks before it patches vLLM: refuse a vLLM of another engine
+    generation (no override) or an untested install without the override; under the
+    override, log the warning once per process."""
+    verdict = judge(vllm, torch, environ)
+    if verdict.engine != engine:
+        raise ActivationError(
+            f"vLLM {vllm} runs the {ENGINE_NAMES[verdict.engine]}, but this is Proxima's "
+            f"{ENGINE_NAMES[engine]} adapter: let the plugin pick the adapter "
+            f"(proxima.engines.activation.adapter)")
+    if not verdict.allowed:
+        raise ActivationError(verdict.refusal())
+    warning = verdict.warning()
+    if warning and (vllm, torch) not in _warned:
+        _warned.add((vllm, torch))
+        logger.warning(warning)
+    return verdict
+
+
+def adapter(engine: str):
+    """The adapter module of an engine generation. Both expose ``activate()`` (patch vLLM,
+    after :func:`require`; idempotent), ``deactivate()`` (undo) and ``is_active()``."""
+    if engine == "v1":
+        from proxima.engines import vllm_v1 as module
+    elif engine == "v0":
+        from proxima.engines import vllm_v0 as module
+    else:
+        raise ValueError(f"no engine generation {engine!r}: {', '.join(ENGINE_NAMES)}")
+    return module
+
+
+# ---------------------------------------------------------------------------- variables
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``PROXIMA_*`` variable: ``parse`` turns a set, non-empty value into what it
+    means, or raises ValueError (the reason, or "") for a bad one."""
+
+    name: str
+    accepted: str                       #: what the error message says is accepted
+    parse: Callable[[str], object]
+    unset: object = None                #: the meaning of unset or empty
+
+
+def _switch(value: str) -> bool:
+    if value == "1":
+        return True
+    if value == "0":
+        return False
+    raise ValueError("")
+
+
+def _stats_file(value: str) -> Path:
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory")
+    parent = path.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"directory {str(parent)!r} does not exist or is not writable")
+    return path
+
+
+VARIABLES: dict[str, Variable] = {v.name: v for v in (
+    Variable(ENV, "1 (Proxima on) or 0 / unset (stock vLLM)", _switch, False),
+    Variable(OBSERVE_ENV, "1 (measure stock vLLM's contiguity) or 0 / unset (do not)",
+             _switch, False),
+    Variable(ALLOW_UNTESTED_ENV, "1 (try an untested vLLM anyway) or 0 / unset (refuse it)",
+             _switch, False),
+    Variable(ELASTIC_ENV, "1 (elastic KV memory, with PROXIMA_ALLOCATOR=1) or 0 / unset "
+             "(a fixed KV pool)", _switch, False),
+    Variable(STATS_ENV, "a file path in a writable directory, or unset (no status file)",
+             _stats_file, None),
+)}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None):
+    """The meaning of variable ``name`` in ``environ`` (default: the process's)."""
+    var = VARIABLES[name]
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None or not value.strip():
+        return var.unset
+    try:
+        return var.parse(value.strip())
+    except ValueError as exc:
+        why = f" ({exc})" if str(exc) else ""
+        raise ActivationError(f"{name} must be {var.accepted}, got {value!r}{why}") from None
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Every ``PROXIMA_*`` variable Proxima reads has a valid value (else ActivationError)."""
+    for name in VARIABLES:
+        read(name, environ)
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``PROXIMA_ALLOCATOR=1``."""
+    return read(ENV, environ)
+
+
+def observing(environ: Mapping[str, str] | None = None) -> bool:
+    """``PROXIMA_OBSERVE=1``."""
+    return read(OBSERVE_ENV, environ)
+
+
+def allow_untested(environ: Mapping[str, str] | None = None) -> bool:
+    """``PROXIMA_ALLOW_UNTESTED_VLLM=1``."""
+    return read(ALLOW_UNTESTED_ENV, environ)
+
+
+def elastic(environ: Mapping[str, str] | None = None) -> bool:
+    """``PROXIMA_ELASTIC=1``."""
+    return read(ELASTIC_ENV, environ)
+
+
+def stats_file(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``PROXIMA_STATS_FILE``, checked: None when unset."""
+    return read(STATS_ENV, environ)

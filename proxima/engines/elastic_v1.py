@@ -52,17 +52,15 @@ from proxima.errors import UserError
 
 logger = logging.getLogger("vllm.proxima")
 
-ENV = "PROXIMA_ELASTIC"
+ENV = activation.ELASTIC_ENV
 CONNECTOR = "ProximaElasticConnector"
 CONNECTOR_MODULE = "proxima.engines.elastic_connector"
 
 
 def enabled(environ: dict | None = None) -> bool:
-    """True when ``PROXIMA_ELASTIC=1`` (0 / unset: off; anything else: ActivationError).
-
-    The one place this variable is read; it can move with the other ``PROXIMA_*``
-    variables into a shared settings module."""
-    return activation._flag(ENV, "elastic KV memory", "a fixed KV pool", environ)
+    """True when ``PROXIMA_ELASTIC=1`` (0 / unset: off; anything else: ActivationError);
+    the variable is declared with the others in :mod:`proxima.engines.activation`."""
+    return activation.elastic(environ)
 
 
 # ----------------------------------------------------------------------------- options

@@ -12,14 +12,16 @@ writes its status file itself; the stock pool writes none. With Proxima off,
   (``finished_blocks_per_run``), and a snapshot at once when no request holds blocks.
 
 Nothing that allocates, frees, evicts or admits changes; between snapshots the step wrapper
-costs one clock read, as Proxima's own status writing does.
+costs one clock read, as Proxima's own status writing does. The measurement itself is
+:mod:`proxima.engines.contiguity`, shared with Proxima's pool; this module does not import
+the Proxima adapter.
 """
 
 from __future__ import annotations
 
-from proxima.engines.status import StatusWriter
-from proxima.engines.vllm_v1 import (STATUS_INTERVAL_S, FinishedTally, idle,
-                                      running_blocks_per_run)
+from proxima.engines import activation
+from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
+from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 _saved: list[tuple[object, str, object]] = []
 
@@ -78,9 +80,14 @@ def is_active() -> bool:
 
 
 def activate() -> None:
-    """Start observing (idempotent). Engines running or built afterwards are observed."""
+    """Start observing (idempotent). Engines running or built afterwards are observed.
+    Asks the version policy first, as the adapters do (the observer reads vLLM's
+    internals too)."""
     if _saved:
         return
+    import vllm
+
+    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
 
     cls = kv_cache_manager.KVCacheManager

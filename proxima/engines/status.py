@@ -26,14 +26,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-STATS_ENV = "PROXIMA_STATS_FILE"
+from proxima.engines.activation import STATS_ENV
+
 STATUS_INTERVAL_S = 1.0
 INVARIANTS_INTERVAL_S = 60.0
 
 
 def stats_path() -> Path | None:
-    value = os.environ.get(STATS_ENV)
-    return Path(value) if value else None
+    """``PROXIMA_STATS_FILE`` as a path (None when unset or empty). Not checked here: the
+    plugin and ``proxima serve`` check it once (``activation.check_environment``); readers
+    must not fail on it."""
+    value = os.environ.get(STATS_ENV, "").strip()
+    return Path(value).expanduser() if value else None
 
 
 def write_status(payload: dict, path: Path | None = None) -> None:
@@ -51,8 +55,8 @@ def invariants_verdict(buddy) -> dict:
     the first broken invariant when there is one: what the self-check reads."""
     try:
         buddy.check()
-    except AssertionError as exc:
-        return {"invariants_ok": False, "invariants_error": str(exc)}
+    except Exception as exc:    # whatever check() raises: the pool is not as it must be
+        return {"invariants_ok": False, "invariants_error": str(exc) or type(exc).__name__}
     return {"invariants_ok": True}
 
 

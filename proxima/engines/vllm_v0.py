@@ -39,10 +39,10 @@ Semantics kept from vLLM (the scheduler cannot tell the difference):
   blocks (the ``pressure`` replay) contiguity is therefore no better than stock's; an
   eviction-ahead variant was measured and lost prefix hits (docs/card-stack.md).
 
-Activation: ``PROXIMA_ALLOCATOR=1`` and :func:`activate`, called by the package's
-``vllm.general_plugins`` entry point (``proxima.engines.plugin:register``) in every vLLM
-process. It replaces one attribute, ``vllm.core.block_manager.SelfAttnBlockSpaceManager``
-(the scheduler looks it up there when it is built), and :func:`deactivate` puts it back.
+Activation: ``PROXIMA_ALLOCATOR=1`` makes the package's ``vllm.general_plugins`` entry
+point (``proxima.engines.plugin:register``) call :func:`activate` in every vLLM process.
+It replaces one attribute, ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` (the
+scheduler looks it up there when it is built), and :func:`deactivate` puts it back.
 
 This module imports vLLM's V0 block modules; import it only under vLLM 0.6.x.
 """
@@ -50,19 +50,15 @@ This module imports vLLM's V0 block modules; import it only under vLLM 0.6.x.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Mapping, Optional
+from typing import Callable, Iterator, List, Optional
 
-from proxima.allocator.buddy import BuddyAllocator, count_runs
+from proxima.allocator.buddy import BuddyAllocator
 from proxima.engines import activation
+from proxima.engines.contiguity import ids_per_run
 from proxima.engines import status as _status
 from proxima.engines.activation import ActivationError
 
-TESTED_VLLM_VERSIONS = activation.TESTED_VLLM["v0"]
-ENV_FLAG = activation.ENV
 LOG_LINE = activation.LOG_LINE
 ENGINE = "vllm-v0"
 
@@ -594,11 +590,8 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 
     def proxima_stats(self) -> dict:
         """The allocator's statistics plus the running sequences' contiguity."""
-        per_seq = []
-        for table in self.block_tables.values():
-            ids = table.physical_block_ids
-            if ids:
-                per_seq.append(len(ids) / count_runs(ids))
+        per_seq = [v for v in (ids_per_run(t.physical_block_ids)
+                               for t in self.block_tables.values()) if v is not None]
         evictor = getattr(self.gpu_allocator, "evictor", None)
         return {
             "active": True, "engine": ENGINE, "vllm_version": vllm.__version__,
@@ -621,64 +614,43 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 # ------------------------------------------------------------------------- activation
 
 _stock_manager = None   # vLLM's class while Proxima's is installed
-_warned_untested = False
 
 
-def flag_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """``PROXIMA_ALLOCATOR``: unset, empty or ``0`` -> False; ``1`` -> True; else an error
-    (:func:`proxima.engines.activation.enabled`, shared with the V1 adapter)."""
-    return activation.enabled(None if environ is None else dict(environ))
+def _require_supported() -> None:
+    """The version policy (:func:`proxima.engines.activation.require`), then the V0 block
+    manager's presence: ActivationError when either says no."""
+    import vllm as _vllm
 
-
-def check_version(version: Optional[str] = None,
-                  environ: Optional[Mapping[str, str]] = None) -> None:
-    """Refuse an untested vLLM unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (then warn once)."""
-    global _warned_untested
-    if version is None:
-        import vllm as _vllm
-        version = _vllm.__version__
-    warning = activation.check_version("v0", version,
-                                       None if environ is None else dict(environ))
-    if warning and not _warned_untested:
-        _warned_untested = True
-        warnings.warn(warning, stacklevel=2)
-        logger.warning(warning)
-
-
-def is_active() -> bool:
-    return _stock_manager is not None
-
-
-def activate(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Put Proxima behind vLLM 0.6.x's block manager if ``PROXIMA_ALLOCATOR=1``.
-
-    Contract (for the ``vllm.general_plugins`` entry point, which vLLM calls in every
-    process, possibly several times):
-
-    * flag unset, empty or ``0``: returns False and changes nothing (stock, bit for bit);
-    * flag ``1`` on a tested vLLM: installs :class:`ProximaBlockSpaceManager` as
-      ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` and returns True; schedulers
-      built afterwards use it (each logs ``Using Proxima contiguous allocator: N GPU
-      blocks, block size B ...`` once). Calling it again is a no-op returning True;
-    * flag any other value, or an untested vLLM without ``PROXIMA_ALLOW_UNTESTED_VLLM=1``,
-      or a vLLM without the V0 block manager: raises
-      :class:`proxima.engines.activation.ActivationError` and changes nothing.
-    """
-    global _stock_manager
-    if not flag_enabled(environ):
-        return False
-    check_version(environ=environ)
+    activation.require("v0", _vllm.__version__, activation.installed_version("torch"))
     if _IMPORT_ERROR is not None:
         raise ActivationError(
             f"this vLLM has no V0 block manager that Proxima knows "
             f"(vllm.core.block_manager.SelfAttnBlockSpaceManager, vLLM 0.6.3+ V0): "
             f"{_IMPORT_ERROR}")
-    if _stock_manager is None:
-        _stock_manager = _block_manager.SelfAttnBlockSpaceManager
-        _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager
-        logger.info("Proxima: vLLM %s V0 block manager replaced (%s=1)",
-                    vllm.__version__, ENV_FLAG)
-    return True
+
+
+def is_active() -> bool:
+    """Whether Proxima's block manager is installed in vLLM."""
+    return _stock_manager is not None
+
+
+def activate() -> None:
+    """Put Proxima behind vLLM 0.6.x's block manager (idempotent).
+
+    Installs :class:`ProximaBlockSpaceManager` as
+    ``vllm.core.block_manager.SelfAttnBlockSpaceManager``; schedulers built afterwards use
+    it (each logs ``Using Proxima contiguous allocator: N GPU blocks, block size B ...``
+    once). An untested vLLM without ``PROXIMA_ALLOW_UNTESTED_VLLM=1``, or a vLLM without
+    the V0 block manager, raises :class:`proxima.engines.activation.ActivationError` and
+    changes nothing. Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
+    caller's question: the plugin asks it. The same contract as the V1 adapter's."""
+    global _stock_manager
+    if _stock_manager is not None:
+        return
+    _require_supported()
+    _stock_manager = _block_manager.SelfAttnBlockSpaceManager
+    _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager
+    logger.info("Proxima: vLLM %s V0 block manager replaced", vllm.__version__)
 
 
 def deactivate() -> None:
@@ -693,10 +665,10 @@ def deactivate() -> None:
 def block_manager_class(proxima: bool) -> Iterator[type]:
     """For building one scheduler with (or without) Proxima whatever the global state:
     within the block, ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` is Proxima's
-    class or vLLM's; afterwards it is what it was."""
-    if _IMPORT_ERROR is not None:
-        raise ActivationError(f"vLLM's V0 block manager is not importable: "
-                                     f"{_IMPORT_ERROR}")
+    class or vLLM's; afterwards it is what it was. Proxima's is subject to the same checks
+    as :func:`activate`."""
+    if proxima or _IMPORT_ERROR is not None:
+        _require_supported()
     saved = _block_manager.SelfAttnBlockSpaceManager
     stock = _stock_manager or saved
     _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager if proxima else stock

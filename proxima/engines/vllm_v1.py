@@ -33,8 +33,9 @@ from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterator
 
-from proxima.allocator import BuddyAllocator, count_runs
+from proxima.allocator import BuddyAllocator
 from proxima.engines import activation
+from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
@@ -147,54 +148,17 @@ class ProximaFreeQueue:
                 started = True
 
 
-def _blocks_per_run(blocks) -> float | None:
-    ids = [b.block_id for b in blocks if not b.is_null]
-    return len(ids) / count_runs(ids) if ids else None
-
-
-def running_blocks_per_run(managers) -> list[float]:
-    """For each request holding blocks in vLLM's single-type ``managers``: its blocks divided
-    by its runs of consecutive ids (1.0 = every block apart; the null block not counted)."""
-    values = (_blocks_per_run(blocks) for m in managers for blocks in m.req_to_blocks.values())
-    return [v for v in values if v is not None]
-
-
-class FinishedTally:
-    """Blocks per run of every request's whole KV when it finishes (just before vLLM frees
-    it): the contiguity an offload or transfer of that request would meet. One value per
-    request and KV-cache group; published as ``finished_blocks_per_run`` in the status."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total = 0.0
-
-    def add(self, managers, request_id: str) -> None:
-        for manager in managers:
-            blocks = manager.req_to_blocks.get(request_id)
-            value = _blocks_per_run(blocks) if blocks else None
-            if value is not None:
-                self.count += 1
-                self.total += value
-
-    def as_status(self) -> dict:
-        return {"count": self.count, "mean": self.total / self.count if self.count else None}
-
-
-def idle(managers) -> bool:
-    """True when no request holds blocks (the end of a batch: time for a final snapshot)."""
-    return not any(m.req_to_blocks for m in managers)
-
-
 def _block_pool_class():
     from vllm.v1.core.block_pool import BlockPool
 
     class ProximaBlockPool(BlockPool):
         """vLLM's BlockPool with Proxima's free queue; everything else is inherited."""
 
-        def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                     enable_kv_cache_events: bool = False, metrics_collector=None) -> None:
-            super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
-                             enable_kv_cache_events, metrics_collector)
+        def __init__(self, *args, **kwargs) -> None:
+            # vLLM's parameters, whatever they are (0.26: num_gpu_blocks, enable_caching,
+            # hash_block_size, enable_kv_cache_events, metrics_collector), go through;
+            # Proxima reads only the attributes stock's __init__ sets.
+            super().__init__(*args, **kwargs)
             # Stock's queue linked every block; drop those links, nothing reads them now.
             for block in self.blocks:
                 block.prev_free_block = block.next_free_block = None
@@ -209,7 +173,7 @@ def _block_pool_class():
             import vllm
 
             logger.info("%s: %d blocks of %d tokens (vLLM %s, V1 engine)", activation.LOG_LINE,
-                        num_gpu_blocks, hash_block_size, vllm.__version__)
+                        self.num_gpu_blocks, self.hash_block_size, vllm.__version__)
             self.publish_status(check=True)
 
         def reset_prefix_cache(self) -> bool:
@@ -346,14 +310,23 @@ def _all_subclasses(cls):
 
 
 def is_active() -> bool:
+    """Whether Proxima is installed in vLLM's V1 classes."""
     return bool(_saved)
 
 
 def activate() -> None:
-    """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it."""
+    """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it.
+
+    The version policy is asked first (:func:`proxima.engines.activation.require`): an
+    untested vLLM is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (ActivationError,
+    nothing patched). Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
+    caller's question: the plugin asks it."""
     global ProximaBlockPool
     if _saved:
         return
+    import vllm
+
+    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
     import vllm.v1.core.kv_cache_coordinator as coordinator
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
     import vllm.v1.core.sched.scheduler as scheduler

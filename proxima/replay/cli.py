@@ -9,6 +9,10 @@ written (``"partial": true``); --json is also rewritten after every finished rep
 Every input is checked before the first scheduler is built: sizes against their bounds
 (the pool and the prompts are built in memory), --json / --plot as writable file names.
 Results are written to a temporary name and renamed when complete.
+
+The driver is the one of the installed vLLM's engine generation (``driver_v1``,
+``driver_v0``: the version policy of :mod:`proxima.engines.activation` picks it); both
+return one :class:`~proxima.replay.result.ReplayResult` per run.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ import contextlib
 import inspect
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 from proxima.errors import UserError
 from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
+from proxima.replay.result import FIELDS, ReplayResult, combine
 from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
     make_workload
 
@@ -55,9 +59,6 @@ rate within 0.005, no block leaked) and the scheduler time ratio.
 exit status: 0 done (parity checks are printed, not turned into an exit status);
 2 bad input (one line, nothing run); 130 interrupted (finished repeats kept)."""
 
-FIELDS = ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
-          "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step")
-
 
 def add_arguments(p) -> None:
     p.epilog = COLUMNS
@@ -89,6 +90,9 @@ def add_arguments(p) -> None:
                    help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
                         "as a GPU engine runs by default (V1 only; default: off, one step at "
                         "a time)")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"),
+                   help="how vLLM's V0 engine preempts (V0 only; default: vLLM's choice, "
+                        "recompute for single sequences)")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="run each allocator K times, alternating (scheduler time: median)")
     p.add_argument("--json", metavar="PATH",
@@ -134,24 +138,32 @@ def _validate(args) -> None:
 
 
 def _engine():
-    """The replay driver for the installed vLLM (V1 for 0.2x, V0 for 0.6.x)."""
+    """The replay driver for the installed vLLM's engine generation, once the version
+    policy accepted it (:mod:`proxima.engines.activation`: tested, or untested with
+    ``PROXIMA_ALLOW_UNTESTED_VLLM=1``)."""
+    from proxima.engines import activation
+
+    activation.check_environment()
+    version = activation.installed_version("vllm")
+    if version is None:
+        raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
+                        "pip install 'proxima[vllm]'")
+    verdict = activation.judge(version, activation.installed_version("torch"))
+    if not verdict.allowed:
+        raise UserError(verdict.refusal(stock_hint="replay needs both allocators"))
     # vLLM's INFO lines (one set per scheduler built) would drown the table, and its log
     # goes to stdout unless told otherwise: warnings go to stderr, the table alone to
     # stdout. A user's own VLLM_LOGGING_LEVEL / VLLM_LOGGING_STREAM win.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    try:
-        with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
-            import vllm
-    except ImportError:
-        raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "
-                        "pip install 'proxima[vllm]'") from None
+    with contextlib.redirect_stdout(sys.stderr):   # vLLM 0.6 logs to stdout on import
+        import vllm  # noqa: F401
     logs_to_stderr("vllm")
-    if vllm.__version__.startswith("0.6."):
+    if verdict.engine == "v0":
         from proxima.replay import driver_v0 as driver
     else:
         from proxima.replay import driver_v1 as driver
-    return driver, vllm.__version__
+    return driver, version
 
 
 def run(args) -> int:
@@ -171,24 +183,19 @@ def run(args) -> int:
                         f"has ({num_blocks} - 1 null block): raise --num-blocks")
     driver, version = _engine()
     params = inspect.signature(driver.run_replay).parameters
-    async_settings = {}
-    if args.async_scheduling:
-        if "async_scheduling" not in params:
-            raise UserError(f"--async-scheduling needs vLLM's V1 engine; vLLM {version} "
-                            "schedules one step at a time")
-        async_settings["async_scheduling"] = True
+    engine_settings = _engine_settings(args, driver, version)
     settings = dict(num_blocks=num_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=not args.no_prefix_caching,
-                    max_model_len=args.max_model_len, **async_settings)
+                    max_model_len=args.max_model_len, **engine_settings)
     extra = {}
     if args.plot and "timeline_every" in params:
         extra["timeline_every"] = timeline_every(workload, args.max_num_seqs)
     print(f"proxima replay: {workload.name}, {len(workload.requests)} requests, "
           f"{num_blocks} blocks of {args.block_size} tokens, vLLM {version} "
           f"(scheduler on CPU, no model)", file=sys.stderr)
-    runs: dict[str, list[dict]] = {"stock": [], "proxima": []}
+    runs: dict[str, list[ReplayResult]] = {"stock": [], "proxima": []}
     done = 0
     try:
         for rep in range(args.repeat):
@@ -207,7 +214,7 @@ def run(args) -> int:
                 finally:
                     if bar:
                         bar.close()
-                runs[label].append(_normalize(result))
+                runs[label].append(result)
             done = rep + 1
             if args.json and done < args.repeat:     # a replay cut short keeps these
                 write_text_atomic(args.json, _json_text(
@@ -247,14 +254,15 @@ def timeline_every(workload, max_num_seqs: int) -> int:
     run at once."""
     in_flight = min(max_num_seqs, workload.concurrency or len(workload.requests)) or 1
     longest = max((r.arrival_step + r.max_tokens for r in workload.requests), default=1)
-    steps = max(longest, workload.total_output_tokens // in_flight, 1)
+    output_tokens = sum(r.max_tokens for r in workload.requests)
+    steps = max(longest, output_tokens // in_flight, 1)
     return max(1, min(25, steps // TIMELINE_POINTS))
 
 
 def _report(workload, args, version: str, settings: dict, runs: dict, done: int) -> dict:
     """The report of the first ``done`` repeats (both allocators finished in each)."""
     kept = {label: rs[:done] for label, rs in runs.items()}
-    results = {label: _combine(rs) for label, rs in kept.items()}
+    results = {label: combine(rs) for label, rs in kept.items()}
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
@@ -279,35 +287,30 @@ def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
 
         largest = max(-(-(r.prompt_len + r.max_tokens) // args.block_size)
                       for r in workload.requests)
-        write_plot(report, {label: rs[:done] for label, rs in runs.items()}, args.plot,
+        write_plot(report, {label: [r.as_dict() for r in rs[:done]]
+                            for label, rs in runs.items()}, args.plot,
                    largest_request_blocks=largest)
         print(f"wrote {args.plot}", file=sys.stderr)
 
 
-def _normalize(result: dict) -> dict:
-    """The V0 driver's result under the V1 driver's names (the JSON layout is shared)."""
-    if "blocks_leaked" not in result and "leaked_blocks" in result:
-        result["blocks_leaked"] = result["leaked_blocks"]
-    if "runs_per_request_histogram" not in result:
-        result["runs_per_request_histogram"] = {
-            int(k): v for k, v in result.get("runs_per_request", {}).items()}
-    if "largest_free_run_timeline" not in result and "free_runs_over_time" in result:
-        result["largest_free_run_timeline"] = result["free_runs_over_time"]
-    return result
+#: options only one engine generation's driver has: flag -> run_replay parameter
+ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "vLLM's V1 engine"),
+                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine")}
 
 
-def _combine(results: list[dict]) -> dict:
-    """One allocator's repeats: the counts must agree; the time is the median."""
-    first = dict(results[0])
-    for other in results[1:]:
-        for key in ("completed", "steps", "preemptions", "blocks_per_run"):
-            if other[key] != first[key]:
-                raise RuntimeError(f"replay is not deterministic: {key} {first[key]} vs {other[key]}")
-    times = [r["scheduler_ms_per_step"] for r in results]
-    first["scheduler_ms_per_step"] = statistics.median(times)
-    first["scheduler_ms_per_step_runs"] = times
-    first.pop("largest_free_run_timeline", None)
-    return first
+def _engine_settings(args, driver, version: str) -> dict:
+    """The engine-specific options given, refused (one line) where this driver lacks them."""
+    accepted = inspect.signature(driver.run_replay).parameters
+    settings = {}
+    for name, (flag, needs) in ENGINE_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value in (None, False):
+            continue
+        if name not in accepted:
+            raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
+                            f"drop {flag}")
+        settings[name] = value
+    return settings
 
 
 def _checks(results: dict) -> dict:

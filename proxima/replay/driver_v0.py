@@ -6,12 +6,12 @@ one token for every scheduled sequence group whose prefill is done (``do_sample`
 vLLM's own ``SingleStepOutputProcessor`` + ``StopChecker`` append it, finish sequences and
 free their blocks, as ``LLMEngine._process_model_outputs`` does.
 
-:func:`run_replay` returns the figures of ``proxima replay`` (the same keys as the V1
-driver) for one side, stock or Proxima, on the identical trace::
-
-    completed, ignored, steps, peak_running, preemptions, recompute_preemptions,
-    swap_preemptions, prefix_hit_rate, blocks_per_run, single_run_fraction,
-    scheduler_ms_per_step, ...
+:func:`run_replay` returns the :class:`~proxima.replay.result.ReplayResult` of one side,
+stock or Proxima, on the identical trace, as the V1 driver does; ``proxima replay`` runs it
+on the card stack. V0's own figures are in its ``details``: ``ignored``,
+``recompute_preemptions``, ``swap_preemptions``, ``own_blocks_per_run`` and
+``own_single_run_fraction`` (each request's blocks after the prefix-cache hits it starts
+with), ``scheduler_seconds``, ``wall_seconds`` and, for Proxima, ``allocator_stats``.
 
 ``prefix_hit_rate`` is vLLM V0's own metric (``get_prefix_cache_hit_rate``): cache hits
 over lookups of full prompt blocks (0.0 when prefix caching is off).
@@ -23,8 +23,8 @@ import gc
 import time
 from typing import Callable, Optional
 
-from proxima.allocator import count_runs
 from proxima.engines import vllm_v0
+from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
 # Fixed "sampled" token: clear of bos/eos; sequences ignore eos and stop at max_tokens.
@@ -37,19 +37,24 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Optional[Callable[[int, int], None]] = None,
+               timeline_every: int = 0,
                num_cpu_blocks: int = DEFAULT_NUM_CPU_BLOCKS,
                preemption_mode: Optional[str] = None,
-               enable_chunked_prefill: bool = False) -> dict:
+               enable_chunked_prefill: bool = False) -> ReplayResult:
     """Drive V0's scheduler over ``workload`` until every request is done.
 
     Args:
         proxima: build the scheduler with Proxima's block manager (else vLLM's own),
-            whatever ``PROXIMA_ALLOCATOR`` says; the vLLM version check applies.
+            whatever ``PROXIMA_ALLOCATOR`` says; the version policy applies
+            (``vllm_v0.block_manager_class`` asks it).
         num_blocks: GPU KV blocks (vLLM's ``num_gpu_blocks``).
         num_cpu_blocks: swap space in blocks (preemption by swap).
         preemption_mode: None (vLLM's choice: recompute for single sequences), "swap"
             or "recompute".
         progress: called as ``progress(done, total)`` whenever requests finish.
+        timeline_every: sample (step, truly free blocks, largest run of them) every that
+            many steps for the plot, thinned to at most ``2 * FREE_RUN_SAMPLES``
+            samples; 0: no timeline.
 
     Arrivals (as in the V1 driver): open loop, a request enters at its ``arrival_step``
     (idle steps are skipped, not counted); closed loop (``workload.concurrency``), the
@@ -65,8 +70,6 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     from vllm.engine.output_processor.stop_checker import StopChecker
     from vllm.utils import Counter, Device
 
-    if proxima:
-        vllm_v0.check_version()
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
@@ -95,7 +98,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         scheduler_config, detokenizer=None, scheduler=[scheduler], seq_counter=Counter(),
         stop_checker=StopChecker(max_model_len, lambda seq: None))
     replay = _Replay(scheduler, processor, workload, max_model_len, block_size, progress,
-                     _free_pool_probe(block_manager, proxima))
+                     _free_pool_probe(block_manager, proxima), timeline_every)
     # The block-object pools (4 per block) are hundreds of thousands of objects; without
     # this, whichever side happens to trigger a full collection pays seconds for it.
     gc.collect()
@@ -108,54 +111,39 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     wall = time.perf_counter() - start
 
     gpu_allocator = block_manager.block_allocator._allocators[Device.GPU]
-    num_free_end = gpu_allocator.get_num_free_blocks()
     tables = [t for t, _ in replay.final_tables]
-    total_blocks = sum(len(t) for t in tables)
-    runs = [count_runs(t) for t in tables]
     # The same over each request's own blocks: without the prefix-cache hits it starts
     # with, which are other requests' blocks (and so, for all but one, another run).
-    own = [t[shared:] for t, shared in replay.final_tables]
-    own_runs = [count_runs(t) for t in own if t]
-    hist: dict[int, int] = {}
-    for r in runs:
-        hist[r] = hist.get(r, 0) + 1
-    hit_rate = scheduler.get_prefix_cache_hit_rate(Device.GPU)
+    own = contiguity([t[shared:] for t, shared in replay.final_tables])
     steps = replay.steps
-    result = {
-        "engine": vllm_v0.ENGINE,
-        "vllm_version": _vllm_version(),
-        "allocator": "proxima" if proxima else "stock",
-        "workload": workload.name,
-        "requests": len(workload.requests),
-        "completed": replay.completed,
+    details = {
         "ignored": replay.ignored,
-        "steps": steps,
-        "peak_running": replay.peak_running,
-        "preemptions": scheduler.num_cumulative_preemption,
         "recompute_preemptions": preempted[PreemptionMode.RECOMPUTE],
         "swap_preemptions": preempted[PreemptionMode.SWAP],
-        "prefix_hit_rate": max(hit_rate, 0.0),
-        "blocks_per_run": total_blocks / sum(runs) if runs else 0.0,
-        "single_run_fraction": sum(1 for r in runs if r == 1) / len(runs) if runs else 0.0,
-        "runs_per_request": {str(k): hist[k] for k in sorted(hist)},
-        "own_blocks_per_run": (sum(len(t) for t in own) / sum(own_runs)) if own_runs else 0.0,
-        "own_single_run_fraction": (sum(1 for r in own_runs if r == 1) / len(own_runs)
-                                    if own_runs else 0.0),
-        "scheduler_ms_per_step": 1000.0 * replay.sched_seconds / steps if steps else 0.0,
+        "own_blocks_per_run": own["blocks_per_run"],
+        "own_single_run_fraction": own["single_run_fraction"],
         "scheduler_seconds": replay.sched_seconds,
         "wall_seconds": wall,
-        "num_blocks": num_blocks,
-        "block_size": block_size,
-        "num_free_blocks_end": num_free_end,
-        "leaked_blocks": num_blocks - num_free_end,
-        "free_runs_over_time": replay.free_runs,   # [step, truly free, largest free run]
     }
     if proxima:
         stats = gpu_allocator.buddy.stats()
         stats["num_reserved"] = getattr(gpu_allocator, "_hashless_allocator",
                                         gpu_allocator).num_reserved
-        result["allocator_stats"] = stats
-    return result
+        details["allocator_stats"] = stats
+    return ReplayResult(
+        allocator="proxima" if proxima else "stock",
+        completed=replay.completed,
+        steps=steps,
+        peak_running=replay.peak_running,
+        preemptions=scheduler.num_cumulative_preemption,
+        prefix_hit_rate=max(scheduler.get_prefix_cache_hit_rate(Device.GPU), 0.0),
+        scheduler_ms_per_step=1000.0 * replay.sched_seconds / steps if steps else 0.0,
+        blocks_leaked=num_blocks - gpu_allocator.get_num_free_blocks(),
+        num_blocks=num_blocks,
+        largest_free_run_timeline=replay.free_runs,
+        details=details,
+        **contiguity(tables),
+    )
 
 
 class _Replay:
@@ -163,7 +151,7 @@ class _Replay:
     samples, vLLM's output processing, frees. Times schedule + output processing only."""
 
     def __init__(self, scheduler, processor, workload: Workload, max_model_len: int,
-                 block_size: int, progress, free_pool) -> None:
+                 block_size: int, progress, free_pool, timeline_every: int = 0) -> None:
         self.scheduler = scheduler
         self.processor = processor
         self.requests = sorted(workload.requests, key=lambda r: r.arrival_step)
@@ -172,6 +160,7 @@ class _Replay:
         self.block_size = block_size
         self.progress = progress
         self.free_pool = free_pool
+        self.timeline_every = timeline_every
         self.steps = self.peak_running = self.completed = self.ignored = 0
         self.sched_seconds = 0.0
         self.final_tables: list[tuple[list[int], int]] = []
@@ -202,7 +191,7 @@ class _Replay:
         logprob = {}
         next_pending = in_flight = done = 0
         clock = steps = 0                 # clock: arrival time in steps, idle included
-        sample_every = 16
+        sample_every = self.timeline_every
 
         def submit(spec) -> None:
             seq = Sequence(next(seq_counter), token_inputs(list(spec.prompt_token_ids)),
@@ -280,7 +269,7 @@ class _Replay:
                 in_flight -= newly_done
                 if self.progress is not None:
                     self.progress(done, total)
-            if steps % sample_every == 0:
+            if sample_every and steps % sample_every == 0:
                 self.free_runs.append([steps, *self.free_pool()])
                 if len(self.free_runs) >= 2 * FREE_RUN_SAMPLES:
                     self.free_runs = self.free_runs[::2]
@@ -319,68 +308,3 @@ def _free_pool_probe(block_manager, proxima: bool) -> Callable[[], tuple[int, in
             prev = i
         return len(ids), best
     return probe
-
-
-def _vllm_version() -> str:
-    import vllm
-    return vllm.__version__
-
-
-def main(argv: Optional[list] = None) -> int:
-    """``python -m proxima.replay.driver_v0``: stock vs Proxima on the card stack, for
-    the numbers in docs/card-stack.md until ``proxima replay`` dispatches here. Runs the
-    two sides interleaved ``--repeat`` times; every figure but the timing is the same on
-    each repeat, the timing reported is each side's best (least disturbed) run."""
-    import argparse
-    import json
-
-    from proxima.workloads import WORKLOADS, make_workload
-
-    parser = argparse.ArgumentParser(prog="python -m proxima.replay.driver_v0")
-    parser.add_argument("--workload", choices=WORKLOADS, required=True)
-    parser.add_argument("--requests", type=int)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-blocks", type=int)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=1024)
-    parser.add_argument("--preemption-mode", choices=("swap", "recompute"))
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
-    num_blocks = args.num_blocks or (1920 if args.workload == "pressure" else 55735)
-    workload = make_workload(args.workload, args.requests, seed=args.seed)
-    results: dict = {}
-    times: dict = {"stock": [], "proxima": []}
-    for _ in range(args.repeat):
-        for side in ("stock", "proxima"):
-            result = run_replay(workload, proxima=side == "proxima", num_blocks=num_blocks,
-                                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                enable_prefix_caching=not args.no_prefix_caching,
-                                preemption_mode=args.preemption_mode)
-            times[side].append(result["scheduler_ms_per_step"])
-            if side not in results or (result["scheduler_ms_per_step"]
-                                       < results[side]["scheduler_ms_per_step"]):
-                results[side] = result
-    for side in results:
-        results[side]["scheduler_ms_per_step_runs"] = times[side]
-    report = {"workload": args.workload, "requests": len(workload.requests),
-              "seed": args.seed, "num_blocks": num_blocks, "results": results}
-    keys = ("completed", "steps", "peak_running", "preemptions", "recompute_preemptions",
-            "swap_preemptions", "prefix_hit_rate", "blocks_per_run", "single_run_fraction",
-            "own_single_run_fraction", "scheduler_ms_per_step", "leaked_blocks")
-    print(f"{'':28}{'stock':>12}{'proxima':>12}")
-    for key in keys:
-        row = [results[side][key] for side in ("stock", "proxima")]
-        print(f"{key:28}" + "".join(f"{v:>12.4f}" if isinstance(v, float) else f"{v:>12}"
-                                     for v in row))
-    ratio = results["proxima"]["scheduler_ms_per_step"] / results["stock"]["scheduler_ms_per_step"]
-    print(f"{'scheduler time ratio':28}{ratio:>24.3f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

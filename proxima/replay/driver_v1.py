@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from proxima.allocator import count_runs
+from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
 TINY_LLAMA = {
@@ -100,8 +100,11 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Callable[[int, int], None] | None = None,
-               timeline_every: int = 0, async_scheduling: bool = False) -> dict:
-    """Replay ``workload`` once; return the figures of proxima.replay.report.FIELDS.
+               timeline_every: int = 0, async_scheduling: bool = False) -> ReplayResult:
+    """Replay ``workload`` once through one allocator (:class:`ReplayResult`).
+
+    ``timeline_every``: every that many steps, record (step, free or evictable blocks,
+    largest run of them, runs) for the plot; 0: no timeline.
 
     ``async_scheduling``: vLLM's AsyncScheduler with its engine loop's batch queue of two
     (a step is scheduled before the previous one's output is processed), as vLLM 0.26
@@ -109,7 +112,6 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
     from proxima.engines import vllm_v1
@@ -245,32 +247,20 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         if proxima:
             vllm_v1.deactivate()
 
-    total_blocks = sum(len(t) for t in final_tables)
-    total_runs = sum(count_runs(t) for t in final_tables if t)
-    single = sum(1 for t in final_tables if t and count_runs(t) == 1)
-    with_blocks = sum(1 for t in final_tables if t)
-    leaked = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-    runs_histogram: dict[int, int] = {}
-    for t in final_tables:
-        if t:
-            r = count_runs(t)
-            runs_histogram[r] = runs_histogram.get(r, 0) + 1
-    return {
-        "allocator": "proxima" if proxima else "stock",
-        "completed": completed,
-        "steps": steps,
-        "peak_running": peak_running,
-        "preemptions": preemptions,
-        "prefix_hit_rate": hits / queries if queries else 0.0,
-        "prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
-        "blocks_per_run": total_blocks / total_runs if total_runs else 0.0,
-        "single_run_fraction": single / with_blocks if with_blocks else 0.0,
-        "scheduler_ms_per_step": 1000 * sched_seconds / steps if steps else 0.0,
-        "blocks_leaked": leaked,
-        "runs_per_request_histogram": dict(sorted(runs_histogram.items())),
-        "largest_free_run_timeline": free_run_timeline,
-        "num_blocks": num_blocks,
-    }
+    return ReplayResult(
+        allocator="proxima" if proxima else "stock",
+        completed=completed,
+        steps=steps,
+        peak_running=peak_running,
+        preemptions=preemptions,
+        prefix_hit_rate=hits / queries if queries else 0.0,
+        scheduler_ms_per_step=1000 * sched_seconds / steps if steps else 0.0,
+        blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        num_blocks=num_blocks,
+        largest_free_run_timeline=free_run_timeline,
+        details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0},
+        **contiguity(final_tables),
+    )
 
 
 def _runner_output(out, sampling: set[str], requests: dict, replies: dict):

@@ -14,6 +14,8 @@ parent breaks CUDA in the forked children). Modules:
 - ``report``: one check = one line; the report served at ``/proxima/selfcheck``
 - ``supervisor``: starts the engine in the worker, runs the engine self-checks and the
   canary, watches the engine and asks gunicorn for a fresh worker when it dies
+- ``launch``: one launcher per engine generation (V1, V0): the engine client, vLLM's app,
+  where the engine runs; the supervisor asks it, never which vLLM it is
 - ``app``: the ASGI gate in front of vLLM's app (``/health``, ``/proxima/selfcheck``)
 - ``worker``, ``gunicorn_conf``: gunicorn's worker class and configuration
 - ``metrics``: Prometheus collector over the engine's status file

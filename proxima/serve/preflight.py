@@ -6,22 +6,15 @@ Each function turns facts (from :mod:`proxima.serve.gpuprobe` or package metadat
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from proxima import __version__ as PROXIMA_VERSION
+from proxima.engines import activation
+from proxima.engines.activation import installed_version
 from proxima.serve import gpuprobe
 from proxima.serve.report import Check, failed, ok, skipped
 
-TESTED_VLLM = "0.26.0"
-TESTED_TORCH = "2.11.0"
-# The card stack (V0 engine, proxima/engines/vllm_v0.py): what the Nix image runs. torch 2.4.0
-# is vLLM 0.6.3.post1's own pin (requirements/vllm-0.6.txt); 2.5.1 is accepted too because the
-# Nix image builds vLLM 0.6.3.post1 against nixos-24.11's torch, which is 2.5.1 (nix/image.nix).
-CARD_VLLM = "0.6.3.post1"
-CARD_TORCH = ("2.4.0", "2.5.1")
-# The engine adapter's escape hatch (proxima/engines/activation.py), honoured here too.
-ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
-INSTALL_HINT = "install the tested stack: ./dev, or pip install 'proxima[vllm]'"
+# Which vLLM and torch are tested, and what the override allows: the one version policy,
+# proxima/engines/activation.py (the engine adapters ask the same).
+INSTALL_HINT = activation.install_hint()
 NO_GPU_FIX = "run on a machine with a GPU, or with docker run --gpus all"
 # The oldest Linux driver branch that runs each CUDA major release (minor-version compatibility).
 MIN_DRIVER_FOR_CUDA_MAJOR = {12: "525.60.13", 13: "580.65.06"}
@@ -30,15 +23,9 @@ MIN_CAPABILITY = (7, 0)
 
 
 def is_card_stack(vllm: str | None) -> bool:
-    """vLLM 0.6.3.post1: served through its V0 engine and its own OpenAI app."""
-    return vllm == CARD_VLLM
-
-
-def installed_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """A vLLM of the V0 engine generation (the card stack's, 0.6.3.post1, or an untested
+    one under the override): served through vLLM 0.6's own OpenAI app and engine client."""
+    return vllm is not None and activation.engine_for(vllm) == "v0"
 
 
 def _cuda_pair(text: str | None) -> tuple[int, int] | None:
@@ -156,23 +143,28 @@ def check_cuda(facts: dict) -> Check:
 
 
 def check_versions(vllm: str | None = None, torch: str | None = None, environ=None) -> Check:
-    import os
-
-    environ = os.environ if environ is None else environ
+    """The installed vLLM and torch against the version policy (activation.judge)."""
     vllm = vllm if vllm is not None else installed_version("vllm")
     torch = torch if torch is not None else installed_version("torch")
-    torch_base = (torch or "").split("+")[0]
     seen = f"vllm {vllm or 'not installed'}, torch {torch or 'not installed'}"
-    if vllm == TESTED_VLLM and torch_base == TESTED_TORCH:
-        return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the tested stack)")
-    if is_card_stack(vllm) and torch_base in CARD_TORCH:
-        return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} (the card stack, V0 engine)")
-    if vllm and not vllm.startswith("0.6.") and environ.get(ALLOW_UNTESTED_ENV) == "1":
-        return ok("versions", f"{seen}: UNTESTED (tested: vllm {TESTED_VLLM}, torch "
-                              f"{TESTED_TORCH}), allowed by {ALLOW_UNTESTED_ENV}=1")
-    return failed("versions", f"{seen}; tested: vllm {TESTED_VLLM}, torch {TESTED_TORCH} (or the "
-                              f"card stack: vllm {CARD_VLLM}, torch {' or '.join(CARD_TORCH)})",
-                  INSTALL_HINT)
+    if vllm is None:
+        return failed("versions", seen, INSTALL_HINT)
+    try:
+        verdict = activation.judge(vllm, torch, environ)
+    except activation.ActivationError as exc:
+        return failed("versions", f"{seen}; {exc}",
+                      f"set {activation.ALLOW_UNTESTED_ENV} to 1 or 0, or unset it")
+    engine = activation.ENGINE_NAMES[verdict.engine]
+    if verdict.tested:
+        return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} ({verdict.entry.stack}, "
+                              f"{engine})")
+    if verdict.allowed:
+        return ok("versions", f"{seen}: UNTESTED (tested: {activation.tested_summary()}), "
+                              f"tried with the {engine} adapter, allowed by "
+                              f"{activation.ALLOW_UNTESTED_ENV}=1")
+    return failed("versions", f"{seen}; tested: {activation.tested_summary()}",
+                  f"{INSTALL_HINT}; or set {activation.ALLOW_UNTESTED_ENV}=1 to try this "
+                  f"one anyway")
 
 
 def run_preflight(facts: dict | None = None) -> list[Check]:

@@ -68,9 +68,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"(the server is still in phase {data.get('phase')!r})")
         return 0 if data.get("passed") is True else 1
 
+    from proxima.engines.activation import check_environment
     from proxima.serve.preflight import run_preflight
     from proxima.serve.validate import check_allocator_env
 
+    check_environment()          # every PROXIMA_* value (the engine's plugin asks the same)
     check_allocator_env()
     report = Report()
     report.extend(run_preflight())

@@ -6,8 +6,9 @@ Life of one worker::
                         \\           \\
                          +-----------+-> failed                   (exit 3: gunicorn halts)
 
-The engine starts in a background thread so the event loop keeps answering ``/health`` (503)
-and gunicorn's heartbeat while the model loads. The self-check then runs against the live
+The engine is started by the launcher of the installed engine generation
+(:mod:`proxima.serve.launch`), without blocking the event loop, so it keeps answering
+``/health`` (503) and gunicorn's heartbeat while the model loads. The self-check then runs against the live
 engine and, last, a canary request through the real listening socket; traffic other than the
 canary is refused with 503 until every check passed. After that a watchdog polls the engine:
 when it died, in-flight requests already got vLLM's EngineDeadError responses, and the worker
@@ -22,14 +23,14 @@ import logging
 import multiprocessing
 import os
 import secrets
-import threading
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Callable
 
 from proxima.engines.status import read_status, stats_path
-from proxima.serve import metrics, startup_errors
+from proxima.serve import startup_errors
+from proxima.serve.launch import launcher_for
 from proxima.serve.engine_checks import (check_active, check_invariants,
                                          pick_invariants_status, run_canary)
 from proxima.serve.preflight import run_preflight
@@ -50,33 +51,6 @@ WATCH_INTERVAL_S = 1.0
 
 class BootFailed(Exception):
     """A check failed; the report says which and why."""
-
-
-def _in_daemon_thread(fn: Callable, on_orphan: Callable = lambda result: None):
-    """Run blocking ``fn`` in a daemon thread (never joined at exit, unlike to_thread's pool).
-    If the awaiting task was cancelled meanwhile, ``on_orphan`` receives the result."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result=None, error=None):
-        if future.cancelled():
-            if error is None:
-                on_orphan(result)
-        elif error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def target():
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result)
-
-    threading.Thread(target=target, daemon=True, name="proxima-engine-start").start()
-    return future
 
 
 def canary_target(args: argparse.Namespace) -> tuple[str, str | None, bool]:
@@ -102,8 +76,10 @@ class Supervisor:
         self.failure_file = failure_file
         self.report = Report()
         self.phase = NOT_STARTED
+        self.launcher = launcher_for()   # how this vLLM's engine and app are started
         self.inner = None   # vLLM's FastAPI app, once the engine runs
-        self.engine = None  # vLLM's AsyncLLM
+        self.engine = None  # vLLM's engine client (V1: AsyncLLM)
+        self.supported_tasks: tuple = ("generate",)
         self.canary_token = secrets.token_urlsafe(16)
         self.request_exit: Callable[[int], None] | None = None  # set by the gunicorn worker
         self._task: asyncio.Task | None = None
@@ -199,98 +175,27 @@ class Supervisor:
         self._fail_if_any()
 
     async def _start_engine(self) -> None:
-        if self.card_stack:
-            return await self._start_engine_v0()
-        from vllm.entrypoints.openai.api_server import build_app, init_app_state
-
-        tee = OutputTee()
-        try:
-            with tee:
-                self.engine = await _in_daemon_thread(self._make_engine, on_orphan=_shutdown)
-        except Exception as exc:
-            why = startup_errors.explain(
-                f"{tee.text()}\n{type(exc).__name__}: {exc}",
-                gpu_memory_utilization=getattr(self.args, "gpu_memory_utilization", None),
-                max_model_len=getattr(self.args, "max_model_len", None),
-                kv_cache_memory_bytes=getattr(self.args, "kv_cache_memory_bytes", None))
-            self.report.add(failed("engine", why.why, why.fix))
-            raise BootFailed from exc
-        self._stack.callback(_shutdown, self.engine)
-        engine = self.engine
-        # AsyncLLM starts its output handler when built inside a running loop; it was built in
-        # a thread, so start it here, as early as vLLM would have.
-        start_output_handler = getattr(engine, "_run_output_handler", None)
-        if callable(start_output_handler):
-            start_output_handler()
-        await engine.reset_mm_cache()
-        tasks = await engine.get_supported_tasks()
-        inner = build_app(self.args, tasks, engine.model_config)
-        await init_app_state(engine, inner.state, self.args, tasks)
-        await self._stack.enter_async_context(inner.router.lifespan_context(inner))
-        self.inner = inner
-        self.supported_tasks = tasks
-
-    async def _start_engine_v0(self) -> None:
-        """vLLM 0.6.3 (V0): what its api_server.run_server does, minus binding a socket
-        (gunicorn has it). build_async_engine_client spawns the engine process (MQLLMEngine)
-        and awaits it, so the event loop stays free while the model loads; with
-        --disable-frontend-multiprocessing (or a config MQLLMEngine does not support) vLLM 0.6
-        runs the engine in this process instead (AsyncLLMEngine)."""
-        from vllm.entrypoints.openai.api_server import (build_app, build_async_engine_client,
-                                                        init_app_state)
-
+        launcher = self.launcher
         tee = OutputTee()
         try:
             with tee:
                 self.engine = await self._stack.enter_async_context(
-                    build_async_engine_client(self.args))
+                    launcher.engine_client(self.args, self.vllm_config))
         except Exception as exc:
-            why = startup_errors.explain(
-                f"{tee.text()}\n{type(exc).__name__}: {exc}",
-                gpu_memory_utilization=getattr(self.args, "gpu_memory_utilization", None),
-                max_model_len=getattr(self.args, "max_model_len", None))
+            why = startup_errors.explain(f"{tee.text()}\n{type(exc).__name__}: {exc}",
+                                         **launcher.sizing(self.args))
             self.report.add(failed("engine", why.why, why.fix))
             raise BootFailed from exc
-        engine = self.engine
-        inner = build_app(self.args)
-        metrics.add_to_vllm0_app(inner)
-        model_config = await engine.get_model_config()
-        init_app_state(engine, model_config, inner.state, self.args)
+        inner, self.supported_tasks = await launcher.build_app(self.engine, self.args)
         await self._stack.enter_async_context(inner.router.lifespan_context(inner))
         self.inner = inner
-        self.supported_tasks = (("embed",) if getattr(model_config, "embedding_mode", False)
-                                else ("generate",))
-
-    @property
-    def card_stack(self) -> bool:
-        from proxima.serve.vllm_args import card_stack
-
-        return card_stack()
 
     def engine_in_process(self) -> bool:
-        """vLLM 0.6 without its multiprocessing front end: the engine runs in this process."""
-        if not self.card_stack or self.engine is None:
-            return False
-        from vllm.engine.async_llm_engine import AsyncLLMEngine
-
-        return isinstance(self.engine, AsyncLLMEngine)
-
-    def _make_engine(self):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = self.args
-        config = self.vllm_config or AsyncEngineArgs.from_cli_args(args).create_engine_config(
-            usage_context=UsageContext.OPENAI_API_SERVER)
-        return AsyncLLM.from_vllm_config(
-            vllm_config=config, usage_context=UsageContext.OPENAI_API_SERVER,
-            enable_log_requests=args.enable_log_requests,
-            aggregate_engine_logging=getattr(args, "aggregate_engine_logging", False),
-            disable_log_stats=args.disable_log_stats)
+        """The engine runs in this process (vLLM 0.6 without its multiprocessing front end)."""
+        return self.engine is not None and self.launcher.in_process(self.engine)
 
     async def _canary(self) -> Check:
-        if "generate" not in getattr(self, "supported_tasks", ("generate",)):
+        if "generate" not in self.supported_tasks:
             return skipped("canary", "the model does not generate text (pooling model)")
         base_url, uds, verify = canary_target(self.args)
         keys = [k for k in (getattr(self.args, "api_key", None) or [os.environ.get("VLLM_API_KEY")])
@@ -313,28 +218,12 @@ class Supervisor:
         return list(getattr(self.args, "served_model_name", None) or [self.args.model])
 
     def _engine_pids(self) -> list[int]:
-        if self.card_stack:
-            if self.engine_in_process():
-                return [os.getpid()]
-            # vLLM 0.6 keeps its engine process in a local of build_async_engine_client: it is
-            # this worker's only multiprocessing child (the engine's own workers are its children).
-            return [p.pid for p in multiprocessing.active_children()]
-        try:
-            return [p.pid for p in self.engine.engine_core.resources.engine_manager.processes]
-        except AttributeError:
-            return []
+        return self.launcher.engine_pids(self.engine) if self.engine is not None else []
 
     def _engine_summary(self, seconds: float) -> str:
-        cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
-        blocks = getattr(cache, "num_gpu_blocks", None)
-        size = getattr(cache, "block_size", None)
         pids = ", ".join(map(str, self._engine_pids())) or "?"
-        if self.card_stack:  # vLLM 0.6: the front end does not know the block count
-            where = " (in this process)" if self.engine_in_process() else ""
-            return (f"started in {seconds:.1f} s: {self.served_names()[0]} ({self.args.model}), "
-                    f"vLLM 0.6 V0 engine, engine pid {pids}{where}")
         return (f"started in {seconds:.1f} s: {self.served_names()[0]} ({self.args.model}), "
-                f"{blocks} KV blocks of {size} tokens, engine pid {pids}")
+                f"{self.launcher.summary(self.engine)}, engine pid {pids}")
 
     async def _wait_status(self, newer_than: float, timeout: float) -> dict | None:
         deadline = time.monotonic() + timeout
@@ -370,17 +259,6 @@ class Supervisor:
             self.request_exit(code)
         else:
             log.warning("no gunicorn worker attached: not exiting (exit code would be %d)", code)
-
-
-def _shutdown(engine) -> None:
-    if engine is None:
-        return
-    try:
-        engine.shutdown(timeout=getattr(engine.vllm_config, "shutdown_timeout", None))
-    except TypeError:
-        engine.shutdown()
-    except Exception:
-        log.exception("engine shutdown failed")
 
 
 def _stop_children(timeout: float = 5.0) -> None:

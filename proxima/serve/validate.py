@@ -15,11 +15,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from proxima.engines import activation
+from proxima.engines.activation import installed_version
 from proxima.errors import UserError
-from proxima.serve.preflight import (ALLOW_UNTESTED_ENV, CARD_VLLM, INSTALL_HINT, TESTED_VLLM,
-                                      installed_version, is_card_stack)
+from proxima.serve.preflight import INSTALL_HINT
 
-ALLOCATOR_ENV = "PROXIMA_ALLOCATOR"
+ALLOCATOR_ENV = activation.ENV
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a
 # multiple of 16 tokens per block); Proxima's runs are counted in these blocks.
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -28,34 +29,26 @@ PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "proxima"
 
 
 def check_allocator_env(environ=os.environ) -> None:
-    """``PROXIMA_ALLOCATOR`` may be unset or 1 here; serve sets it to 1 for the engine."""
+    """``PROXIMA_ALLOCATOR`` may be unset or 1 here; serve sets it to 1 for the engine.
+    (A value that is not 0 or 1 at all is :func:`activation.check_environment`'s error.)"""
     value = environ.get(ALLOCATOR_ENV)
-    if value is None or value.strip() == "1":
-        return
-    if value.strip() in ("", "0"):
+    if value is not None and not activation.enabled(environ):
         raise UserError(
             f"{ALLOCATOR_ENV}={value!r} switches Proxima off, but proxima serve always runs the "
             f"engine with Proxima on: unset {ALLOCATOR_ENV} (or set it to 1); for stock vLLM "
             f"run `vllm serve` instead")
-    raise UserError(f"{ALLOCATOR_ENV} must be unset, 0 or 1; got {value!r}: unset it or set "
-                    f"{ALLOCATOR_ENV}=1")
 
 
 def check_vllm_installed(environ=os.environ) -> str:
+    """The installed vLLM, if the version policy accepts it with the installed torch
+    (:func:`activation.judge`: tested, or untested with PROXIMA_ALLOW_UNTESTED_VLLM=1)."""
     version = installed_version("vllm")
     if version is None:
         raise UserError(f"vLLM is not installed: {INSTALL_HINT}")
-    if version == TESTED_VLLM or is_card_stack(version):
-        return version
-    if version.startswith("0.6."):
-        raise UserError(f"vLLM {version} (V0 engine) is installed, but proxima serve supports "
-                        f"only vLLM {TESTED_VLLM} (V1 engine) and, of the 0.6 releases, "
-                        f"{CARD_VLLM} (the card stack): {INSTALL_HINT}")
-    if environ.get(ALLOW_UNTESTED_ENV) == "1":
-        return version  # the versions self-check line says UNTESTED
-    raise UserError(f"vLLM {version} is installed, but proxima serve supports only vLLM "
-                    f"{TESTED_VLLM} (the tested stack): {INSTALL_HINT}; or set "
-                    f"{ALLOW_UNTESTED_ENV}=1 to try this version anyway")
+    verdict = activation.judge(version, installed_version("torch"), environ)
+    if not verdict.allowed:
+        raise UserError(verdict.refusal(stock_hint="for stock vLLM run `vllm serve`"))
+    return version  # untested but allowed: the versions self-check line says UNTESTED
 
 
 def check_plugin(environ=os.environ) -> None:
@@ -70,15 +63,6 @@ def check_plugin(environ=os.environ) -> None:
         raise UserError(f"Proxima's vLLM plugin (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) is not "
                         f"installed, so the engine would run without Proxima: reinstall proxima "
                         f"(pip install --no-deps -e . in the checkout)")
-
-
-def check_stats_file(environ=os.environ) -> None:
-    value = environ.get("PROXIMA_STATS_FILE")
-    if value:
-        parent = Path(value).expanduser().resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise UserError(f"PROXIMA_STATS_FILE={value!r}: directory {str(parent)!r} does not "
-                            f"exist or is not writable: point it elsewhere or unset it")
 
 
 def _looks_like_path(model: str) -> bool:
@@ -202,10 +186,9 @@ def scan(argv: list[str]) -> Scanned:
 
 def validate_environment(environ=os.environ) -> str:
     """Environment and installation checks that need no GPU; returns the vLLM version."""
+    activation.check_environment(environ)       # every PROXIMA_* value, as the engine does
     check_allocator_env(environ)
-    version = check_vllm_installed(environ)
-    check_stats_file(environ)
-    return version
+    return check_vllm_installed(environ)
 
 
 def validate_options(model, block_size, host, port, uds) -> None:

@@ -33,7 +33,7 @@ def preemptions(workload: Workload, num_blocks: int) -> dict[str, int]:
     from proxima.replay.driver_v1 import run_replay
 
     return {side: run_replay(workload, proxima=side == "proxima", num_blocks=num_blocks,
-                             async_scheduling=True)["preemptions"]
+                             async_scheduling=True).preemptions
             for side in ("stock", "proxima")}
 
 

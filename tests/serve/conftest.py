@@ -93,3 +93,31 @@ def assert_one_line_error(done, *fragments: str, code: int = 2) -> str:
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     return errors[0]
+
+
+def boot_supervisor_without_gpu(serve_args, tmp_path, monkeypatch):
+    """A worker's supervisor for the embedded demo, its pre-flight assumed passed, run to
+    its end on this GPU-less machine (the engine cannot start): ``(supervisor, exit codes
+    it asked for)``."""
+    import asyncio
+    import time
+
+    from proxima.serve import vllm_args
+    from proxima.serve.report import ok
+    from proxima.serve.supervisor import Supervisor
+
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "engine-status.json"))
+    args = serve_args("--port", str(free_port()))
+    vllm_args.apply_demo_defaults(args, [])
+    passed = [ok("gpu", "assumed"), ok("cuda", "assumed"), ok("versions", "assumed")]
+    supervisor = Supervisor(args, preflight=passed, preflight_time=time.time())
+    codes: list[int] = []
+    supervisor.request_exit = codes.append
+
+    async def boot():
+        await supervisor._run()
+        await supervisor.stop()
+
+    asyncio.run(boot())
+    return supervisor, codes

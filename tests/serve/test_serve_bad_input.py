@@ -16,7 +16,15 @@ from .conftest import assert_one_line_error, free_port, proxima_env, run_proxima
 @pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_bad_proxima_allocator_value(value):
     done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR=value))
-    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be unset, 0 or 1", repr(value))
+    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be 1 (Proxima on) or 0 / unset",
+                          f"got {value!r}")
+
+
+@pytest.mark.parametrize("name", ["PROXIMA_ALLOW_UNTESTED_VLLM", "PROXIMA_OBSERVE"])
+def test_bad_value_of_any_proxima_switch(name):
+    """PROXIMA_ALLOW_UNTESTED_VLLM=yes used to be silently treated as unset."""
+    done = run_proxima("serve", env=proxima_env(**{name: "yes"}))
+    assert_one_line_error(done, f"{name} must be 1 (", "or 0 / unset", "got 'yes'")
 
 
 @pytest.mark.parametrize("value", ["0", ""])
@@ -71,32 +79,50 @@ def test_port_invalid(port, fragment):
     assert_one_line_error(run_proxima("serve", "--port", port), fragment)
 
 
-def env_with_vllm(tmp_path, version: str, **overrides) -> dict:
-    """An installed vLLM of another version, as `importlib.metadata` sees it: its metadata
-    first on the path."""
-    dist = tmp_path / f"vllm-{version}.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+def env_with_vllm(tmp_path, version: str, torch: str | None = None, **overrides) -> dict:
+    """An installed vLLM (and torch) of another version, as `importlib.metadata` sees it:
+    its metadata first on the path."""
+    for name, value in (("vllm", version), ("torch", torch)):
+        if value is None:
+            continue
+        dist = tmp_path / f"{name}-{value}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {value}\n")
     env = proxima_env(**overrides)
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     return env
 
 
-def test_other_v0_vllm_is_refused(tmp_path):
+def test_other_v0_vllm_follows_the_same_policy_as_any_other(tmp_path):
+    """An untested 0.6.x is refused like any untested vLLM, and the override lets it through
+    as it does in the engine (serve used to refuse it even then)."""
     done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.6.2"))
-    assert_one_line_error(done, "vLLM 0.6.2 (V0 engine) is installed",
-                          "supports only vLLM 0.26.0 (V1 engine)", "0.6.3.post1 (the card stack)")
+    assert_one_line_error(done, "vLLM 0.6.2 with torch", "not a version Proxima was tested "
+                          "with", "vllm 0.26.0 with torch", "vllm 0.6.3.post1 with torch",
+                          "PROXIMA_ALLOW_UNTESTED_VLLM=1", "vllm serve")
+    other = tmp_path / "allowed"
+    other.mkdir()
+    allowed = env_with_vllm(other, "0.6.2", PROXIMA_ALLOW_UNTESTED_VLLM="1")
+    done = run_proxima("serve", "--block-size", "17", env=allowed)
+    assert_one_line_error(done, "--block-size 17")  # past the version check
 
 
 def test_card_stack_vllm_passes_the_version_check(tmp_path):
     done = run_proxima("serve", "--block-size", "17",
-                       env=env_with_vllm(tmp_path, "0.6.3.post1"))
+                       env=env_with_vllm(tmp_path, "0.6.3.post1", torch="2.4.0"))
     assert_one_line_error(done, "--block-size 17")  # past the version check
+
+
+def test_a_tested_vllm_with_an_untested_torch_is_refused(tmp_path):
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.6.3.post1", torch="2.11.0"))
+    assert_one_line_error(done, "vLLM 0.6.3.post1 with torch 2.11.0 is not a version",
+                          "PROXIMA_ALLOW_UNTESTED_VLLM=1")
 
 
 def test_untested_vllm_is_refused_unless_allowed(tmp_path):
     done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1"))
-    assert_one_line_error(done, "vLLM 0.25.1 is installed", "PROXIMA_ALLOW_UNTESTED_VLLM=1")
+    assert_one_line_error(done, "vLLM 0.25.1 with torch", "PROXIMA_ALLOW_UNTESTED_VLLM=1")
     other = tmp_path / "allowed"
     other.mkdir()
     allowed = env_with_vllm(other, "0.25.1", PROXIMA_ALLOW_UNTESTED_VLLM="1")
@@ -126,8 +152,10 @@ def test_vllm_plugins_without_proxima_is_refused():
 
 
 def test_stats_file_in_missing_directory(tmp_path):
-    with pytest.raises(UserError, match="does not exist or is not writable"):
-        validate.check_stats_file({"PROXIMA_STATS_FILE": str(tmp_path / "nope" / "s.json")})
+    with pytest.raises(UserError, match="PROXIMA_STATS_FILE must be .* does not exist or is "
+                                        "not writable"):
+        validate.validate_environment(
+            {"PROXIMA_STATS_FILE": str(tmp_path / "nope" / "s.json")})
 
 
 def test_scan_reads_options_in_any_vllm_spelling():

@@ -17,7 +17,8 @@ from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
 from proxima.serve import engine_checks, preflight, validate, vllm_args
 
-from .conftest import assert_one_line_error, card_only, free_port, proxima_env, run_proxima
+from .conftest import (assert_one_line_error, boot_supervisor_without_gpu, card_only, free_port,
+                       proxima_env, run_proxima)
 
 pytestmark = card_only
 
@@ -117,7 +118,7 @@ def test_serve_without_gpu_stops_with_one_line():
 
 def test_serve_bad_allocator_value_and_missing_model(tmp_path):
     done = run_proxima("serve", env=proxima_env(PROXIMA_ALLOCATOR="yes"))
-    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be unset, 0 or 1", "'yes'")
+    assert_one_line_error(done, "PROXIMA_ALLOCATOR must be 1 (Proxima on)", "'yes'")
     done = run_proxima("serve", str(tmp_path / "no-such-model"))
     assert_one_line_error(done, "does not exist")
 
@@ -139,26 +140,10 @@ def test_supervisor_starts_vllm06_engine_client_and_reports_its_failure(serve_ar
     """The worker's V0 path goes through vLLM 0.6's own build_async_engine_client; on this
     GPU-less machine vLLM refuses to start the engine, and that becomes one engine line, the
     later checks skipped, and gunicorn's boot-error exit code (3)."""
-    import asyncio
-    import time
+    from proxima.serve.launch import V0Launcher
 
-    from proxima.serve.report import ok
-    from proxima.serve.supervisor import Supervisor
-
-    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
-    monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "engine-status.json"))
-    args = serve_args("--port", str(free_port()))
-    vllm_args.apply_demo_defaults(args, [])
-    passed = [ok("gpu", "assumed"), ok("cuda", "assumed"), ok("versions", "assumed")]
-    supervisor = Supervisor(args, preflight=passed, preflight_time=time.time())
-    codes = []
-    supervisor.request_exit = codes.append
-
-    async def boot():
-        await supervisor._run()
-        await supervisor.stop()
-
-    asyncio.run(boot())
+    supervisor, codes = boot_supervisor_without_gpu(serve_args, tmp_path, monkeypatch)
+    assert type(supervisor.launcher) is V0Launcher
     assert codes == [3]
     lines = supervisor.report.lines()
     engine = next(line for line in lines if line.startswith("engine:"))

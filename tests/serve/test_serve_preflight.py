@@ -71,12 +71,13 @@ def test_probe_timeout_or_crash_is_a_failed_gpu_line():
 
 
 def test_versions_line():
-    assert preflight.check_versions("0.26.0", "2.11.0+cu130").status == "ok"
+    tested = preflight.check_versions("0.26.0", "2.11.0+cu130")
+    assert tested.status == "ok" and tested.detail.endswith("(the tested stack, V1 engine)")
     line = preflight.check_versions("0.25.1", "2.10.0", environ={}).line()
-    assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.26.0, "
-                           "torch 2.11.0 (or the card stack: vllm 0.6.3.post1, torch 2.4.0 or "
-                           "2.5.1)")
-    assert "./dev" in line
+    assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.26.0 "
+                           "with torch 2.11.0 (V1 engine, the tested stack); vllm 0.6.3.post1 "
+                           "with torch 2.4.0 or 2.5.1 (V0 engine, the card stack) — ")
+    assert "./dev" in line and "PROXIMA_ALLOW_UNTESTED_VLLM=1" in line
 
 
 def test_card_stack_versions():
@@ -88,12 +89,18 @@ def test_card_stack_versions():
 
 
 def test_untested_vllm_needs_the_explicit_override():
+    """The engine's policy (activation.judge): any untested vLLM or torch, V0 or V1, needs
+    PROXIMA_ALLOW_UNTESTED_VLLM=1, and with it passes as UNTESTED."""
     allowed = {"PROXIMA_ALLOW_UNTESTED_VLLM": "1"}
-    assert preflight.check_versions("0.25.1", "2.10.0", environ={}).failed
-    line = preflight.check_versions("0.25.1", "2.10.0", environ=allowed)
-    assert line.status == "ok" and "UNTESTED" in line.detail
-    assert preflight.check_versions("0.6.2", "2.4.0", environ=allowed).failed  # other V0: never
-    assert preflight.check_versions("0.6.3.post1", "2.11.0", environ=allowed).failed
+    for vllm, torch, engine in (("0.25.1", "2.10.0", "V1"), ("0.6.2", "2.4.0", "V0"),
+                                ("0.6.3.post1", "2.11.0", "V0")):
+        assert preflight.check_versions(vllm, torch, environ={}).failed
+        line = preflight.check_versions(vllm, torch, environ=allowed)
+        assert line.status == "ok" and "UNTESTED" in line.detail, line
+        assert f"tried with the {engine} engine adapter" in line.detail
+    bad = preflight.check_versions("0.25.1", "2.10.0",
+                                   environ={"PROXIMA_ALLOW_UNTESTED_VLLM": "yes"})
+    assert bad.failed and "PROXIMA_ALLOW_UNTESTED_VLLM must be 1" in bad.detail
 
 
 def test_image_without_torch_or_gpu_says_no_gpu():

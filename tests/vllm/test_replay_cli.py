@@ -49,8 +49,8 @@ def test_async_engine_loop_answers_a_step_after_the_next_is_scheduled():
     finally:
         AsyncScheduler.schedule = original
     assert max(seen) == 1                                  # one step in flight, never two
-    assert result["completed"] == sync["completed"] == 4
-    assert result["single_run_fraction"] == 1.0
+    assert result.completed == sync.completed == 4
+    assert result.single_run_fraction == 1.0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -75,3 +75,34 @@ def test_arrival_timing_alone_moves_preemptions_and_proxima_follows_stock():
     got = [preemptions(split_arrivals(w, first, 1), num_blocks=1920) for first in (5, 8, 55)]
     assert [g["stock"] for g in got] == [47, 46, 52]
     assert all(g["proxima"] == g["stock"] for g in got)
+
+
+def test_preemption_mode_is_refused_on_the_v1_engine(capsys):
+    assert main(["replay", "--requests", "4", "--preemption-mode", "swap", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("proxima replay: error: --preemption-mode needs vLLM's V0 "
+                              "engine"), err
+
+
+def test_replay_asks_the_version_policy(monkeypatch, capsys):
+    """An untested vLLM is refused before any work, unless PROXIMA_ALLOW_UNTESTED_VLLM=1
+    (a bad value of which is an error of its own)."""
+    from proxima.engines import activation
+
+    real = activation.installed_version
+    monkeypatch.setattr(activation, "installed_version",
+                        lambda dist: "0.27.1" if dist == "vllm" else real(dist))
+    argv = ["replay", "--workload", "chat", "--requests", "3", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vLLM 0.27.1 with torch" in err[0]
+    assert "PROXIMA_ALLOW_UNTESTED_VLLM=1" in err[0]
+    monkeypatch.setenv("PROXIMA_ALLOW_UNTESTED_VLLM", "yes")
+    assert main(argv) == 2
+    assert "PROXIMA_ALLOW_UNTESTED_VLLM must be 1" in capsys.readouterr().err
+    monkeypatch.setenv("PROXIMA_ALLOW_UNTESTED_VLLM", "1")
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.27.1")   # what the adapter sees
+    assert main(argv) == 0
+    assert "parity checks: all passed" in capsys.readouterr().out

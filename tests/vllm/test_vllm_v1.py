@@ -48,18 +48,6 @@ def step(scheduler, scheduled=None) -> list[str]:
 
 # ------------------------------------------------------------------ activation
 
-@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
-def test_activation_values(value, expected):
-    env = {} if value is None else {activation.ENV: value}
-    assert activation.enabled(env) is expected
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "true", "on"])
-def test_any_other_value_is_a_clear_error(value):
-    with pytest.raises(activation.ActivationError, match="PROXIMA_ALLOCATOR must be 1"):
-        activation.enabled({activation.ENV: value})
-
-
 def test_plugin_does_nothing_unless_enabled(monkeypatch):
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.block_pool import BlockPool
@@ -93,27 +81,59 @@ def test_plugin_entry_point_is_registered_with_vllm():
     assert names.get("proxima") == "proxima.engines.plugin:register"
 
 
-def test_untested_vllm_is_refused_unless_allowed(monkeypatch):
+def test_untested_vllm_is_refused_unless_allowed(monkeypatch, proxima_log):
     import vllm
 
     from proxima.engines.plugin import register
 
     monkeypatch.setenv(activation.ENV, "1")
     monkeypatch.setattr(vllm, "__version__", "0.27.1")
-    with pytest.raises(SystemExit, match="this is vLLM 0.27.1"):
+    monkeypatch.setattr(activation, "_warned", set())
+    with pytest.raises(SystemExit, match="proxima: vLLM 0.27.1 with torch .* is not a "
+                                         "version Proxima was tested with"):
+        register()
+    with pytest.raises(activation.ActivationError, match="PROXIMA_ALLOW_UNTESTED_VLLM=1"):
+        vllm_v1.activate()                  # the adapter asks the same policy
+    assert not vllm_v1.is_active()
+    monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "yes")     # not 1: an error, not a no
+    with pytest.raises(SystemExit, match="PROXIMA_ALLOW_UNTESTED_VLLM must be 1 .* got 'yes'"):
         register()
     assert not vllm_v1.is_active()
     monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
     register()
     assert vllm_v1.is_active()
+    assert any("0.27.1" in r.getMessage() and "trying it anyway" in r.getMessage()
+               for r in proxima_log)
+
+
+def test_the_v0_vllm_series_is_refused_by_the_v1_adapter(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.6.3.post1")
+    monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
+    with pytest.raises(activation.ActivationError, match="runs the V0 engine"):
+        vllm_v1.activate()
+    assert not vllm_v1.is_active()
+
+
+def test_a_bad_stats_file_stops_the_plugin_before_anything_is_patched(monkeypatch, tmp_path):
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv(activation.ENV, "1")
+    monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "missing" / "status.json"))
+    with pytest.raises(SystemExit, match="PROXIMA_STATS_FILE must be .* does not exist"):
+        register()
+    assert not vllm_v1.is_active()
 
 
 def test_the_engine_logs_the_activation_line_once(proxima_log):
+    import vllm
+
     build_scheduler(proxima=True, num_blocks=500)
     build_scheduler(proxima=False, num_blocks=500)
     lines = [r.getMessage() for r in proxima_log]
     assert lines == ["Using Proxima contiguous allocator: 500 blocks of 16 tokens "
-                     "(vLLM 0.26.0, V1 engine)"]
+                     f"(vLLM {vllm.__version__}, V1 engine)"]
 
 
 def test_stock_when_off_proxima_when_on():
@@ -133,9 +153,9 @@ def test_prefill_chunks_and_decode_grow_one_run():
     # 1,500 prompt tokens in chunks of 256, then 400 decode steps: 119 blocks, one run.
     w = Workload("one", [one_request("r", range(3, 1503), 400)])
     out = run_replay(w, proxima=True, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
-    assert out["completed"] == 1 and out["runs_per_request_histogram"] == {1: 1}
+    assert out.completed == 1 and out.runs_per_request_histogram == {1: 1}
     stock = run_replay(w, proxima=False, num_blocks=2000, max_num_batched_tokens=256, max_num_seqs=64)
-    assert stock["steps"] == out["steps"]
+    assert stock.steps == out.steps
 
 
 def test_prefix_cache_hit_reuses_the_cached_blocks():
@@ -144,7 +164,7 @@ def test_prefix_cache_hit_reuses_the_cached_blocks():
                          one_request("b", prompt + [7] * 40, 8, arrival=3, follows="a")])
     for proxima in (False, True):
         out = run_replay(w, proxima=proxima, num_blocks=400)
-        assert out["prefix_hit_rate_new_requests"] == pytest.approx(320 / (320 + 360))
+        assert out.details["prefix_hit_rate_new_requests"] == pytest.approx(320 / (320 + 360))
 
 
 def test_eviction_takes_the_least_recently_used_cached_blocks_like_stock():
@@ -165,8 +185,8 @@ def test_eviction_takes_the_least_recently_used_cached_blocks_like_stock():
     w = Workload("lru", reqs)
     stock = run_replay(w, proxima=False, num_blocks=64)
     prox = run_replay(w, proxima=True, num_blocks=64)
-    assert 0 < stock["prefix_hit_rate"] < 1
-    assert prox["prefix_hit_rate"] == stock["prefix_hit_rate"]
+    assert 0 < stock.prefix_hit_rate < 1
+    assert prox.prefix_hit_rate == stock.prefix_hit_rate
 
 
 def test_cached_blocks_are_evicted_only_when_no_free_block_is_left():
@@ -217,10 +237,10 @@ def test_preemption_leaves_no_block_behind_and_matches_stock_capacity():
     w = make_workload("pressure", 60, seed=1)
     stock = run_replay(w, proxima=False, num_blocks=300)
     prox = run_replay(w, proxima=True, num_blocks=300)
-    assert stock["preemptions"] > 0                    # the pool really is too small
+    assert stock.preemptions > 0                    # the pool really is too small
     for key in ("completed", "steps", "peak_running", "preemptions"):
-        assert prox[key] == stock[key], key
-    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
+        assert getattr(prox, key) == getattr(stock, key), key
+    assert prox.blocks_leaked == 0 == stock.blocks_leaked
 
 
 def test_hybrid_model_with_sliding_window_and_full_attention_groups():
@@ -269,14 +289,14 @@ def test_replay_parity_and_contiguity(name, n, blocks, contiguous):
     w = make_workload(name, n, seed=0)
     stock = run_replay(w, proxima=False, num_blocks=blocks)
     prox = run_replay(w, proxima=True, num_blocks=blocks)
-    assert prox["completed"] == stock["completed"] == n
-    assert prox["preemptions"] <= stock["preemptions"]
-    assert prox["prefix_hit_rate"] >= stock["prefix_hit_rate"] - 0.005
-    assert prox["blocks_leaked"] == 0 == stock["blocks_leaked"]
-    assert stock["blocks_per_run"] < 5                    # stock scatters
-    assert prox["blocks_per_run"] > stock["blocks_per_run"]
+    assert prox.completed == stock.completed == n
+    assert prox.preemptions <= stock.preemptions
+    assert prox.prefix_hit_rate >= stock.prefix_hit_rate - 0.005
+    assert prox.blocks_leaked == 0 == stock.blocks_leaked
+    assert stock.blocks_per_run < 5                    # stock scatters
+    assert prox.blocks_per_run > stock.blocks_per_run
     if contiguous:
-        assert prox["single_run_fraction"] >= 0.95
+        assert prox.single_run_fraction >= 0.95
 
 
 # ------------------------------------------------------------------ observing stock

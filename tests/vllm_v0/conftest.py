@@ -10,7 +10,8 @@ import pytest
 def clean_activation(monkeypatch):
     """No PROXIMA_* variable set, vLLM's own block manager installed before and after."""
     from proxima.engines import vllm_v0
-    for name in ("PROXIMA_ALLOCATOR", "PROXIMA_ALLOW_UNTESTED_VLLM", "PROXIMA_STATS_FILE"):
+    for name in ("PROXIMA_ALLOCATOR", "PROXIMA_OBSERVE", "PROXIMA_ALLOW_UNTESTED_VLLM",
+                 "PROXIMA_STATS_FILE"):
         monkeypatch.delenv(name, raising=False)
     vllm_v0.deactivate()
     yield vllm_v0

@@ -22,10 +22,12 @@ def installed_vllm() -> str | None:
 
 
 def card_stack_or_skip() -> None:
+    from proxima.engines.activation import engine_for
+
     version = installed_vllm()
-    if version is None or not version.startswith("0.6."):
-        pytest.skip(f"card-stack tests need vLLM 0.6.x, found {version or 'no vLLM'}; "
-                    f"{RUN_HINT}", allow_module_level=True)
+    if version is None or engine_for(version) != "v0":
+        pytest.skip(f"card-stack tests need a vLLM of the V0 engine (0.6.3.post1), found "
+                    f"{version or 'no vLLM'}; {RUN_HINT}", allow_module_level=True)
 
 
 class SeqFactory:

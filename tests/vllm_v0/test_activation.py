@@ -28,24 +28,33 @@ def build_scheduler(num_blocks: int = 128, block_size: int = 16) -> Scheduler:
     return Scheduler(sched, cache, lora_config=None)
 
 
-def test_tested_version_is_the_pinned_one(clean_activation):
-    assert vllm.__version__ in clean_activation.TESTED_VLLM_VERSIONS
+def test_tested_version_is_the_pinned_one():
+    from proxima.engines import activation
+
+    entry = activation.tested(vllm.__version__)
+    assert entry is not None and entry.engine == "v0"
 
 
 @pytest.mark.parametrize("value", [None, "", "0"])
 def test_flag_off_is_stock(clean_activation, monkeypatch, value):
+    from proxima.engines.plugin import register
+
     if value is not None:
         monkeypatch.setenv("PROXIMA_ALLOCATOR", value)
-    assert clean_activation.activate() is False
+    register()
+    assert not clean_activation.is_active()
     assert block_manager.SelfAttnBlockSpaceManager is STOCK
     assert type(build_scheduler().block_manager) is STOCK
 
 
 def test_flag_on_installs_and_logs_once_per_scheduler(clean_activation, monkeypatch,
                                                       proxima_log):
+    from proxima.engines.plugin import register
+
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
-    assert clean_activation.activate() is True
-    assert clean_activation.activate() is True          # plugins load several times
+    register()
+    register()                                          # plugins load several times
+    clean_activation.activate()                         # and activate() is idempotent
     assert clean_activation.is_active()
     scheduler = build_scheduler(num_blocks=321, block_size=32)
     assert type(scheduler.block_manager) is clean_activation.ProximaBlockSpaceManager
@@ -53,34 +62,50 @@ def test_flag_on_installs_and_logs_once_per_scheduler(clean_activation, monkeypa
     assert lines == ["Using Proxima contiguous allocator: 321 GPU blocks, block size 32 "
                      f"(vLLM {vllm.__version__}, V0 block manager, prefix caching on)"]
     clean_activation.deactivate()
+    assert not clean_activation.is_active()
     assert block_manager.SelfAttnBlockSpaceManager is STOCK
     assert type(build_scheduler().block_manager) is STOCK
 
 
 @pytest.mark.parametrize("value", ["true", "2", "yes", "on"])
 def test_other_flag_values_are_an_error(clean_activation, monkeypatch, value):
+    from proxima.engines.plugin import register
+
     monkeypatch.setenv("PROXIMA_ALLOCATOR", value)
-    with pytest.raises(ActivationError, match="PROXIMA_ALLOCATOR must be 1"):
-        clean_activation.activate()
+    with pytest.raises(SystemExit, match="PROXIMA_ALLOCATOR must be 1"):
+        register()
     assert block_manager.SelfAttnBlockSpaceManager is STOCK
 
 
 def test_untested_version_is_refused(clean_activation, monkeypatch):
-    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
     monkeypatch.setattr(vllm, "__version__", "0.6.2")
-    with pytest.raises(ActivationError, match=r"0\.6\.3\.post1.*0\.6\.2"):
+    with pytest.raises(ActivationError, match=r"vLLM 0\.6\.2 .*0\.6\.3\.post1"):
         clean_activation.activate()
+    with pytest.raises(ActivationError, match=r"vLLM 0\.6\.2"):
+        with clean_activation.block_manager_class(True):     # the replay's way in
+            pass
     assert block_manager.SelfAttnBlockSpaceManager is STOCK
 
 
-def test_untested_version_allowed_with_a_warning(clean_activation, monkeypatch):
-    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
+def test_untested_version_allowed_with_a_warning(clean_activation, monkeypatch, proxima_log):
+    from proxima.engines import activation
+
     monkeypatch.setenv("PROXIMA_ALLOW_UNTESTED_VLLM", "1")
     monkeypatch.setattr(vllm, "__version__", "0.6.2")
-    monkeypatch.setattr(clean_activation, "_warned_untested", False)
-    with pytest.warns(UserWarning, match="0.6.2"):
-        assert clean_activation.activate() is True
+    monkeypatch.setattr(activation, "_warned", set())
+    clean_activation.activate()
     assert block_manager.SelfAttnBlockSpaceManager is clean_activation.ProximaBlockSpaceManager
+    warnings = [r.getMessage() for r in proxima_log if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "vLLM 0.6.2" in warnings[0]
+    assert "PROXIMA_ALLOW_UNTESTED_VLLM=1" in warnings[0]
+
+
+def test_a_v1_vllm_is_refused_by_the_v0_adapter(clean_activation, monkeypatch):
+    monkeypatch.setenv("PROXIMA_ALLOW_UNTESTED_VLLM", "1")
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    with pytest.raises(ActivationError, match="runs the V1 engine"):
+        clean_activation.activate()
+    assert not clean_activation.is_active()
 
 
 def test_entry_point_activates_through_vllms_plugin_loader(clean_activation, monkeypatch):
