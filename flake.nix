@@ -1,8 +1,9 @@
 {
   description = "Proxima: contiguous KV-cache memory for vLLM, as a hermetic serving appliance (CUDA 12.1)";
 
-  # nixos-24.11: the last release that carries cudaPackages_12_1 (and vLLM 0.6.x). The exact
-  # revision is pinned in flake.lock; see docs/deploy.md for refreshing it.
+  # nixos-24.11: the last release whose vLLM is of the 0.6 line (0.6.2, moved to 0.6.3.post1 by
+  # nix/vllm.nix), and it carries cudaPackages_12_1. The exact revision is pinned in flake.lock;
+  # see docs/deploy.md for refreshing it.
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-24.11";
 
   outputs =
@@ -36,8 +37,10 @@
           && !(nixpkgs.lib.hasSuffix ".pyc" base);
       };
 
-      pyproject = builtins.fromTOML (builtins.readFile ./pyproject.toml);
-      overlay = import ./nix/overlay.nix { inherit sources src pyproject; };
+      overlay = import ./nix/overlay.nix {
+        inherit sources src;
+        pyprojectFile = ./pyproject.toml;
+      };
 
       pkgs = import nixpkgs {
         inherit system;
@@ -66,6 +69,18 @@
         };
       image = imageWith true;
 
+      # The GPU check (nix/gpu-check.py) outside the build sandbox, on any machine with a GPU;
+      # inside the sandbox it is `nix build .#proxima.gpuCheck` (a builder with the cuda feature).
+      gpuCheck = proxima.passthru.gpuCheck;
+      gpuCheckApp = {
+        type = "app";
+        program = "${pkgs.writeShellScriptBin "proxima-gpu-check" ''
+          export CC=''${CC:-${gpuCheck.CC}}
+          export PROXIMA_HEALTHCHECK=${gpuCheck.PROXIMA_HEALTHCHECK}
+          exec ${gpuCheck.env}/bin/python ${gpuCheck.script} "$@"
+        ''}/bin/proxima-gpu-check";
+      };
+
       # `nix run .#serve -- [MODEL] [vLLM options]` and `nix run .#selfcheck`.
       subcommandApp = name: {
         type = "app";
@@ -92,6 +107,7 @@
         default = subcommandApp "serve";
         serve = subcommandApp "serve";
         selfcheck = subcommandApp "selfcheck";
+        gpu-check = gpuCheckApp;
       };
 
       devShells.${system}.default = pkgs.mkShell {

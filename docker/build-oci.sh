@@ -11,10 +11,16 @@
 # What is in it (two layers, no shell, no package manager):
 #   1. base: Debian bookworm's python3.11 and the shared libraries it needs, unpacked from the
 #      Debian archive's .deb files (dpkg-deb -x: no maintainer scripts run, nothing else
-#      installed). Cached under ~/.cache/proxima/oci/ keyed on the exact package versions.
-#   2. app:  the proxima wheel built from this checkout, and /usr/local/bin/proxima.
+#      installed), the CA certificates of Debian's ca-certificates joined into
+#      /etc/ssl/certs/ca-certificates.crt (what its update-ca-certificates would write), and
+#      the user proxima (uid/gid 1000). Cached under ~/.cache/proxima/oci/ keyed on the exact
+#      package versions.
+#   2. app:  the proxima wheel built from this checkout, /usr/local/bin/proxima and the health
+#      check /usr/local/bin/proxima-healthcheck (docker/healthcheck.py: GET /health).
 # The configuration is the appliance's (docker/image-config.env): entrypoint `proxima serve`,
-# PROXIMA_ALLOCATOR=1, HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, port 8000, volume /models.
+# PROXIMA_ALLOCATOR=1, HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, port 8000, volume /models;
+# it runs as 1000:1000 and declares the health check (Docker's Healthcheck in the image config,
+# which docker load reads). No C compiler: the image has no torch and no Triton to compile with.
 #
 # This image carries Proxima without vLLM: it is the appliance's skeleton, small enough to be
 # built and run (`proxima --version`, `proxima selfcheck`) on a CPU-only CI machine. The images
@@ -73,7 +79,7 @@ make_layer() {  # make_layer ROOTFS TARBALL
 # (ssl, hashlib, zlib, bz2, lzma, ctypes, uuid, sqlite3, pyexpat, crypt).
 base_packages="libc6 gcc-12-base libgcc-s1 zlib1g libexpat1 libffi8 libssl3 libbz2-1.0 liblzma5
   libuuid1 libcrypt1 libsqlite3-0 media-types libpython3.11-minimal libpython3.11-stdlib
-  python3.11-minimal"
+  python3.11-minimal ca-certificates"
 pins=""
 for p in $base_packages; do
   v=$(apt-cache policy "$p" | awk '/Candidate:/ {print $2}')
@@ -81,7 +87,7 @@ for p in $base_packages; do
     echo "build-oci.sh: no Debian package '$p' (run apt-get update first)" >&2; exit 1; }
   pins="$pins $p=$v"
 done
-base_key=$( { echo "base-recipe-2"; echo "$pins" | tr ' ' '\n' | sort; } | sha256sum | cut -c1-16)
+base_key=$( { echo "base-recipe-3"; echo "$pins" | tr ' ' '\n' | sort; } | sha256sum | cut -c1-16)
 base_tar="$cache/base-$base_key.tar"
 if [ ! -f "$base_tar" ]; then
   echo "build-oci.sh: building the base layer ($base_key) from Debian packages" >&2
@@ -99,9 +105,17 @@ if [ ! -f "$base_tar" ]; then
   mkdir -p "$root"/{tmp,models,etc,usr/local/bin,usr/local/lib/python3.11/dist-packages}
   chmod 1777 "$root/tmp"
   ln -sf python3.11 "$root/usr/bin/python3"
-  # getpass.getuser() (torch, triton) needs a passwd entry for the running user.
-  printf 'root:x:0:0:root:/root:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n' > "$root/etc/passwd"
-  printf 'root:x:0:\nnogroup:x:65534:\n' > "$root/etc/group"
+  # getpass.getuser() (torch, triton) needs a passwd entry for the running user, proxima.
+  printf 'root:x:0:0:root:/root:/usr/sbin/nologin\nproxima:x:1000:1000:proxima:/tmp:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n' > "$root/etc/passwd"
+  printf 'root:x:0:\nproxima:x:1000:\nnogroup:x:65534:\n' > "$root/etc/group"
+  # update-ca-certificates (a maintainer script, not run by dpkg-deb -x) joins every
+  # certificate under /usr/share/ca-certificates into this bundle; so does this, in name order.
+  mkdir -p "$root/etc/ssl/certs"
+  find "$root/usr/share/ca-certificates" -name '*.crt' | LC_ALL=C sort | xargs cat \
+    > "$root/etc/ssl/certs/ca-certificates.crt"
+  [ -s "$root/etc/ssl/certs/ca-certificates.crt" ] || {
+    echo "build-oci.sh: no certificates in the ca-certificates package" >&2; exit 1; }
+  rm -rf "$root/usr/sbin" "$root/etc/ca-certificates.conf"
   mkdir -p "$root/usr/share/proxima"
   echo "$pins" | tr ' ' '\n' | sed '/^$/d' | sort > "$root/usr/share/proxima/debian-packages.txt"
   make_layer "$root" "$base_tar.part"
@@ -116,12 +130,13 @@ mkdir -p "$work/src"
    --exclude=__pycache__ -cf - pyproject.toml proxima $(ls README.md LICENSE 2>/dev/null)) \
   | tar -xf - -C "$work/src"
 [ -f "$work/src/README.md" ] || echo "# proxima" > "$work/src/README.md"
-# A pinned setuptools in a cached venv: the wheel's bytes must not depend on the host's.
-buildenv="$cache/buildenv-setuptools-75.2.0"
+# A pinned setuptools in a cached venv: the wheel's bytes must not depend on the host's. It must
+# meet pyproject.toml's build-system (setuptools >= 77: the SPDX license string).
+buildenv="$cache/buildenv-setuptools-80.9.0"
 if [ ! -f "$buildenv/.complete" ]; then
   rm -rf "$buildenv"
   python3 -m venv "$buildenv"
-  "$buildenv/bin/python" -m pip install -q setuptools==75.2.0 >&2
+  "$buildenv/bin/python" -m pip install -q setuptools==80.9.0 >&2
   touch "$buildenv/.complete"
 fi
 "$buildenv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheel" "$work/src" >&2
@@ -140,6 +155,8 @@ from proxima.cli import main
 sys.exit(main())
 EOF
 chmod 0755 "$app/usr/local/bin/proxima"
+{ echo '#!/usr/bin/python3.11'; cat "$here/docker/healthcheck.py"; } > "$app/usr/local/bin/proxima-healthcheck"
+chmod 0755 "$app/usr/local/bin/proxima-healthcheck"
 make_layer "$app" "$work/app.tar"
 
 # ---- the image ----------------------------------------------------------------------------
@@ -160,15 +177,44 @@ while IFS= read -r line; do
 done < "$here/docker/image-config.env"
 umoci config --image "$oci:$tag" --no-history --created "$created" \
   --author "Proxima" --architecture amd64 --os linux \
-  --config.entrypoint /usr/local/bin/proxima --config.entrypoint serve \
+  --config.entrypoint /usr/local/bin/proxima --config.entrypoint serve --config.user 1000:1000 \
   --config.exposedports 8000/tcp --config.volume /models --config.workingdir /models \
   "${config_args[@]}" \
   --config.env "PATH=/usr/local/bin:/usr/bin" \
+  --config.env "HOME=/tmp" \
+  --config.env "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt" \
   --config.label "org.opencontainers.image.title=proxima" \
   --config.label "org.opencontainers.image.version=$version" \
   --config.label "org.opencontainers.image.licenses=Apache-2.0" \
   --config.label "org.opencontainers.image.description=Proxima without vLLM on Debian python3.11 (daemonless build)" \
   --config.label "ai.proxima.stack=slim"
+# Docker's health check: not part of the OCI image config, so umoci has no option for it. It is
+# added to the config blob (Docker reads config.Healthcheck on docker load; skopeo copies the
+# blob as it is) and the manifest and index are re-pointed at the new blob.
+python3 - "$oci" <<'PYEOF'
+import hashlib, json, sys
+from pathlib import Path
+layout = Path(sys.argv[1])
+blobs = layout / "blobs" / "sha256"
+def put(data: bytes) -> tuple[str, int]:
+    digest = hashlib.sha256(data).hexdigest()
+    (blobs / digest).write_bytes(data)
+    return f"sha256:{digest}", len(data)
+def get(digest: str) -> dict:
+    return json.loads((blobs / digest.split(":", 1)[1]).read_text())
+index = json.loads((layout / "index.json").read_text())
+(entry,) = index["manifests"]
+manifest = get(entry["digest"])
+config = get(manifest["config"]["digest"])
+second = 1_000_000_000
+config["config"]["Healthcheck"] = {
+    "Test": ["CMD", "/usr/bin/python3.11", "/usr/local/bin/proxima-healthcheck"],
+    "Interval": 30 * second, "Timeout": 10 * second, "StartPeriod": 1200 * second,
+    "Retries": 3}
+manifest["config"]["digest"], manifest["config"]["size"] = put(json.dumps(config).encode())
+entry["digest"], entry["size"] = put(json.dumps(manifest).encode())
+(layout / "index.json").write_text(json.dumps(index))
+PYEOF
 umoci gc --layout "$oci"
 
 rm -f "$out/proxima-oci.tar"

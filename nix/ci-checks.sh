@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # CI checks of the appliance (flake, images, air-gapped bundle) on a machine with no GPU, no
 # Docker engine and no network beyond the package registries:
-#   - every .nix file parses; `nix flake check --no-build` against tests/nix/stub-nixpkgs, with
-#     assertions on the image config and the CUDA 12.1 pin (tests/nix/);
-#   - the pinned vLLM source matches its hash and nix/patches/ apply to it (tests/nix/);
-#   - the daemonless OCI build (docker/build-oci.sh), its reproducibility, and its entrypoint
-#     under runc (tests/docker/);
-#   - `proxima bundle` and the offline pip install from its wheelhouse (tests/test_bundle.py).
+#   - every .nix file parses; `nix flake check --no-build` against tests/nix/stub-nixpkgs, which
+#     makes the checks nixpkgs' build would (postPatch substitutions, pypa/build's
+#     [build-system] check, setuptools' SPDX license limit, pythonRuntimeDepsCheckHook, vLLM's
+#     FetchContent sources and CUDA flags), with assertions on the image config, the CUDA 12.1
+#     pin, the GPU check's place, and mutations that must fail (tests/nix/);
+#   - the pinned sdists match their hashes, the patches apply, and the stub's record of each
+#     sdist is what the sdist says (tests/nix/test_sources.py);
+#   - the Nix build's license rewrite, run with nixos-24.11's setuptools 75.1.0 + pypa/build;
+#   - nix/gpu-check.py fails loudly without a GPU (tests/nix/test_gpu_check.py);
+#   - the daemonless OCI build (docker/build-oci.sh), its reproducibility, and under runc its
+#     entrypoint, user (uid 1000), health check and CA bundle (tests/docker/);
+#   - `proxima bundle`: bad input, the README's steps as written, install.py (tests/test_bundle.py).
 #
 #   bash nix/ci-checks.sh [extra pytest args]
 #   bash nix/ci-checks.sh --install-only      (only install the tools; used by .ci/run)
 #
 # Installs what is missing (as root): Debian's nix-bin, umoci, skopeo, runc, patch. Their .deb
-# files are kept in ~/.cache/proxima/apt; the image's Debian base layer, the build venv and the
-# pinned sources in ~/.cache/proxima/{oci,sources} (PROXIMA_CACHE overrides ~/.cache/proxima).
-# Warm: about 1.5 minutes on two cores; cold: about 3.
+# files are kept in ~/.cache/proxima/apt; the image's Debian base layer, the build venvs, the
+# pinned sources and the nixos-24.11 setuptools venv in ~/.cache/proxima/{oci,sources,
+# nixos-24.11-build-venv} (PROXIMA_CACHE overrides ~/.cache/proxima).
+# Measured on two shared cores, tools installed: warm caches 1 min 36 s, cold 2 min 39 s.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${PROXIMA_CACHE:-$HOME/.cache/proxima}

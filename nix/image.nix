@@ -10,9 +10,15 @@
 # epoch mtimes), so the same inputs give the same image digest.
 #
 # The image has no shell and no package manager: the entrypoint is Proxima's own executable.
+# It runs as the unprivileged user `proxima` (uid/gid 1000), declares a health check on
+# GET /health (docker/healthcheck.py with the image's Python), carries the C compiler that
+# Triton compiles its CUDA launcher with at the first kernel launch (CC, as nixpkgs' own Triton
+# GPU test sets it) and the CA certificates (SSL_CERT_FILE).
 {
   lib,
   dockerTools,
+  cacert,
+  cudaPackages,
   python,
   sources,
   nixpkgsRev ? "unknown",
@@ -24,7 +30,19 @@ let
   proxima = python.pkgs.proxima;
   inherit (python.pkgs) vllm torch;
 
+  uid = 1000;
+  gid = 1000;
+  # /etc/passwd and /etc/group with root, nobody and proxima: torch's inductor and triton look
+  # the running user up (getpass.getuser()) and fail without an entry.
+  nss = dockerTools.fakeNss.override {
+    extraPasswdLines = [ "proxima:x:${toString uid}:${toString gid}:proxima:/tmp:/noshell" ];
+    extraGroupLines = [ "proxima:x:${toString gid}:" ];
+  };
+  healthcheck = ../docker/healthcheck.py;
+  second = 1000000000; # Docker's health check durations are nanoseconds
+
   imageConfig = {
+    User = "${toString uid}:${toString gid}";
     # `proxima serve` runs the self-check first and exits non-zero before accepting traffic if
     # it fails; arguments of `docker run IMAGE ...` are appended (model path, vLLM options).
     Entrypoint = [
@@ -53,7 +71,23 @@ let
       "LD_LIBRARY_PATH=/usr/lib64:/usr/lib/x86_64-linux-gnu"
       "NVIDIA_VISIBLE_DEVICES=all"
       "NVIDIA_DRIVER_CAPABILITIES=compute,utility"
+      # Triton builds a small C launcher per kernel signature at its first launch with $CC.
+      "CC=${lib.getExe' cudaPackages.backendStdenv.cc "cc"}"
+      "SSL_CERT_FILE=${cacert}/etc/ssl/certs/ca-bundle.crt"
     ];
+    # Healthy once `proxima serve`'s self-check (canary included) passed, while the engine
+    # lives; the start period covers the self-check and a large model's loading.
+    Healthcheck = {
+      Test = [
+        "CMD"
+        "${env}/bin/python"
+        "${healthcheck}"
+      ];
+      Interval = 30 * second;
+      Timeout = 10 * second;
+      StartPeriod = 1200 * second;
+      Retries = 3;
+    };
     ExposedPorts = {
       "8000/tcp" = { };
     };
@@ -81,9 +115,8 @@ let
     tag = "${proxima.version}-cuda${sources.cuda.version}";
     contents = [
       env
-      # /etc/passwd and /etc/group with root and nobody: torch's inductor and triton look the
-      # user up (getpass.getuser()) and fail without an entry.
-      dockerTools.fakeNss
+      nss
+      cacert
     ];
     # A writable /tmp, the model mount point and the driver path that CUDA binaries search.
     extraCommands = ''

@@ -4,10 +4,16 @@
 # Proxima always serves through vLLM. The version comes from pyproject.toml so that the Nix
 # package and the wheel can never disagree.
 #
-# passthru.tests run on any builder (CPU). passthru.gpuChecks need a GPU in the build sandbox:
-# they carry requiredSystemFeatures = [ "cuda" ] (the nixpkgs gpuCheck convention), so Nix
-# schedules them only on a builder that declares the `cuda` system feature and mounts the
-# driver (on NixOS: programs.nix-required-mounts.presets.nvidia-gpu.enable = true).
+# passthru.core is the same package without its run-time dependencies (no vLLM, no torch, no
+# CUDA): what passthru.tests.cpu (tests/unit, the allocator) runs against, so the CPU checks
+# of `nix flake check` never wait for the CUDA build.
+#
+# passthru.gpuCheck needs a GPU in the build sandbox: requiredSystemFeatures = [ "cuda" ] (the
+# nixpkgs gpuCheck convention, as in triton's and torch's GPU tests), so Nix builds it only on
+# a builder that declares the `cuda` system feature and mounts the driver (on NixOS:
+# programs.nix-required-mounts.presets.nvidia-gpu.enable = true). It is not among the flake's
+# `checks`: `nix build .#proxima.gpuCheck` runs it, `nix run .#gpu-check` runs the same script
+# outside the sandbox on any machine with a GPU (docs/deploy.md).
 {
   lib,
   buildPythonPackage,
@@ -21,39 +27,56 @@
   pytest,
   hypothesis,
   pytest-benchmark,
+  cudaPackages,
   src,
-  # pyproject.toml, parsed (read from the flake's own tree, not from `src`: `src` is a filtered
-  # copy that need not exist yet while evaluating).
-  pyproject,
+  # The flake's own pyproject.toml (read from the flake's tree, not from `src`: `src` is a
+  # filtered copy that need not exist yet while evaluating).
+  pyprojectFile,
 }:
 
 let
+  pyproject = builtins.fromTOML (builtins.readFile pyprojectFile);
+  project = pyproject.project;
 
-  # The environment the tests run in: Proxima plus the test tools of pyproject's `test` extra.
-  testEnv = python.withPackages (_: [
-    proxima
-    pytest
-    hypothesis
-    pytest-benchmark
-  ]);
+  # nixos-24.11's setuptools (75.1) reads neither an SPDX `project.license` string (PEP 639,
+  # setuptools >= 77) nor, so, the `setuptools>=77` that pyproject.toml asks for: pypa/build
+  # checks build-system.requires before building. For the Nix build only, the license goes
+  # back to the table form and the floor is dropped; the wheel's metadata says the same
+  # license either way. --replace-fail: a pyproject.toml that no longer reads like this
+  # stops the build here, not with a confusing setuptools error.
+  license = project.license;
+  setuptoolsFloors = lib.filter (r: builtins.match "setuptools *>=.*" r != null) (
+    pyproject.build-system.requires or [ ]
+  );
+  postPatch =
+    lib.optionalString (builtins.isString license) ''
+      substituteInPlace pyproject.toml --replace-fail 'license = "${license}"' 'license = { text = "${license}" }'
+    ''
+    + lib.concatMapStrings (floor: ''
+      substituteInPlace pyproject.toml --replace-fail '"${floor}"' '"setuptools"'
+    '') setuptoolsFloors;
 
   # Tests read from the source tree but import the installed package (not ./proxima).
   pytestIn =
     {
       name,
       args,
-      gpu ? false,
+      package,
     }:
     runCommand "proxima-${name}"
-      (
-        {
-          nativeBuildInputs = [ testEnv ];
-          # The tests must not reach a model hub: everything they load ships in the package.
-          HF_HUB_OFFLINE = "1";
-          TRANSFORMERS_OFFLINE = "1";
-        }
-        // lib.optionalAttrs gpu { requiredSystemFeatures = [ "cuda" ]; }
-      )
+      {
+        nativeBuildInputs = [
+          (python.withPackages (_: [
+            package
+            pytest
+            hypothesis
+            pytest-benchmark
+          ]))
+        ];
+        # The tests must not reach a model hub: everything they load ships in the package.
+        HF_HUB_OFFLINE = "1";
+        TRANSFORMERS_OFFLINE = "1";
+      }
       ''
         cp -r ${src}/tests ./tests
         cp ${src}/pyproject.toml .
@@ -63,11 +86,37 @@ let
         touch $out
       '';
 
+  # What the GPU check runs in: the image's own environment (nix/image.nix), plus the C
+  # compiler that Triton compiles its launcher with at the first kernel launch.
+  gpuEnv = python.withPackages (_: [ proxima ]);
+  cc = lib.getExe' cudaPackages.backendStdenv.cc "cc";
+  gpuCheckScript = ./gpu-check.py;
+
+  gpuCheck =
+    runCommand "proxima-gpu-check"
+      {
+        nativeBuildInputs = [ gpuEnv ];
+        requiredSystemFeatures = [ "cuda" ];
+        HF_HUB_OFFLINE = "1";
+        TRANSFORMERS_OFFLINE = "1";
+        CC = cc;
+        # The images' health check (nix/image.nix), run by the check against a live server.
+        PROXIMA_HEALTHCHECK = "${../docker/healthcheck.py}";
+        passthru = {
+          script = gpuCheckScript;
+          env = gpuEnv;
+        };
+      }
+      ''
+        export HOME=$TMPDIR
+        python ${gpuCheckScript} --out $out
+      '';
+
   proxima = buildPythonPackage {
-    pname = pyproject.project.name;
-    inherit (pyproject.project) version;
+    pname = project.name;
+    inherit (project) version;
     pyproject = true;
-    inherit src;
+    inherit src postPatch;
 
     build-system = [ setuptools ];
     dependencies = [
@@ -85,46 +134,32 @@ let
     doCheck = false;
 
     passthru = {
-      inherit vllm;
+      inherit vllm gpuCheck core;
+      # The pyproject.toml that `src` holds (what the build's postPatch edits).
+      inherit pyprojectFile;
       tests = {
         # Allocator and everything else that needs neither a GPU nor a model.
         cpu = pytestIn {
           name = "cpu-tests";
           args = "tests/unit";
-        };
-      };
-      gpuChecks = {
-        # `proxima selfcheck` on a real GPU: driver, CUDA 12.1 runtime, versions, Proxima
-        # active inside the engine, and one canary generation with the embedded model.
-        selfcheck =
-          runCommand "proxima-gpu-selfcheck"
-            {
-              nativeBuildInputs = [ testEnv ];
-              requiredSystemFeatures = [ "cuda" ];
-              HF_HUB_OFFLINE = "1";
-              TRANSFORMERS_OFFLINE = "1";
-              PROXIMA_ALLOCATOR = "1";
-            }
-            ''
-              export HOME=$TMPDIR
-              proxima selfcheck
-              touch $out
-            '';
-        # The `gpu`-marked tests of the repository (serving, restart, metrics).
-        pytest = pytestIn {
-          name = "gpu-tests";
-          args = "-m gpu tests/gpu";
-          gpu = true;
+          package = core;
         };
       };
     };
 
     meta = {
-      description = pyproject.project.description;
+      description = project.description;
       license = lib.licenses.asl20;
       mainProgram = "proxima";
       platforms = [ "x86_64-linux" ];
     };
   };
+
+  # Proxima without its run-time dependencies: the allocator and the CLI's pure-Python parts.
+  core = proxima.overridePythonAttrs (_: {
+    pname = "${project.name}-core";
+    dependencies = [ ];
+    passthru = { inherit pyprojectFile; };
+  });
 in
 proxima

@@ -51,7 +51,8 @@ def test_dockerfile_has_the_appliance_entrypoint_env_port_and_volume():
     assert entry == [["proxima", "serve"]]
     env_text = " ".join(rest for word, rest in ins if word == "ENV")
     set_env = dict(re.findall(r"(\w+)=(\S+)", env_text))
-    assert set_env == image_env()
+    assert {k: set_env.get(k) for k in image_env()} == image_env()
+    assert set(set_env) - set(image_env()) == {"HOME", "SSL_CERT_FILE"}
     assert ("EXPOSE", "8000") in ins
     assert ("VOLUME", "/models") in ins
 
@@ -61,3 +62,27 @@ def test_nix_image_sets_the_same_environment():
     for key, value in image_env().items():
         assert f'"{key}={value}"' in nix, f"nix/image.nix does not set {key}={value}"
     assert re.search(r'"\$\{env\}/bin/proxima"\s*"serve"', nix)
+
+
+def test_dockerfile_runs_as_proxima_with_a_health_check_a_compiler_and_certificates():
+    ins = dockerfile_instructions()
+    assert ("USER", "1000:1000") in ins
+    # the USER comes after every RUN: nothing of the image's own runs as root
+    last_run = max(i for i, (word, _) in enumerate(ins) if word == "RUN")
+    assert ins.index(("USER", "1000:1000")) > last_run
+    run = " ".join(rest for word, rest in ins if word == "RUN")
+    assert "useradd --uid 1000 --gid 1000" in run
+    assert "cc --version" in run and "ca-certificates" in run
+    (health,) = [rest for word, rest in ins if word == "HEALTHCHECK"]
+    assert health.endswith('CMD ["python3", "/usr/local/bin/proxima-healthcheck"]')
+    assert "--start-period=1200s" in health
+    assert ("COPY", "docker/healthcheck.py /usr/local/bin/proxima-healthcheck") in ins
+
+
+def test_every_image_asks_the_same_health_check():
+    """The Nix image, the Dockerfile and build-oci.sh all run docker/healthcheck.py."""
+    nix = (REPO / "nix" / "image.nix").read_text()
+    assert "healthcheck = ../docker/healthcheck.py;" in nix
+    oci = (REPO / "docker" / "build-oci.sh").read_text()
+    assert 'cat "$here/docker/healthcheck.py"' in oci
+    assert '"/usr/local/bin/proxima-healthcheck"]' in oci

@@ -82,6 +82,12 @@ def test_image_config_is_the_appliance_one(image):
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert "8000/tcp" in c["ExposedPorts"] and "/models" in c["Volumes"]
     assert c["Labels"]["org.opencontainers.image.version"] == VERSION
+    # Not root; Docker's health check on /health with the image's own Python; the CA bundle.
+    assert c["User"] == "1000:1000"
+    assert c["Healthcheck"]["Test"] == ["CMD", "/usr/bin/python3.11",
+                                        "/usr/local/bin/proxima-healthcheck"]
+    assert c["Healthcheck"]["Retries"] == 3 and c["Healthcheck"]["StartPeriod"] >= 600 * 10**9
+    assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca-certificates.crt"
     assert cfg["created"] == "1970-01-01T00:00:01Z"
     assert all(h["created"] == "1970-01-01T00:00:01Z" for h in cfg["history"])
     assert len(cfg["rootfs"]["diff_ids"]) == 2
@@ -98,6 +104,9 @@ def test_docker_archive_is_loadable(image):
         assert entry["Config"] in names and all(layer in names for layer in entry["Layers"])
         config = json.load(tar.extractfile(entry["Config"]))
     assert config["config"]["Entrypoint"] == ["/usr/local/bin/proxima", "serve"]
+    # docker load reads the health check and the user from this config, as written.
+    assert config["config"]["User"] == "1000:1000"
+    assert config["config"]["Healthcheck"]["Test"][-1] == "/usr/local/bin/proxima-healthcheck"
 
 
 def test_same_sources_give_the_same_image_digest(image, src, tmp_path):
@@ -118,15 +127,16 @@ def bundle(image, tmp_path_factory) -> Path:
     return path
 
 
-def run_in_image(bundle: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run the image's entrypoint executable with args, under runc, no network, read-only."""
+def run_in_image(bundle: Path, *args: str, exe: str | None = None) -> subprocess.CompletedProcess:
+    """Run the image's entrypoint executable (or `exe`) with args, under runc, no network,
+    read-only, as the user the image's config names (umoci unpack translates it)."""
     orig = bundle / "config.json.orig"  # what umoci unpack wrote, from the image's config
     if not orig.exists():
         shutil.copy2(bundle / "config.json", orig)
     config = json.loads(orig.read_text())
     entry = config["process"]["args"]
     assert entry[:2] == ["/usr/local/bin/proxima", "serve"], entry  # the image's entrypoint
-    config["process"]["args"] = [entry[0], *args]
+    config["process"]["args"] = [exe or entry[0], *args]
     config["process"]["terminal"] = False
     config["root"]["readonly"] = True
     (bundle / "config.json").write_text(json.dumps(config))
@@ -138,6 +148,30 @@ def test_entrypoint_runs_under_runc(bundle):
     proc = run_in_image(bundle, "--version")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"proxima {VERSION}"
+
+
+def test_the_image_runs_as_the_unprivileged_user_proxima(bundle):
+    config = json.loads((bundle / "config.json.orig").read_text() if (bundle / "config.json.orig")
+                        .exists() else (bundle / "config.json").read_text())
+    assert config["process"]["user"] == {"uid": 1000, "gid": 1000}
+    proc = run_in_image(bundle, "-c", "import getpass, os; print(os.getuid(), os.getgid(), "
+                        "getpass.getuser(), os.environ['HOME'])", exe="/usr/bin/python3.11")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1000", "1000", "proxima", "/tmp"]
+
+
+def test_the_health_check_runs_in_the_image_and_fails_with_no_server(bundle):
+    proc = run_in_image(bundle, exe="/usr/local/bin/proxima-healthcheck")
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("proxima-healthcheck: http://127.0.0.1:8000/health: no answer")
+
+
+def test_the_image_has_a_ca_bundle_that_python_loads(bundle):
+    proc = run_in_image(bundle, "-c", "import ssl; print(len(ssl.create_default_context()"
+                        ".get_ca_certs()))", exe="/usr/bin/python3.11")
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) > 100
 
 
 def test_selfcheck_in_the_image_says_there_is_no_gpu(bundle, src):
@@ -165,5 +199,10 @@ def test_bundle_carries_the_image(image, tmp_path):
     sums = (bundle / "SHA256SUMS").read_text()
     assert "  image/proxima-oci.tar\n" in sums
     assert (bundle / "image" / "proxima-oci.tar").read_bytes() == (out / "proxima-oci.tar").read_bytes()
-    assert f"docker.io/library/proxima:{VERSION}-slim" in (bundle / "README.md").read_text()
+    readme = (bundle / "README.md").read_text()
+    assert f"docker.io/library/proxima:{VERSION}-slim" in readme
     assert (tmp_path / "b.tar").is_file()
+    # Its only image is the slim one: the bundle says, when written and in its README, that
+    # it cannot serve.
+    assert "no image here can serve (the slim image has no vLLM)" in done.stderr
+    assert "only image is the slim CI image (no vLLM)" in readme

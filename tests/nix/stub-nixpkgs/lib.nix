@@ -9,6 +9,27 @@ let
       concatStringsSep
       ;
     fix = f: let x = f x; in x;
+    all = builtins.all;
+    any = builtins.any;
+    concatMap = builtins.concatMap;
+    concatLists = builtins.concatLists;
+    attrNames = builtins.attrNames;
+    mapAttrs = builtins.mapAttrs;
+    mapAttrsToList = f: attrs: map (name: f name attrs.${name}) (builtins.attrNames attrs);
+    genAttrs = names: f: builtins.listToAttrs (map (n: { name = n; value = f n; }) names);
+    init = list: builtins.genList (builtins.elemAt list) (length list - 1);
+    toLower = s: builtins.replaceStrings
+      [ "A" "B" "C" "D" "E" "F" "G" "H" "I" "J" "K" "L" "M" "N" "O" "P" "Q" "R" "S" "T" "U" "V" "W" "X" "Y" "Z" ]
+      [ "a" "b" "c" "d" "e" "f" "g" "h" "i" "j" "k" "l" "m" "n" "o" "p" "q" "r" "s" "t" "u" "v" "w" "x" "y" "z" ]
+      s;
+    removeSuffix =
+      suffix: str:
+      if hasSuffix suffix str then
+        builtins.substring 0 (builtins.stringLength str - builtins.stringLength suffix) str
+      else
+        str;
+    # lib.getExe' pkg "cc": <pkg>/bin/cc
+    getExe' = pkg: name: "${pkg}/bin/${name}";
     extends = f: rattrs: self: let super = rattrs self; in super // f self super;
     foldl' = builtins.foldl';
     last = list: builtins.elemAt list (length list - 1);
