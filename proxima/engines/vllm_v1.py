@@ -191,10 +191,11 @@ def _block_pool_class():
     class ProximaBlockPool(BlockPool):
         """vLLM's BlockPool with Proxima's free queue; everything else is inherited."""
 
-        def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                     enable_kv_cache_events: bool = False, metrics_collector=None) -> None:
-            super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
-                             enable_kv_cache_events, metrics_collector)
+        def __init__(self, *args, **kwargs) -> None:
+            # Whatever vLLM passes (0.33 added num_hash_lookahead_tokens= and medium=) goes
+            # to stock's constructor unchanged; only what it built is read below.
+            super().__init__(*args, **kwargs)
+            num_gpu_blocks, hash_block_size = self.num_gpu_blocks, self.hash_block_size
             # Stock's queue linked every block; drop those links, nothing reads them now.
             for block in self.blocks:
                 block.prev_free_block = block.next_free_block = None

@@ -201,8 +201,9 @@ class Supervisor:
     async def _start_engine(self) -> None:
         if self.card_stack:
             return await self._start_engine_v0()
-        from vllm.entrypoints.openai.api_server import build_app, init_app_state
+        from proxima.engines.vllm_v1_compat import api_server_app
 
+        build_app, init_app_state = api_server_app()
         tee = OutputTee()
         try:
             with tee:

@@ -95,7 +95,8 @@ def test_card_stack_vllm_passes_the_version_check(tmp_path):
 
 
 def test_untested_vllm_is_refused_unless_allowed(tmp_path):
-    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1"))
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1",
+                                                  PROXIMA_ALLOW_UNTESTED_VLLM=None))
     assert_one_line_error(done, "vLLM 0.25.1 is installed", "PROXIMA_ALLOW_UNTESTED_VLLM=1")
     other = tmp_path / "allowed"
     other.mkdir()
