@@ -67,7 +67,8 @@ class Tested:
 #: The tested releases, newest first (add a release: add one entry, and its extra in
 #: pyproject.toml; tests/unit/test_activation.py checks the two agree).
 TESTED: tuple[Tested, ...] = (
-    Tested("0.26.0", "v1", ("2.11.0",), extra="vllm", stack="the tested stack"),
+    Tested("0.33.0", "v1", ("2.14.0",), extra="vllm", stack="the newest tested stack"),
+    Tested("0.26.0", "v1", ("2.11.0",), extra="vllm-0-26", stack="the tested stack"),
     # The card stack: torch 2.4.0 is vLLM 0.6.3.post1's own pin; 2.5.1 is what the Nix
     # image builds it against (nixos-24.11's torch, nix/image.nix).
     Tested("0.6.3.post1", "v0", ("2.4.0", "2.5.1"), extra="vllm-cu121", stack="the card stack"),

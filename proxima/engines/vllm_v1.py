@@ -156,8 +156,9 @@ def _block_pool_class():
 
         def __init__(self, *args, **kwargs) -> None:
             # vLLM's parameters, whatever they are (0.26: num_gpu_blocks, enable_caching,
-            # hash_block_size, enable_kv_cache_events, metrics_collector), go through;
-            # Proxima reads only the attributes stock's __init__ sets.
+            # hash_block_size, enable_kv_cache_events, metrics_collector; 0.33 added
+            # num_hash_lookahead_tokens= and medium=), go through; Proxima reads only the
+            # attributes stock's __init__ sets.
             super().__init__(*args, **kwargs)
             # Stock's queue linked every block; drop those links, nothing reads them now.
             for block in self.blocks:

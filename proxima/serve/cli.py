@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         # engine process itself (MQLLMEngine), and the engine's workers use spawn, as here.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     else:
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from proxima.engines.vllm_v1_compat import cli_env_setup
 
         cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
     vargs = vllm_args.parse(argv)

@@ -99,7 +99,9 @@ class V1Launcher:
 
     async def build_app(self, engine, args):
         """What vLLM's ``build_and_serve`` does before it binds a socket (gunicorn has it)."""
-        from vllm.entrypoints.openai.api_server import build_app, init_app_state
+        from proxima.engines.vllm_v1_compat import api_server_app
+
+        build_app, init_app_state = api_server_app()     # where this vLLM keeps them
 
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)

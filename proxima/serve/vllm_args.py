@@ -64,11 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         parser.set_defaults(model=None)
         parser.error = _parser_error
         return parser
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from proxima.engines.vllm_v1_compat import serve_cli_args
+
     try:
-        parser = make_arg_parser(FlexibleArgumentParser(prog="proxima serve"))
+        parser = serve_cli_args().make_arg_parser(FlexibleArgumentParser(prog="proxima serve"))
     except RuntimeError as exc:  # "Failed to infer device type": vLLM found no GPU platform
         raise UserError(f"vLLM cannot start its option parser: {one_line(exc)} — run on a "
                         f"machine with an NVIDIA GPU") from None
@@ -82,8 +83,9 @@ def _parser_error(message: str):
 
 
 def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from proxima.engines.vllm_v1_compat import serve_cli_args
 
+    validate_parsed_serve_args = serve_cli_args().validate_parsed_serve_args
     parser = parser or build_parser()
     try:
         args = parser.parse_args(list(argv))

@@ -35,8 +35,12 @@ def test_the_environment_is_the_appliance_one():
 
 
 def test_dockerfile_starts_from_the_tested_vllm_image():
-    pyproject = (REPO / "pyproject.toml").read_text()
-    tested = re.search(r'"vllm==([0-9.]+)"', pyproject)[1]
+    """The no-Nix image is the tested stack's (the GPU-proven vLLM that ./dev installs),
+    pinned by the same file the Dockerfile uses as its constraint."""
+    pins = (REPO / "requirements" / "vllm-0.26.txt").read_text()
+    tested = re.search(r"^vllm==([0-9.]+)$", pins, flags=re.M)[1]
+    assert "--constraint /opt/proxima-src/requirements/vllm-0.26.txt" in " ".join(
+        rest for word, rest in dockerfile_instructions() if word == "RUN")
     ins = dockerfile_instructions()
     args = dict(rest.split("=", 1) for word, rest in ins if word == "ARG" and "=" in rest)
     assert args["VLLM_IMAGE"] == f"vllm/vllm-openai:v{tested}"

@@ -25,8 +25,9 @@ def args(serve_args):
 @pytest.fixture(scope="module")
 def vllm_app(args):
     """vLLM's real OpenAI app, built without an engine (routes that need none still work)."""
-    from vllm.entrypoints.openai.api_server import build_app
+    from proxima.engines.vllm_v1_compat import api_server_app
 
+    build_app = api_server_app()[0]
     if card_stack():
         return build_app(args)  # vLLM 0.6: routes do not depend on the model's tasks
     return build_app(args, ("generate",))

@@ -121,7 +121,8 @@ def test_a_tested_vllm_with_an_untested_torch_is_refused(tmp_path):
 
 
 def test_untested_vllm_is_refused_unless_allowed(tmp_path):
-    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1"))
+    done = run_proxima("serve", env=env_with_vllm(tmp_path, "0.25.1",
+                                                  PROXIMA_ALLOW_UNTESTED_VLLM=None))
     assert_one_line_error(done, "vLLM 0.25.1 with torch", "PROXIMA_ALLOW_UNTESTED_VLLM=1")
     other = tmp_path / "allowed"
     other.mkdir()

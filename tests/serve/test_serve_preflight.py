@@ -74,7 +74,8 @@ def test_versions_line():
     tested = preflight.check_versions("0.26.0", "2.11.0+cu130")
     assert tested.status == "ok" and tested.detail.endswith("(the tested stack, V1 engine)")
     line = preflight.check_versions("0.25.1", "2.10.0", environ={}).line()
-    assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.26.0 "
+    assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.33.0 "
+                           "with torch 2.14.0 (V1 engine, the newest tested stack); vllm 0.26.0 "
                            "with torch 2.11.0 (V1 engine, the tested stack); vllm 0.6.3.post1 "
                            "with torch 2.4.0 or 2.5.1 (V0 engine, the card stack) — ")
     assert "./dev" in line and "PROXIMA_ALLOW_UNTESTED_VLLM=1" in line

@@ -11,7 +11,18 @@ vllm = pytest.importorskip("vllm")
 
 from .conftest import v1_only  # noqa: E402
 
-pytestmark = v1_only  # the texts of vLLM 0.26's own start-up errors
+pytestmark = v1_only  # the texts of the V1 engine's own start-up errors (0.26.0, 0.33.0)
+
+
+def kv_cache_memory_check():
+    """vLLM's check that the KV cache holds one request of max_model_len tokens:
+    ``_check_enough_kv_cache_memory``, moved from kv_cache_utils (0.26) to kv_cache_planning
+    (0.33) with the same messages."""
+    try:
+        from vllm.v1.core.kv_cache_planning import _check_enough_kv_cache_memory
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    return _check_enough_kv_cache_memory
 
 
 def vllm_error(fn, *args) -> str:
@@ -35,18 +46,14 @@ def test_free_memory_below_gpu_memory_utilization():
 
 
 def test_kv_cache_too_small_for_max_model_len():
-    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
-
-    text = vllm_error(_check_enough_kv_cache_memory, 2**30, lambda: 4 * 2**30, 131072,
+    text = vllm_error(kv_cache_memory_check(), 2**30, lambda: 4 * 2**30, 131072,
                       lambda memory: 32768)
     failure = startup_errors.explain(text, max_model_len=131072, gpu_memory_utilization=0.9)
     assert failure.fix.startswith("lower --max-model-len (now 131072)")
 
 
 def test_nothing_left_for_the_kv_cache():
-    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
-
-    text = vllm_error(_check_enough_kv_cache_memory, 0, lambda: 1, 2048, lambda memory: 0)
+    text = vllm_error(kv_cache_memory_check(), 0, lambda: 1, 2048, lambda memory: 0)
     failure = startup_errors.explain(text, gpu_memory_utilization=0.5)
     assert "nothing is left for the KV cache" in failure.why
     assert "lower --max-num-batched-tokens" in failure.fix and "(now 0.5)" in failure.fix

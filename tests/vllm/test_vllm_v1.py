@@ -87,6 +87,7 @@ def test_untested_vllm_is_refused_unless_allowed(monkeypatch, proxima_log):
     from proxima.engines.plugin import register
 
     monkeypatch.setenv(activation.ENV, "1")
+    monkeypatch.delenv(activation.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(vllm, "__version__", "0.27.1")
     monkeypatch.setattr(activation, "_warned", set())
     with pytest.raises(SystemExit, match="proxima: vLLM 0.27.1 with torch .* is not a "
@@ -217,6 +218,53 @@ def test_reset_prefix_cache_returns_every_block_to_the_buddy():
     assert pool.free_block_queue.num_evictable == 0
     assert pool.free_block_queue.buddy.num_free == 63 == pool.get_num_free_blocks()
     assert pool.free_block_queue.buddy.largest_free_run == 63
+
+
+# ------------------------------------------------------------------ what vLLM 0.33 added
+# (proxima/engines/vllm_v1_compat.py lists the differences; these run where vLLM has them)
+
+def _has_block_pool_feature(name: str) -> bool:
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    return hasattr(BlockPool, name) or name in inspect.signature(BlockPool.__init__).parameters
+
+
+def test_block_pool_arguments_added_by_vllm_reach_stocks_constructor():
+    if not _has_block_pool_feature("num_hash_lookahead_tokens"):
+        pytest.skip("this vLLM's BlockPool takes no num_hash_lookahead_tokens= (added in 0.33)")
+    vllm_v1.activate()
+    pool = vllm_v1.ProximaBlockPool(num_gpu_blocks=50, enable_caching=True, hash_block_size=16,
+                                    num_hash_lookahead_tokens=4, medium="CPU")
+    assert (pool.num_hash_lookahead_tokens, pool.medium) == (4, "CPU")
+    assert type(pool.free_block_queue) is vllm_v1.ProximaFreeQueue
+    assert pool.get_num_free_blocks() == 49 and all(b.pool is pool for b in pool.blocks)
+
+
+def test_unpinned_blocks_are_handed_out_last_and_watched_like_stock():
+    """vLLM 0.33's ``unpin_blocks`` (HiSparse): released blocks stay readable until reused,
+    count as free, and are the last to be handed out; ``on_reuse`` fires when they are."""
+    if not _has_block_pool_feature("unpin_blocks"):
+        pytest.skip("this vLLM's BlockPool has no unpin_blocks (added in 0.33)")
+    from vllm.v1.core.block_pool import BlockPool
+
+    vllm_v1.activate()
+    seen = {}
+    for cls in (BlockPool, vllm_v1.ProximaBlockPool):
+        pool = cls(num_gpu_blocks=40, enable_caching=True, hash_block_size=16)
+        held = pool.get_new_blocks(10)
+        reused = seen[cls] = []
+        pool.unpin_blocks(held[:4], on_reuse=lambda b, reused=reused: reused.append(b.block_id))
+        assert pool.get_num_free_blocks() == 39 - 6
+        pool.free_blocks(held[4:])
+        first = pool.get_new_blocks(35)              # every block that was not unpinned
+        assert reused == [] and not {b.block_id for b in first} & {b.block_id for b in held[:4]}
+        two = pool.get_new_blocks(2)                 # the two released first
+        assert sorted(b.block_id for b in two) == sorted(reused) == sorted(
+            b.block_id for b in held[:2])
+        assert pool.get_num_free_blocks() == 2
+    assert sorted(seen[BlockPool]) == sorted(seen[vllm_v1.ProximaBlockPool])
 
 
 def test_abort_mid_run_leaves_no_block_behind():
