@@ -162,10 +162,40 @@ def is_active() -> bool:
     return bool(_saved)
 
 
+def unsupported_reason() -> str | None:
+    """Why this vLLM cannot run elastic KV memory, or None when it can.
+
+    The one place that knows which KV allocation the hook understands: vLLM 0.26's V2 model
+    runner, where ``attn_utils._allocate_kv_cache`` makes one raw buffer per
+    ``KVCacheTensor(size, shared_by)``. vLLM 0.33 replaced that with one backing allocation
+    described by ``KVCacheTensor(size, layers, offset, layer_stride, block_stride)``; the hook
+    has not been ported to it (Proxima's allocator itself runs there unchanged)."""
+    import dataclasses
+
+    import vllm
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    try:
+        import vllm.v1.worker.gpu.attn_utils as attn_utils
+    except ImportError:
+        attn_utils = None
+    fields = {f.name for f in dataclasses.fields(KVCacheTensor)} \
+        if dataclasses.is_dataclass(KVCacheTensor) else set()
+    if attn_utils is None or not hasattr(attn_utils, "_allocate_kv_cache") \
+            or "shared_by" not in fields:
+        return (f"{ENV}=1 needs the KV allocation of vLLM 0.26's V2 model runner (one buffer "
+                f"per KVCacheTensor(size, shared_by)); vLLM {vllm.__version__} allocates its "
+                f"KV cache differently: run elastic KV on vLLM 0.26.0, or unset {ENV}")
+    return None
+
+
 def activate() -> None:
     """Route every engine this process configures through Proxima's KV connector."""
     if any(name == "create_engine_config" for _, name, _ in _saved):
         return
+    reason = unsupported_reason()
+    if reason:
+        raise activation.ActivationError(reason)
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config

@@ -23,6 +23,9 @@ from proxima.memory.ops import Op
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from tests.memory.fake_driver import FakeDriver
 
+if elastic_v1.unsupported_reason():
+    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+
 PAGE = 16 * 2 * 64 * 2 * 2      # the tiny Llama's page: 16 tokens, 2 KV heads, K+V, bf16
 GRANULE = (2 << 20) // PAGE     # 256 blocks
 

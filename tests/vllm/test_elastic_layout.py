@@ -8,6 +8,9 @@ from proxima.engines.elastic_connector import predicted_granule_blocks
 from proxima.memory.kv import region_block_strides
 from proxima.memory.layout import LayoutError, check_block_major, granule_blocks
 
+if elastic_v1.unsupported_reason():
+    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+
 MiB = 1 << 20
 
 
