@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from proxima.allocator import InvariantError
+
 STATS_ENV = "PROXIMA_STATS_FILE"
 STATUS_INTERVAL_S = 1.0
 INVARIANTS_INTERVAL_S = 60.0
@@ -47,11 +49,12 @@ def write_status(payload: dict, path: Path | None = None) -> None:
 
 
 def invariants_verdict(buddy) -> dict:
-    """``{"invariants_ok": ...}`` for the live pool (``BuddyAllocator.check``, O(N)), with
-    the first broken invariant when there is one: what the self-check reads."""
+    """``{"invariants_ok": ...}`` for the live pool (``BuddyAllocator.check``, O(N), which
+    raises ``InvariantError``, also under ``python -O``), with the first broken invariant
+    when there is one: what the self-check reads."""
     try:
         buddy.check()
-    except AssertionError as exc:
+    except InvariantError as exc:
         return {"invariants_ok": False, "invariants_error": str(exc)}
     return {"invariants_ok": True}
 

@@ -34,4 +34,5 @@ def maximal_aligned_chunks(num_blocks: int, reserved=()) -> set[tuple[int, int]]
 
 
 def held_blocks(a) -> set[tuple[int, int]]:
-    return {(head, order) for order, area in enumerate(a._free_area) for head in area}
+    """The allocator's buddy view, as a set."""
+    return set(a.free_blocks())

@@ -218,7 +218,7 @@ def test_stats_are_consistent():
     assert s["num_free_runs"] == 3
     assert s["fragmentation"] == pytest.approx(1 - 10 / 18)
     assert s["free_runs_by_order"][:4] == [0, 1, 1, 1]      # 3 -> order 1, 5 -> 2, 10 -> 3
-    assert sum((1 << k) * c for k, c in enumerate(s["free_blocks_by_order"])) == 18
+    assert sum((1 << k) * c for k, c in enumerate(a.free_blocks_by_order())) == 18
 
 
 def test_a_million_blocks_build_fast_and_import_neither_torch_nor_vllm():
