@@ -89,6 +89,7 @@ CANDIDATES = 16               # free runs examined per placement pass
 
 _FREE_RUNS = re.compile(rb"\x00+")        # FREE == 0: maximal runs of FREE bytes
 _INTS = {int}
+_NONE = object()
 
 
 class AllocationError(ValueError):
@@ -367,14 +368,12 @@ class BuddyAllocator:
         """
         try:
             ordered = sorted(ids)
-        except TypeError:
-            raise AllocationError(f"cannot free {short_repr(ids)}: give block ids (ints)") \
-                from None
+        except TypeError:                   # not iterable, or items that do not compare
+            ordered = None
+        if ordered is None or set(map(type, ordered)) != _INTS:
+            raise _not_ids(ids)
         if not ordered:
             return
-        if set(map(type, ordered)) != _INTS:
-            bad = next(i for i in ordered if type(i) is not int)
-            raise AllocationError(f"cannot free id {bad!r}: block ids are ints")
         first, last = ordered[0], ordered[-1]
         if first < 0 or last >= self.num_blocks:
             raise AllocationError(f"cannot free id {first if first < 0 else last}: the "
@@ -683,6 +682,18 @@ def aligned_blocks(start: int, end: int) -> Iterator[tuple[int, int]]:
             size >>= 1
         yield start, size.bit_length() - 1
         start += size
+
+
+def _not_ids(ids) -> AllocationError:
+    """The error for a :meth:`BuddyAllocator.free` argument that holds a non-int."""
+    try:
+        items = list(ids)
+    except TypeError:
+        return AllocationError(f"cannot free {ids!r}: give a collection of block ids (ints)")
+    bad = next((i for i in items if type(i) is not int), _NONE)
+    if bad is _NONE:                # a one-shot iterator, used up by the failed sort
+        return AllocationError(f"cannot free {short_repr(ids)}: give block ids (ints)")
+    return AllocationError(f"cannot free id {bad!r}: block ids are ints")
 
 
 def _ranges_of_sorted(ordered: list[int]) -> list[tuple[int, int]]:
