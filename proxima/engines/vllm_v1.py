@@ -136,6 +136,12 @@ class ProximaFreeQueue:
         self.spread = False
         self.alloc_seconds = 0.0
         self.demoted = 0
+        # The cursor walker's state (iter_blocks_after): the block it holds, stock's
+        # position of it (None: stock's front; int: a hash-less entry with that many
+        # behind it; _CACHED), and the fewest hash-less blocks since its last walk.
+        self._walk_held = None
+        self._walk_pos = None
+        self._walk_low = 0
         # A plain attribute, as in stock's queue: the scheduler reads it on every step.
         self.num_free_blocks = self.buddy.num_free
 
@@ -167,6 +173,8 @@ class ProximaFreeQueue:
                 ids = ids[i:] + ids[:i]
         else:
             ids = buddy.allocate(n, after, room, self.spread)
+        if buddy.num_free < self._walk_low:
+            self._walk_low = buddy.num_free         # stock's hash-less stack ran this low
         if after is not None or room is not None:   # a hint is set: the run continues
             self.after = ids[-1]
             if room is not None:
@@ -188,8 +196,10 @@ class ProximaFreeQueue:
         return [block.block_id for block in lru.pop_oldest(k)]
 
     def _demote(self, k: int) -> None:
-        """Move the ``k`` least recently used cached blocks into the buddy tier."""
+        """Move the ``k`` least recently used cached blocks into the buddy tier (the pool's
+        reset_prefix_cache, when vLLM's offload connectors drop their cursors too)."""
         self.buddy.free(self._pop_lru(k))
+        self._walk_held = self._walk_pos = None
 
     def remove(self, block) -> None:
         """A free block leaves the queue (a prefix-cache hit claims it back)."""
@@ -197,6 +207,8 @@ class ProximaFreeQueue:
             self._lru.remove(block)
         else:
             self.buddy.take(block.block_id)
+            if self.buddy.num_free < self._walk_low:
+                self._walk_low = self.buddy.num_free
         self.num_free_blocks -= 1
 
     def append(self, block) -> None:
@@ -218,29 +230,80 @@ class ProximaFreeQueue:
 
     def get_all_free_blocks(self) -> list:
         """Every free block, in eviction order (see the class doc)."""
-        return list(self.iter_blocks_after(None))
+        blocks = self._blocks
+        return [blocks[i] for i in self.buddy.free_ids_from(0)] + list(self._lru.after(None))
+
+    # ------------------------------------------------------------ walking from a cursor
 
     def iter_blocks_after(self, cursor) -> Iterator:
-        """Free blocks in eviction order after ``cursor`` (None: from the first), as
-        vLLM's queue: the buddy tier by ascending id, then the LRU tier, oldest first. A
-        cursor in the LRU tier continues with the blocks after it there; one in the
-        buddy tier with the buddy's free ids above it, then the whole LRU tier; a cursor
-        that has left the queue yields nothing (stock: its ``next_free_block`` is None).
-        O(blocks yielded) plus C-speed scans of the allocated ids between free runs; the
-        walk is live (vLLM's simple CPU offload reads it from a cursor each step)."""
-        if cursor is None:
-            yield from self._buddy_blocks(0)
-            yield from self._lru.after(None)
-        elif cursor.next_free_block is not None:
-            yield from self._lru.after(cursor)
-        elif self.buddy.is_free(cursor.block_id):
-            yield from self._buddy_blocks(cursor.block_id + 1)
-            yield from self._lru.after(None)
+        """Free blocks in eviction order after ``cursor`` (None: from the first), live and
+        in O(blocks yielded) (plus C-speed scans of allocated ids between free runs).
 
-    def _buddy_blocks(self, first: int) -> Iterator:
+        vLLM's simple CPU offload (lazy mode) walks stock's queue from a cursor every
+        step, counting free blocks until it has covered its target and storing the cached
+        ones; its cursor is the last block it went past. What it sees here is what it
+        sees in stock's queue:
+
+        * the cached tier is stock's cached part, block for block in the same order: a
+          cursor there continues after it; one that left the queue yields nothing;
+        * the hash-less tier holds as many blocks as stock's hash-less part, which is a
+          stack (``prepend_n`` pushes, ``popleft_n`` pops, nothing leaves from the
+          middle), so a stock cursor there is the entry with ``r`` entries behind it, for
+          as long as the stack keeps more than ``r``. The buddy has no order, so the
+          queue remembers, for the walker it last served, the ``r`` of the block the
+          walker went past last (:meth:`_walk`) and how low the tier has run since: a
+          walk from that cursor yields ``r`` hash-less blocks then the cached tier, or
+          the whole queue once stock's entry would have been popped (stock's walker
+          then starts again from the front, as it also does when Proxima handed that
+          block out: ``ref_cnt > 0``).
+
+        A cursor this queue did not hand to the walker continues with the free ids above
+        it, then the cached tier.
+        """
+        held, pos = self._walk_held, self._walk_pos
+        if pos.__class__ is int and (cursor is held or (cursor is None and held.ref_cnt > 0)):
+            return self._walk(cursor, pos if self._walk_low > pos else None)
+        if cursor is None or (cursor is held and pos is None):
+            return self._walk(cursor, None)
+        if cursor.next_free_block is not None:
+            return self._walk_cached(cursor)
+        if self.buddy.is_free(cursor.block_id):
+            return self._walk_by_id(cursor.block_id + 1)
+        return iter(())                    # the cursor left the queue (stock: the same)
+
+    def _walk(self, cursor, behind: int | None) -> Iterator:
+        """``behind`` hash-less blocks (None: all of them, from stock's front), then the
+        cached tier; records what the walker holds after each block it goes past."""
+        buddy = self.buddy
+        count = buddy.num_free if behind is None else behind
+        skip = cursor.block_id if behind is not None and cursor is not None else -1
+        self._walk_low = buddy.num_free
+        self._walk_held, self._walk_pos = cursor, behind    # if it goes past nothing
+        blocks = self._blocks
+        for i in buddy.free_ids_from(0):
+            if not count:
+                break
+            if i == skip:
+                continue
+            count -= 1
+            block = blocks[i]
+            yield block
+            self._walk_held, self._walk_pos = block, count  # stock's entry: count behind
+        yield from self._walk_cached(None)
+
+    def _walk_cached(self, cursor) -> Iterator:
+        for block in self._lru.after(cursor):
+            yield block
+            self._walk_held, self._walk_pos = block, _CACHED
+
+    def _walk_by_id(self, first: int) -> Iterator:
         blocks = self._blocks
         for i in self.buddy.free_ids_from(first):
             yield blocks[i]
+        yield from self._lru.after(None)
+
+
+_CACHED = "cached"          # _walk_pos of a walker's cursor in the cached tier
 
 
 def _blocks_per_run(blocks) -> float | None:
