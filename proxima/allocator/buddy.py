@@ -23,12 +23,12 @@ State (every item is verified by :meth:`BuddyAllocator.check`):
   Lifetime: :meth:`allocate` sets a claim when it places a new run with ``room``, on
   the free run right behind it. The claim then belongs to that free run: it stays put
   while the owner grows into the run (the absolute end does not move), and keeps to the
-  left part when the run is cut; it ends when the run is used up, and when the ids
-  before the run are freed (the owner is gone: the merged run starts a claim-free
-  run). Placement keeps new runs clear of claimed ids while it can, so a claim is a
-  preference, never a reservation: it costs no capacity. Claims are state beyond the
-  free set: two pools with the same free ids but different claims may place a run
-  differently (:meth:`claims` lists them).
+  left part when the run is cut and with the merged run when ids after it are freed;
+  it ends when the run is used up, and when the ids before the run are freed (the
+  owner is gone: the merged run starts claim-free). Placement keeps new runs clear of
+  claimed ids while it can, so a claim is a preference, never a reservation: it costs
+  no capacity. Claims are state beyond the free set: two pools with the same free ids
+  but different claims may place a run differently (:meth:`claims` lists them).
 
 The *buddy view* is derived, not stored: every free run splits into the maximal
 aligned power-of-two blocks it contains (:meth:`free_blocks`), which is the
@@ -65,8 +65,9 @@ passes; :meth:`claims` O(R log R).
 
 Costs of the operations: growing in place O(1) (a few list stores; a set move when the
 run drops an order); a new run O(log N + CANDIDATES), rising to the runs of one order
-when no higher order has a run; :meth:`free` a C-speed sort and check of the ids plus
-O(1) per range of consecutive ids; :meth:`take` O(1) plus a C-speed scan of its run;
+when no higher order has a run; :meth:`free` a C-speed sort and check of the ids (plus
+a Python pass over them when they form several ranges) and O(1) per range;
+:meth:`take` O(1) plus a C-speed scan of its run;
 building O(N) in C; :meth:`check` O(N), mostly in C.
 
 Every public method validates its arguments first: a bad argument raises
@@ -264,8 +265,8 @@ class BuddyAllocator:
             room: ``None`` or an int ``>= 0``: the ids the caller expects to need in all
                 from here (values below ``n`` count as ``n``). A new run is placed where
                 that many stay free behind its start, if such a place exists, and
-                claims the ids past the run (see the module doc). Only a preference, never a
-                reservation.
+                claims the ids past the run (see the module doc). Only a preference,
+                never a reservation.
             spread: True or False: the pool has ample space for everyone's room:
                 share free space out buddy-style (split the largest slack) so that runs
                 can outgrow their stated room. False packs new runs right after their
@@ -278,7 +279,7 @@ class BuddyAllocator:
         Raises:
             AllocationError: a bad argument, or ``n`` above ``num_free``; nothing changed.
         """
-        if (type(n) is not int or n < 1 or n > self.num_free
+        if (type(n) is not int or n < 1
                 or (room is not None and (type(room) is not int or room < 0))
                 or (spread is not False and spread is not True)):
             return self._nothing_or_refusal(n, after, room, spread)
@@ -315,6 +316,8 @@ class BuddyAllocator:
                     return [start]
                 state[start:stop] = b"\x01" * n
                 return self._ids[start:stop]
+        if n > self.num_free:               # (growth above cannot have: its run holds n)
+            return self._nothing_or_refusal(n, after, room, spread)
         want = n if room is None or room <= n else room
         place = self._place(n, want, spread and room is not None)
         if place is None:

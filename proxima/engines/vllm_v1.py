@@ -37,6 +37,7 @@ from proxima.engines import activation
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
+_clock = time.perf_counter
 
 
 class _End:
@@ -157,32 +158,32 @@ class ProximaFreeQueue:
         """``n`` free blocks as few contiguous runs as the pool allows (caller checked n)."""
         if n <= 0:
             return []
-        t0 = time.perf_counter()
+        t0 = _clock()
         buddy = self.buddy
         after = self.after
         room = self.room
-        short = n - buddy.num_free
-        if short > 0:
+        if n > buddy.num_free:
             # Everything free goes, plus exactly the blocks stock would evict now: the
-            # `short` least recently used cached ones. No placement choice is left, so
-            # they go straight out (sorted, starting after the caller's last block).
-            victims = self._pop_lru(short)          # checks there are enough first
+            # least recently used cached ones. No placement choice is left, so they go
+            # straight out (sorted, starting after the caller's last block).
+            victims = self._pop_lru(n - buddy.num_free)     # checks there are enough first
             ids = sorted(buddy.allocate_all() + victims)
             if after is not None:
                 i = bisect_right(ids, after)
                 ids = ids[i:] + ids[:i]
         else:
             ids = buddy.allocate(n, after, room, self.spread)
-        if buddy.num_free < self._walk_low:
-            self._walk_low = buddy.num_free         # stock's hash-less stack ran this low
+        free = buddy.num_free
+        if free < self._walk_low:
+            self._walk_low = free                   # stock's hash-less stack ran this low
         if after is not None or room is not None:   # a hint is set: the run continues
             self.after = ids[-1]
             if room is not None:
                 self.room = room - n if room > n else 0
         self.num_free_blocks -= n
         blocks = self._blocks
-        out = [blocks[i] for i in ids]
-        self.alloc_seconds += time.perf_counter() - t0
+        out = [blocks[ids[0]]] if n == 1 else list(map(blocks.__getitem__, ids))
+        self.alloc_seconds += _clock() - t0
         return out
 
     def _pop_lru(self, k: int) -> list[int]:

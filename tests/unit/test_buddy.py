@@ -223,9 +223,11 @@ def test_stats_are_consistent():
 
 def test_a_million_blocks_build_and_import_neither_torch_nor_vllm():
     """(How fast it builds is a benchmark's business, not a test's: ~0.1 s on the CI VM.)"""
-    code = ("import sys;"
-            "from proxima.allocator import BuddyAllocator; a = BuddyAllocator(1_000_000, reserved=[0]);"
-            "a.check(); print(a.num_free, a.largest_free_run, 'torch' in sys.modules, 'vllm' in sys.modules)")
+    code = ("import sys\n"
+            "from proxima.allocator import BuddyAllocator\n"
+            "a = BuddyAllocator(1_000_000, reserved=[0])\n"
+            "a.check()\n"
+            "print(a.num_free, a.largest_free_run, 'torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["999999", "999999", "False", "False"]
 
