@@ -1,117 +1,165 @@
-"""Buddy-system allocator over the block ids of one preallocated KV-cache pool.
+"""Contiguous-run allocator over the block ids of one preallocated KV-cache pool.
 
-The pool is the id range ``0..num_blocks-1``. Every free id belongs to exactly one
-*free block*: an aligned power-of-two range ``[head, head + 2**order)`` (Linux's
-``free_area[order]``). Blocks are merged eagerly with their buddy
-(``head ^ (1 << order)``) whenever both are free, so the set of free blocks is always
-the *canonical decomposition* of the free ids: the maximal aligned ranges made only of
-free ids. A pool whose size is not a power of two is thereby split into maximal aligned
-chunks, and reserved ids (vLLM's null block) simply never join a block.
+The pool is the id range ``0..num_blocks-1``; each id is FREE, ALLOCATED or RESERVED
+(never handed out: vLLM's null block). The allocator hands out ids, never memory: the
+caller maps them to its blocks.
 
-Beside the blocks the allocator keeps the *free runs*: the maximal ranges of
-consecutive free ids, which may span several blocks (e.g. ``[8, 20)`` is the blocks
-``[8, 16)`` and ``[16, 20)``). Runs answer the questions that matter to callers:
-"are the ids after this request's last block free?" and "what is the longest
-contiguous free range?".
+State (every item is verified by :meth:`BuddyAllocator.check`):
 
-Placement policy, in order:
+* ``_state[i]``: FREE, ALLOCATED or RESERVED; exactly ``num_free`` ids are FREE.
+* The *free runs*: the maximal ranges ``[s, e)`` of consecutive FREE ids. A run is
+  recorded at both ends, ``_run_end[s] == e`` (``_run_end`` is 0 at every other index,
+  so ``_run_end[x + 1]`` says at once whether the ids after ``x`` are free, and how
+  many) and ``_run_start[e - 1] == s`` (read only at a run's last id).
+* ``_free_area[k]``: the ends ``e`` of the free runs whose length has order ``k``
+  (``2**k <= e - s < 2**(k + 1)``) and that have unclaimed ids (see claims);
+  ``_claimed_area[k]`` the same for the runs claimed whole. This is Linux's
+  ``free_area[order]`` holding runs instead of aligned blocks; a run is filed under
+  its end, which stays put while the run is eaten from the front (growth in place).
+  Placement looks for space in ``_free_area`` only.
+* *Claims*: ``_claim[e - 1] = c`` at the last id of a free run ``[s, e)`` says that
+  the owner of the allocated run just before it expects to grow to ``c``
+  (``0 < c <= num_blocks``; the ids ``[s, min(c, e))`` are *claimed*; 0 elsewhere).
+  Lifetime: :meth:`allocate` sets a claim when it places a new run with ``room``, on
+  the free run right behind it. The claim then belongs to that free run: it stays put
+  while the owner grows into the run (the absolute end does not move), and keeps to the
+  left part when the run is cut and with the merged run when ids after it are freed;
+  it ends when the run is used up, and when the ids before the run are freed (the
+  owner is gone: the merged run starts claim-free). Placement keeps new runs clear of
+  claimed ids while it can, so a claim is a preference, never a reservation: it costs
+  no capacity. Claims are state beyond the free set: two pools with the same free ids
+  but different claims may place a run differently (:meth:`claims` lists them).
 
-1. ``after=x`` and ``x+1 .. x+n`` free: those ids (the caller's run grows in place).
-2. Best fit: the smallest free run of length ``>= max(n, room)`` (else ``>= n``), so big
-   runs stay whole. In a run much longer than needed, the ids start at the head of its
-   largest buddy block (see ``_place``), leaving room on both sides for growth.
-3. No single run holds ``n`` ids: whole runs, largest first, then the remainder by 2.
+The *buddy view* is derived, not stored: every free run splits into the maximal
+aligned power-of-two blocks it contains (:meth:`free_blocks`), which is the
+canonical decomposition a buddy system with eager merging (Linux's ``__free_one_page``)
+keeps. Placement uses it to split slack buddy-style (:meth:`_split_point`).
 
-The allocator never refuses while ``num_free >= n``.
+Placement (:meth:`allocate`), each step a small function returning a place or None:
 
-Complexity (``N = num_blocks``, ``D`` = number of distinct free-run lengths,
-``D <= sqrt(2 N)``): growing in place is amortised O(1) block splits plus O(log D);
-steps 2-3 are O(log N) per run touched; ``free`` is O(log N) per run freed plus a
-C-speed pass over the ids. Building the structure is O(N) in C (list repetition)
-plus O(log N) blocks per reserved id.
+1. ``after=x`` and ``x+1 .. x+n`` free: those ids (the caller's run grows in place;
+   the hot path, inline in :meth:`allocate`).
+2. A new run of ``n`` ids with ``want = max(n, room)`` ids of space behind its start:
 
-Invariants (checked by :meth:`BuddyAllocator.check`):
+   a. ``spread`` (the pool has room for everyone twice over): the largest slack past
+      a claim, split buddy-style (:meth:`_split_largest_slack`);
+   b. pack: the tightest run whose unclaimed part holds ``want``, right after the
+      claim (:meth:`_pack_after_claim`);
+   c. claims ignored: the smallest run that holds ``want``, else ``n``
+      (:meth:`_smallest_fit`, Linux's ``__rmqueue_smallest``), split buddy-style.
 
-* ``_state[i]`` is FREE, ALLOCATED or RESERVED; exactly ``num_free`` ids are FREE.
-* The free blocks partition the FREE ids and are the canonical decomposition.
-* ``_run_end[s] == e`` and ``_run_start[e - 1] == s`` for every maximal free run
-  ``[s, e)``; ``_runs_by_len[e - s]`` holds ``s``; ``_lengths`` is the sorted list of
-  keys of ``_runs_by_len``.
+   The chosen run is cut by :meth:`_take` (Linux's ``expand``: what is left on
+   either side goes back as free runs).
+3. No single run holds ``n`` ids: whole runs, longest first, then the remainder by
+   step 2 (:meth:`_gather`). The allocator never refuses while ``num_free >= n``.
 
-This module imports nothing beyond the standard library.
+A further preference (e.g. for ids in already mapped memory) is one more function in
+:meth:`_place`'s chain, reading the same queries.
+
+Queries and their cost (``N = num_blocks``, ``R`` = number of free runs):
+:meth:`is_free` O(1); ``num_free``, :attr:`num_free_runs`, :meth:`free_runs_by_order`
+O(1) / O(log N); :attr:`largest_free_run` O(runs of the highest order);
+:meth:`free_runs` O(R log R); :meth:`free_blocks`, :meth:`free_blocks_by_order`
+O(R log N); :meth:`free_ids_from` O(ids yielded) plus a C-speed scan of the ids it
+passes; :meth:`claims` O(R log R).
+
+Costs of the operations: growing in place O(1) (a few list stores; a set move when the
+run drops an order); a new run O(log N + CANDIDATES), rising to the runs of one order
+when no higher order has a run; :meth:`free` a C-speed sort and check of the ids (plus
+a Python pass over them when they form several ranges) and O(1) per range;
+:meth:`take` O(1) plus a C-speed scan of its run;
+building O(N) in C; :meth:`check` O(N), mostly in C.
+
+Every public method validates its arguments first: a bad argument raises
+:class:`AllocationError` naming the value, and nothing has changed. This module
+imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from typing import Iterable, Sequence
+import re
+from itertools import chain, compress
+from reprlib import repr as short_repr
+from typing import Iterable, Iterator
 
 FREE = 0
 ALLOCATED = 1
 RESERVED = 2
 
-_PLACE_CANDIDATES = 16        # free runs examined for an unclaimed fit before giving up
+CANDIDATES = 16               # free runs examined per placement pass
+
+_FREE_RUNS = re.compile(rb"\x00+")        # FREE == 0: maximal runs of FREE bytes
+_INTS = {int}
+_NONE = object()
 
 
 class AllocationError(ValueError):
-    """A request the allocator cannot satisfy (too many blocks, bad ids)."""
+    """A request the allocator refuses: a bad argument (named in the message) or more ids
+    than are free. Nothing has changed when it is raised."""
+
+
+class InvariantError(RuntimeError):
+    """:meth:`BuddyAllocator.check` found the allocator's structures inconsistent."""
 
 
 class BuddyAllocator:
-    """Contiguous-run allocator over the ids ``0..num_blocks-1``.
+    """Contiguous-run allocator over the ids ``0..num_blocks-1`` (see the module doc).
 
     Args:
-        num_blocks: size of the pool, any value ``>= 1``.
+        num_blocks: size of the pool, an int ``>= 1``.
         reserved: ids that are never handed out (e.g. vLLM's null block ``0``).
     """
 
-    __slots__ = (
-        "num_blocks", "max_order", "num_free", "_state", "_head_order", "_tail_head",
-        "_free_area", "_run_end", "_run_start", "_runs_by_len", "_lengths", "_run_hist",
-        "_num_runs", "_reserved", "_claim",
-    )
+    __slots__ = ("num_blocks", "max_order", "num_free", "_state", "_run_end", "_run_start",
+                 "_free_area", "_claimed_area", "_num_runs", "_reserved", "_claim", "_ids")
 
     def __init__(self, num_blocks: int, reserved: Iterable[int] = ()) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        if type(num_blocks) is not int or num_blocks < 1:
             raise AllocationError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        reserved_ids = sorted(set(reserved))
+        try:
+            reserved_ids = sorted(set(reserved))
+        except TypeError:
+            raise AllocationError(f"reserved must be block ids (ints), got "
+                                  f"{short_repr(reserved)}") from None
         for rid in reserved_ids:
-            if not isinstance(rid, int) or not 0 <= rid < num_blocks:
+            if type(rid) is not int:
+                raise AllocationError(f"reserved id {rid!r} is not a block id (an int)")
+            if not 0 <= rid < num_blocks:
                 raise AllocationError(
                     f"reserved id {rid!r} is outside the pool 0..{num_blocks - 1}")
         self.num_blocks = num_blocks
-        self.max_order = (num_blocks - 1).bit_length() if num_blocks > 1 else 0
+        self.max_order = num_blocks.bit_length() - 1       # order of the longest run
         self.num_free = 0
         self._reserved = frozenset(reserved_ids)
         # Per-id arrays. Python lists index faster than array.array (no boxing).
-        self._state = bytearray(num_blocks)               # FREE / ALLOCATED / RESERVED
-        self._head_order = [0] * num_blocks               # order + 1 at free block heads
-        self._tail_head = [0] * num_blocks                # head, at a free block's last id
-        self._run_end = [0] * (num_blocks + 1)            # end, at a free run's first id
-        self._run_start = [0] * num_blocks                # start, at a free run's last id
+        self._state = bytearray(num_blocks)                 # all FREE
+        self._run_end = [0] * (num_blocks + 1)
+        self._run_start = [0] * num_blocks
         self._free_area: list[set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._runs_by_len: dict[int, set[int]] = {}
-        self._lengths: list[int] = []
-        self._run_hist = [0] * (self.max_order + 1)       # free runs by floor(log2 len)
-        # Soft claims: at the last id of an allocated run, the end its owner expects to
-        # grow to (``start + room``). Placement keeps clear of claimed ids while it can;
-        # a claim never stops an allocation (ids are not reserved, only avoided).
+        self._claimed_area: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._claim = [0] * num_blocks
+        # Every id once, so that a run of ids is a slice (no int objects made per call).
+        self._ids = list(range(num_blocks))
         self._num_runs = 0
-        for rid in reserved_ids:
-            self._state[rid] = RESERVED
-        prev = 0
+        start = 0
         for rid in reserved_ids + [num_blocks]:
-            if rid > prev:
-                self._give_back_range(prev, rid)
-            prev = rid + 1
+            if rid < num_blocks:
+                self._state[rid] = RESERVED
+            if rid > start:
+                self._link_run(start, rid)
+                self.num_free += rid - start
+            start = rid + 1
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ queries
 
     @property
     def largest_free_run(self) -> int:
-        """Length of the longest range of consecutive free ids. O(1)."""
-        return self._lengths[-1] if self._lengths else 0
+        """Length of the longest range of consecutive free ids. O(runs of the top order)."""
+        run_start = self._run_start
+        for area, claimed in zip(reversed(self._free_area), reversed(self._claimed_area)):
+            if area or claimed:
+                return max(end - run_start[end - 1] for end in (*area, *claimed))
+        return 0
 
     @property
     def num_free_runs(self) -> int:
@@ -120,12 +168,12 @@ class BuddyAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        """Number of free buddy blocks (the canonical decomposition). O(log N)."""
-        return sum(len(area) for area in self._free_area)
+        """Number of blocks in the buddy view (:meth:`free_blocks`). O(R log N)."""
+        return sum(self.free_blocks_by_order())
 
     @property
     def fragmentation(self) -> float:
-        """``1 - largest_free_run / num_free``; 0.0 for an empty or fully free pool. O(1)."""
+        """``1 - largest_free_run / num_free``; 0.0 for an empty or fully free pool."""
         if self.num_free == 0:
             return 0.0
         return 1.0 - self.largest_free_run / self.num_free
@@ -134,480 +182,537 @@ class BuddyAllocator:
     def reserved(self) -> frozenset[int]:
         return self._reserved
 
-    def free_blocks_by_order(self) -> list[int]:
-        """``[k] -> number of free buddy blocks of 2**k ids``. O(log N)."""
-        return [len(area) for area in self._free_area]
+    def is_free(self, block_id: int) -> bool:
+        """Whether ``block_id`` may be handed out now. False outside the pool. O(1)."""
+        if type(block_id) is not int:
+            raise AllocationError(f"is_free({block_id!r}): a block id is an int")
+        return 0 <= block_id < self.num_blocks and self._state[block_id] == FREE
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Every free run ``(start, end)``, ascending. O(R log R)."""
+        run_start = self._run_start
+        return sorted((run_start[end - 1], end) for areas in (self._free_area, self._claimed_area)
+                      for area in areas for end in area)
 
     def free_runs_by_order(self) -> list[int]:
         """``[k] -> number of free runs whose length is in [2**k, 2**(k+1))``. O(log N)."""
-        return list(self._run_hist)
+        return [len(a) + len(b) for a, b in zip(self._free_area, self._claimed_area)]
+
+    def free_blocks(self) -> Iterator[tuple[int, int]]:
+        """The buddy view: ``(head, order)`` of every maximal aligned block of free ids
+        (``[head, head + 2**order)``), ascending. Derived from the runs: O(R log N)."""
+        for start, end in self.free_runs():
+            yield from aligned_blocks(start, end)
+
+    def free_blocks_by_order(self) -> list[int]:
+        """``[k] -> number of blocks of 2**k ids`` in the buddy view. O(R log N)."""
+        counts = [0] * (self.max_order + 1)
+        for _, order in self.free_blocks():
+            counts[order] += 1
+        return counts
+
+    def free_ids_from(self, first: int = 0) -> Iterator[int]:
+        """The free ids ``>= first``, ascending, read live (ids freed or taken while the
+        iterator is suspended are seen). O(ids yielded) plus C-speed scans of the ids
+        between runs."""
+        if type(first) is not int or first < 0:
+            raise AllocationError(f"free_ids_from({first!r}): give an id >= 0")
+        state = self._state
+        run_end = self._run_end
+        n = self.num_blocks
+        i = state.find(FREE, first) if first < n else -1
+        if i >= 0 and not run_end[i]:           # `first` lies inside a run: find its end
+            end = state.find(ALLOCATED, i)
+            end = n if end < 0 else end
+            reserved = state.find(RESERVED, i, end)
+            end = reserved if reserved >= 0 else end
+            yield from range(i, end)
+            i = state.find(FREE, end)
+        while i >= 0:
+            end = run_end[i]
+            yield from range(i, end)
+            i = state.find(FREE, end)
+
+    def claims(self) -> dict[int, int]:
+        """``{start of a free run: end of its claimed ids}`` for every free run whose
+        first ids are claimed by its left neighbour (see the module doc). O(R log R)."""
+        claim = self._claim
+        return {start: min(claim[end - 1], end) for start, end in self.free_runs()
+                if claim[end - 1] > start}
 
     def stats(self) -> dict:
-        """All cheap statistics in one dict (for metrics and reports)."""
+        """The cheap statistics in one dict (for metrics and the status file)."""
         return {
             "num_blocks": self.num_blocks,
             "num_free": self.num_free,
             "largest_free_run": self.largest_free_run,
             "num_free_runs": self._num_runs,
-            "num_free_blocks": self.num_free_blocks,
             "fragmentation": self.fragmentation,
             "free_runs_by_order": self.free_runs_by_order(),
-            "free_blocks_by_order": self.free_blocks_by_order(),
         }
 
-    def is_free(self, block_id: int) -> bool:
-        return 0 <= block_id < self.num_blocks and self._state[block_id] == FREE
+    # --------------------------------------------------------------- operations
 
     def allocate(self, n: int, after: int | None = None, room: int | None = None,
                  spread: bool = False) -> list[int]:
         """Hand out ``n`` distinct free ids, as few contiguous runs as possible.
 
         Args:
-            n: number of ids, ``0 <= n <= num_free``.
-            after: the caller's last id: if ``after+1 .. after+n`` are all free, exactly
-                those are returned (the caller's run grows in place).
-            room: the number of ids the caller expects to need in total from here
-                (``>= n``): a new run is placed where that many stay free behind it,
-                if such a place exists. Only a preference; never a reservation.
-            spread: the pool has ample space for everyone's room: share free space out
-                buddy-style (split the largest slack) so that runs can outgrow their
-                stated room. False packs new runs right after their neighbours' room,
-                which keeps the most space whole when the pool is getting full.
+            n: number of ids, an int ``0 <= n <= num_free``.
+            after: ``None`` or the caller's last id (an ALLOCATED id): if ``after+1 ..
+                after+n`` are all free, exactly those are returned (the caller's run
+                grows in place).
+            room: ``None`` or an int ``>= 0``: the ids the caller expects to need in all
+                from here (values below ``n`` count as ``n``). A new run is placed where
+                that many stay free behind its start, if such a place exists, and
+                claims the ids past the run (see the module doc). Only a preference,
+                never a reservation.
+            spread: True or False: the pool has ample space for everyone's room:
+                share free space out buddy-style (split the largest slack) so that runs
+                can outgrow their stated room. False packs new runs right after their
+                neighbours' claims, which keeps the most space whole when the pool is
+                getting full. Read only with ``room``.
 
         Returns:
             the ids in order: ascending within each run, runs in the order taken.
 
         Raises:
-            AllocationError: ``n`` is negative, not an int, or above ``num_free``.
+            AllocationError: a bad argument, or ``n`` above ``num_free``; nothing changed.
         """
-        if n <= 0:
-            if n == 0 and isinstance(n, int):
-                return []
-            raise AllocationError(f"cannot allocate {n!r} blocks: n must be an integer >= 0")
-        if n > self.num_free:
-            raise AllocationError(
-                f"cannot allocate {n} blocks: only {self.num_free} of "
-                f"{self.num_blocks} are free")
+        if (type(n) is not int or n < 1
+                or (room is not None and (type(room) is not int or room < 0))
+                or (spread is not False and spread is not True)):
+            return self._nothing_or_refusal(n, after, room, spread)
         if after is not None:
+            state = self._state
+            if type(after) is not int or not 0 <= after < self.num_blocks \
+                    or state[after] != ALLOCATED:
+                raise self._bad_after(after)
             start = after + 1
-            if 0 < start < self.num_blocks:
-                end = self._run_end[start]
-                # A run can start at after+1 only if after+1 is free and after is not.
-                if end - start >= n:
-                    return self._grow(after, start, start + n, end)
-        want = n if room is None or room < n else room
-        start, run_start = self._place(n, want, spread and room is not None)
-        if start < 0:
-            return self._allocate_from_runs(n)
-        self._take(start, start + n, run_start, self._run_end[run_start])
-        self._claim[start + n - 1] = start + want
-        return list(range(start, start + n))
-
-    def _grow(self, after: int, start: int, stop: int, end: int) -> list[int]:
-        """In-place growth, the hot path (once per decoded block of every request): the
-        free run ``[start, end)`` gives up its first ids ``[start, stop)``. The same
-        updates as ``_take``, specialised: ``start`` heads both its run and its block."""
-        n = stop - start
-        length = end - start
-        rest = length - n
-        by_len = self._runs_by_len
-        bucket = by_len[length]
-        self._run_end[start] = 0
-        renamed = False
-        if rest and len(bucket) == 1 and rest not in by_len:
-            # The run is alone at its length: relabel that length in place when the sorted
-            # list stays sorted (no length strictly between rest and length).
-            lengths = self._lengths
-            i = bisect_left(lengths, length)
-            if i == 0 or lengths[i - 1] < rest:
-                lengths[i] = rest
-                del by_len[length]
-                bucket.clear()
-                bucket.add(stop)
-                by_len[rest] = bucket
-                self._run_end[stop] = end
-                self._run_start[end - 1] = stop
-                old_order = length.bit_length() - 1
-                new_order = rest.bit_length() - 1
-                if old_order != new_order:
-                    hist = self._run_hist
-                    hist[old_order] -= 1
-                    hist[new_order] += 1
-                renamed = True
-        if not renamed:
-            self._run_end[start] = end          # _remove_run expects the run intact
-            self._remove_run(start, end)
-            if rest:
-                self._add_run(stop, end)
-        if n == 1:
-            head_order = self._head_order
-            order = head_order[start] - 1
-            head_order[start] = 0
-            self._free_area[order].discard(start)
-            if order:
-                self._add_range_blocks(stop, start + (1 << order))
-            self._state[start] = ALLOCATED
-        else:
-            self._take_blocks(start, stop)
-            self._state[start:stop] = b"\x01" * n
-        self.num_free -= n
-        claim = self._claim
-        previous = claim[after]
-        claim[stop - 1] = previous if previous > stop else stop
-        return [start] if n == 1 else list(range(start, stop))
+            run_end = self._run_end
+            end = run_end[start]           # 0 unless a free run starts right after `after`
+            if end - start >= n:
+                # Grow in place: the hot path (once per decoded block of every request).
+                # The run [start, end) gives up its first n ids; it stays filed under
+                # its end (its claim too, at end - 1), and moves to a lower order only
+                # when its length drops below a power of two.
+                stop = start + n
+                length = end - start
+                rest = length - n
+                run_end[start] = 0
+                if rest:
+                    run_end[stop] = end
+                    self._run_start[end - 1] = stop
+                    if (rest ^ length) >= rest:       # the top bit changed: new order
+                        areas = self._claimed_area if self._claim[end - 1] >= end \
+                            else self._free_area
+                        areas[length.bit_length() - 1].discard(end)
+                        areas[rest.bit_length() - 1].add(end)
+                else:
+                    self._unlink_run(start, end)       # used up
+                self.num_free -= n
+                if n == 1:
+                    state[start] = ALLOCATED
+                    return [start]
+                state[start:stop] = b"\x01" * n
+                return self._ids[start:stop]
+        if n > self.num_free:               # (growth above cannot have: its run holds n)
+            return self._nothing_or_refusal(n, after, room, spread)
+        want = n if room is None or room <= n else room
+        place = self._place(n, want, spread and room is not None)
+        if place is None:
+            return self._gather(n)
+        start, run_start, run_end_ = place
+        stop = start + n
+        self._take(start, stop, run_start, run_end_, start + want if want > n else 0)
+        return self._ids[start:stop]
 
     def allocate_all(self) -> list[int]:
-        """Hand out every free id (ascending). O(runs x log N): the pool under pressure,
-        where a request needs all that is free and placement has no choice to make."""
+        """Hand out every free id, ascending (a request that needs all that is free: no
+        placement choice is left). O(R log R) plus the ids."""
         ids: list[int] = []
-        for start in sorted(s for bucket in self._runs_by_len.values() for s in bucket):
-            end = self._run_end[start]
-            self._take(start, end, start, end)
-            ids.extend(range(start, end))
+        state = self._state
+        run_end = self._run_end
+        claim = self._claim
+        for start, end in self.free_runs():
+            state[start:end] = b"\x01" * (end - start)
+            run_end[start] = 0
+            claim[end - 1] = 0
+            ids += self._ids[start:end]
+        for area in (*self._free_area, *self._claimed_area):
+            area.clear()
+        self._num_runs = 0
+        self.num_free = 0
         return ids
 
     def take(self, block_id: int) -> None:
         """Allocate one specific free id (a cached block that a prefix hit claims back).
 
-        O(log N). Raises :class:`AllocationError` if the id is not free.
+        Raises :class:`AllocationError` if ``block_id`` is not a free id; nothing changed.
         """
-        if not 0 <= block_id < self.num_blocks or self._state[block_id] != FREE:
-            raise AllocationError(f"cannot take id {block_id}: it is not free")
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            raise AllocationError(f"cannot take id {block_id!r}: the pool's ids are "
+                                  f"0..{self.num_blocks - 1}")
+        if self._state[block_id] != FREE:
+            what = "reserved" if self._state[block_id] == RESERVED else "allocated"
+            raise AllocationError(f"cannot take id {block_id}: it is not free ({what})")
         run_start = self._run_containing(block_id)
         self._take(block_id, block_id + 1, run_start, self._run_end[run_start])
 
-    def free(self, ids: Sequence[int]) -> None:
-        """Give ``ids`` back; each merges with its free neighbours and buddies.
+    def free(self, ids: Iterable[int]) -> None:
+        """Give ``ids`` back, in any order, as few ranges as they form (vLLM frees a
+        request's blocks tail first: one range). Each range merges with its free
+        neighbours (a claim on the run after it ends: its owner is what was freed).
 
-        All ids are checked first: an id that is out of range, reserved, not allocated,
-        or listed twice raises :class:`AllocationError` and nothing changes.
-        O(n) in C for the check plus O(log N) per contiguous run of ids.
+        All ids are checked first: a value that is not an int id of the pool, a reserved
+        or not allocated id, or an id listed twice raises :class:`AllocationError` and
+        nothing changes. Cost: sorting and checking the ids in C (a descending or
+        ascending list sorts in one pass), plus O(1) per range.
         """
-        runs = self._runs_of(ids)
+        try:
+            ordered = sorted(ids)
+        except TypeError:                   # not iterable, or items that do not compare
+            ordered = None
+        if ordered is None or set(map(type, ordered)) != _INTS:
+            raise _not_ids(ids)
+        if not ordered:
+            return
+        first, last = ordered[0], ordered[-1]
+        if first < 0 or last >= self.num_blocks:
+            raise AllocationError(f"cannot free id {first if first < 0 else last}: the "
+                                  f"pool's ids are 0..{self.num_blocks - 1}")
+        if last - first == len(ordered) - 1 and ordered == self._ids[first:last + 1]:
+            ranges = [(first, last + 1)]
+        else:
+            ranges = _ranges_of_sorted(ordered)
         state = self._state
-        for start, end in runs:
-            if start < 0 or end > self.num_blocks:
-                raise AllocationError(
-                    f"cannot free id {start if start < 0 else end - 1}: the pool's ids are "
-                    f"0..{self.num_blocks - 1}")
+        for start, end in ranges:
             if state.count(ALLOCATED, start, end) != end - start:
                 bad = next(i for i in range(start, end) if state[i] != ALLOCATED)
                 what = "reserved" if state[bad] == RESERVED else "not allocated (double free?)"
                 raise AllocationError(f"cannot free id {bad}: it is {what}")
-        if len(runs) > 1:
-            ordered = sorted(runs)
-            for (s0, e0), (s1, _) in zip(ordered, ordered[1:]):
-                if s1 < e0:
-                    raise AllocationError(f"cannot free id {s1}: it is listed twice")
-        for start, end in runs:
+        for start, end in ranges:
             self._give_back_range(start, end)
 
+    # ------------------------------------------------------------------- checking
+
     def check(self) -> None:
-        """Verify every invariant in O(N); raises AssertionError. For tests and self-checks."""
+        """Verify every invariant of the module doc in O(N); raise :class:`InvariantError`
+        naming the first one broken. Does not rely on ``assert`` (works under -O)."""
+        try:
+            self._check()
+        except InvariantError:
+            raise
+        except Exception as exc:        # a structure so broken that reading it failed
+            raise InvariantError(f"allocator state is corrupt: reading it raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+    def _check(self) -> None:
         n = self.num_blocks
         state = self._state
-        assert state.count(FREE) == self.num_free, "num_free differs from the FREE ids"
-        covered = bytearray(n)
-        for order, area in enumerate(self._free_area):
-            size = 1 << order
-            for head in area:
-                assert head % size == 0, f"block {head} of order {order} is misaligned"
-                assert self._head_order[head] == order + 1, f"head {head} not marked"
-                assert self._tail_head[head + size - 1] == head, f"tail of {head} not marked"
-                for i in range(head, head + size):
-                    assert state[i] == FREE and not covered[i], f"id {i} double or not free"
-                    covered[i] = 1
-                buddy = head ^ size
-                assert not (buddy < n and self._head_order[buddy] == order + 1), \
-                    f"blocks {head} and {buddy} of order {order} are free buddies, unmerged"
-        assert covered.count(1) == self.num_free, "free blocks do not cover the free ids"
-        for i in range(n):
-            if self._head_order[i]:
-                assert i in self._free_area[self._head_order[i] - 1], f"stray head mark {i}"
-        runs = []
-        i = 0
-        while i < n:
-            if state[i] == FREE:
-                j = i
-                while j < n and state[j] == FREE:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            else:
-                i += 1
-        assert len(runs) == self._num_runs, "run count drifted"
-        by_len: dict[int, set[int]] = {}
+        if len(state) != n or len(self._run_end) != n + 1 or len(self._run_start) != n \
+                or len(self._claim) != n or len(self._free_area) != self.max_order + 1 \
+                or len(self._claimed_area) != self.max_order + 1:
+            raise InvariantError("a per-id array or the order index has the wrong length")
+        free, allocated, reserved = state.count(FREE), state.count(ALLOCATED), \
+            state.count(RESERVED)
+        if free + allocated + reserved != n:
+            raise InvariantError(f"{n - free - allocated - reserved} ids have a state other "
+                                 f"than FREE, ALLOCATED or RESERVED")
+        if free != self.num_free:
+            raise InvariantError(f"num_free is {self.num_free} but {free} ids are FREE")
+        if reserved != len(self._reserved) or any(state[r] != RESERVED for r in self._reserved):
+            raise InvariantError("the RESERVED ids differ from the reserved set")
+        runs = [(m.start(), m.end()) for m in _FREE_RUNS.finditer(state)]
+        if len(runs) != self._num_runs:
+            raise InvariantError(f"num_free_runs is {self._num_runs} but the FREE ids form "
+                                 f"{len(runs)} runs")
+        run_end, run_start = self._run_end, self._run_start
+        marked = list(compress(range(n + 1), run_end))
+        if marked != [s for s, _ in runs]:
+            stray = sorted(set(marked) ^ {s for s, _ in runs})[:5]
+            raise InvariantError(f"run starts are marked at the wrong ids (e.g. {stray})")
+        claim = self._claim
+        areas: list[set[int]] = [set() for _ in range(self.max_order + 1)]
+        claimed: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         for s, e in runs:
-            assert self._run_end[s] == e and self._run_start[e - 1] == s, f"run [{s},{e}) ends"
-            by_len.setdefault(e - s, set()).add(s)
-        assert by_len == self._runs_by_len, "run length index drifted"
-        assert self._lengths == sorted(by_len), "sorted run lengths drifted"
-        hist = [0] * (self.max_order + 1)
-        for length in (e - s for s, e in runs):
-            hist[length.bit_length() - 1] += 1
-        assert hist == self._run_hist, "run histogram drifted"
+            if run_end[s] != e or run_start[e - 1] != s:
+                raise InvariantError(f"free run [{s}, {e}) is recorded as [{s}, {run_end[s]})"
+                                     f" / [{run_start[e - 1]}, {e})")
+            (claimed if claim[e - 1] >= e else areas)[(e - s).bit_length() - 1].add(e)
+        for name, held_areas, expected_areas in (("free_area", self._free_area, areas),
+                                                 ("claimed_area", self._claimed_area, claimed)):
+            for order, (held, expected) in enumerate(zip(held_areas, expected_areas)):
+                if held != expected:
+                    wrong = sorted(held ^ expected)[:5]
+                    raise InvariantError(f"{name}[{order}] is wrong about the runs ending at "
+                                         f"{wrong}")
+        ends = {e - 1 for _, e in runs}
+        for i in compress(range(n), claim):
+            if i not in ends or not 0 < claim[i] <= n:
+                raise InvariantError(f"claim {claim[i]} at id {i}: a claim lives at the "
+                                     f"last id of a free run and lies in (0, num_blocks]")
 
     def __repr__(self) -> str:
         return (f"BuddyAllocator(num_blocks={self.num_blocks}, num_free={self.num_free}, "
                 f"largest_free_run={self.largest_free_run}, runs={self._num_runs})")
 
-    # ------------------------------------------------------------- placement helpers
+    # ------------------------------------------------------------- validation
 
-    def _place(self, n: int, want: int, spread: bool = False) -> tuple[int, int]:
-        """Where a new run of ``n`` ids starts, and the free run it lies in.
+    def _nothing_or_refusal(self, n, after, room, spread) -> list[int]:
+        """The slow side of :meth:`allocate`'s first test: ``[]`` for a valid ``n == 0``,
+        else the :class:`AllocationError` for the first bad argument."""
+        if type(n) is not int or n < 0:
+            raise AllocationError(f"cannot allocate {n!r} blocks: n must be an integer >= 0")
+        if after is not None and (type(after) is not int or not 0 <= after < self.num_blocks
+                                  or self._state[after] != ALLOCATED):
+            raise self._bad_after(after)
+        if room is not None and (type(room) is not int or room < 0):
+            raise AllocationError(f"room must be None or an integer >= 0, got {room!r}")
+        if spread is not False and spread is not True:
+            raise AllocationError(f"spread must be True or False, got {spread!r}")
+        if n == 0:
+            return []
+        raise AllocationError(f"cannot allocate {n} blocks: only {self.num_free} of "
+                              f"{self.num_blocks} are free")
 
-        A free run's first ids may be *claimed* by the allocated run on its left: the end
-        its owner said it expects to reach (``start + room``). Placement avoids claimed
-        ids while it can, in three passes over a bounded number of candidate runs:
+    def _bad_after(self, after) -> AllocationError:
+        if type(after) is not int:
+            return AllocationError(f"after must be None or a block id (an int), got {after!r}")
+        if not 0 <= after < self.num_blocks:
+            return AllocationError(f"after={after} is outside the pool 0..{self.num_blocks - 1}")
+        what = "free" if self._state[after] == FREE else "reserved"
+        return AllocationError(f"after={after} is {what}: it must be the caller's last "
+                               f"allocated id")
 
-        1. ``spread`` (the pool has room for everyone): the largest runs first; the new
-           run takes the head of the largest buddy block in the unclaimed part that
-           still leaves ``want`` ids -- a buddy split: the slack before it stays free for
-           the left neighbour, the slack after it is ours. Repeated, free space is
-           shared out evenly, so runs can outgrow what they claimed (a conversation's
-           next turn continues its previous turn's run).
-        2. best fit: the smallest run whose unclaimed part holds ``want`` ids; the new
-           run packs right after the claim, keeping the rest of the run whole.
-        3. claims ignored: the smallest run of length ``>= want``, else ``>= n``.
+    # ------------------------------------------------------------- placement
 
-        Claims cost no capacity: they are only avoided. Returns ``(-1, -1)`` when no
-        single run holds ``n`` ids.
-        """
-        lengths = self._lengths
-        runs_by_len = self._runs_by_len
-        i = bisect_left(lengths, want)
-        if i < len(lengths):
-            state = self._state
-            claim = self._claim
-            # Pass 1 (spread), largest runs first: split the biggest slack past a claim.
-            tried = 0
-            for length in (lengths[max(i, len(lengths) - _PLACE_CANDIDATES):][::-1]
-                           if spread else ()):
-                for run_start in runs_by_len[length]:
-                    left = run_start - 1
-                    owned = run_start > 0 and state[left] == ALLOCATED
-                    lo = max(run_start, claim[left]) if owned else run_start
-                    end = run_start + length
-                    if end - lo >= 2 * want:
-                        start = self._split_point(lo, end, want)
-                        return start, run_start
-                    tried += 1
-                    if tried >= _PLACE_CANDIDATES:
-                        break
-                if tried >= _PLACE_CANDIDATES:
-                    break
-            # Pass 2, best fit: pack right after a hard claim.
-            for candidates in (lengths[i:i + _PLACE_CANDIDATES],
-                               lengths[max(i, len(lengths) - _PLACE_CANDIDATES):][::-1]):
-                tried = 0
-                for length in candidates:
-                    for run_start in runs_by_len[length]:
-                        left = run_start - 1
-                        lo = run_start
-                        if run_start and state[left] == ALLOCATED:
-                            lo = max(run_start, claim[left])
-                        end = run_start + length
-                        if end - lo >= want:
-                            return lo, run_start
-                        tried += 1
-                        if tried >= _PLACE_CANDIDATES:
-                            break
-                    if tried >= _PLACE_CANDIDATES:
-                        break
-            length = lengths[i]
-        else:
-            i = bisect_left(lengths, n)
-            if i == len(lengths):
-                return -1, -1
-            length = lengths[i]
-            want = n
-        run_start = _pick(runs_by_len[length])
-        return self._split_point(run_start, run_start + length, want), run_start
+    def _place(self, n: int, want: int, spread: bool) -> tuple[int, int, int] | None:
+        """Where a new run of ``n`` ids starts: ``(start, run_start, run_end)``, the start
+        and the free run it is cut from; None when no single run holds ``n`` ids. The
+        passes of the module doc, in order (``want >= n``: the space the run expects)."""
+        place = self._split_largest_slack(want) if spread else None
+        if place is None:
+            place = self._pack_after_claim(want)
+        if place is None:
+            place = self._smallest_fit(want)
+        if place is None and want > n:
+            place = self._smallest_fit(n)
+        return place
 
-    def _split_point(self, lo: int, end: int, want: int) -> int:
-        """Start of ``want`` ids inside the free ids ``[lo, end)``: ``lo`` when the space
-        is tight (under ``2 * want``), else the head of its largest buddy block that
-        leaves ``want`` ids to ``end`` (a buddy split: the ids before it stay free)."""
-        if end - lo < 2 * want:
-            return lo
-        head_order = self._head_order
-        last = end - want                       # the latest start that keeps `want` ids
-        head = lo if head_order[lo] else self._block_head(lo)
-        best, best_order = lo, 0
-        while head <= last:
-            order = head_order[head]
-            if order > best_order and head >= lo:
-                best, best_order = head, order
-            head += 1 << (order - 1)
+    def _split_largest_slack(self, want: int) -> tuple[int, int, int] | None:
+        """Spread: in the highest order whose runs have one, the run with the most
+        unclaimed space, if that holds ``2 * want``: the new run takes the head of the
+        largest aligned block there that leaves ``want`` ids to the run's end, so the
+        slack before it stays free for the left neighbour and the slack after it is ours.
+        Repeated, free space is shared out evenly (runs can outgrow their claims)."""
+        best = self._best_run(want, 2 * want, downward=True)
+        if best is None:
+            return None
+        start, end, lo = best
+        return self._split_point(start, lo, end, want), start, end
+
+    def _pack_after_claim(self, want: int) -> tuple[int, int, int] | None:
+        """Pack: the tightest run whose unclaimed part holds ``want``, in the lowest order
+        that has one (else the roomiest in the highest); the new run starts right after
+        the claim of its left neighbour, keeping the rest of the run whole."""
+        best = self._best_run(want, want, downward=False)
+        if best is None:
+            best = self._best_run(want, want, downward=True)
+        if best is None:
+            return None
+        start, end, lo = best
+        return lo, start, end
+
+    def _best_run(self, want: int, space: int, downward: bool) -> tuple[int, int, int] | None:
+        """``(start, end, first unclaimed id)`` of a free run with ``space`` unclaimed ids:
+        orders are examined from the lowest that may hold ``want`` ids up (the tightest
+        such run of the first order that has one) or from the highest down (the roomiest),
+        CANDIDATES runs at most."""
+        areas = self._free_area
+        run_start = self._run_start
+        claim = self._claim
+        low = want.bit_length() - 1
+        orders = range(len(areas) - 1, low - 1, -1) if downward else range(low, len(areas))
+        best, best_slack = None, 0
+        seen = 0
+        for k in orders:
+            for end in areas[k]:
+                start = run_start[end - 1]
+                reach = claim[end - 1]              # the left neighbour's claim
+                lo = reach if reach > start else start
+                slack = end - lo
+                if slack >= space and (best is None or (slack > best_slack if downward
+                                                        else slack < best_slack)):
+                    best, best_slack = (start, end, lo), slack
+                seen += 1
+                if seen == CANDIDATES:
+                    return best
+            if best is not None:
+                return best
         return best
 
-    def _block_head(self, block_id: int) -> int:
-        """Head of the free block holding the free id ``block_id``: climb the orders."""
-        head_order = self._head_order
-        order = 0
-        head = block_id
-        while head_order[head] != order + 1:
-            order += 1
-            head = block_id & -(1 << order)
-        return head
+    def _smallest_fit(self, want: int) -> tuple[int, int, int] | None:
+        """Claims ignored (Linux's ``__rmqueue_smallest``): the shortest run of at least
+        ``want`` ids among those examined in the lowest order that has one, split
+        buddy-style (:meth:`_split_point`). Finds a run whenever one is long enough."""
+        areas, claimed = self._free_area, self._claimed_area
+        run_start = self._run_start
+        order = want.bit_length() - 1
+        if order >= len(areas):
+            return None                     # longer than the pool
+        higher = next((k for k in range(order + 1, len(areas)) if areas[k] or claimed[k]),
+                      None)
+        best = None
+        for k in (order, higher):
+            if k is None:
+                break
+            # In `order` runs may be too short: look at all of them when nothing higher
+            # exists (else a run that fits could be missed); above it every run fits.
+            limit = CANDIDATES if k != order or higher is not None else \
+                len(areas[k]) + len(claimed[k])
+            for seen, end in enumerate(chain(areas[k], claimed[k])):
+                if seen >= limit:
+                    break
+                start = run_start[end - 1]
+                if end - start >= want and (best is None or end - start < best[1] - best[0]):
+                    best = (start, end)
+            if best is not None:
+                break
+        if best is None:
+            return None
+        start, end = best
+        return self._split_point(start, start, end, want), start, end
+
+    @staticmethod
+    def _split_point(run_start: int, lo: int, end: int, want: int) -> int:
+        """Start of ``want`` ids in the free ids ``[lo, end)`` of the run ``[run_start,
+        end)``: ``lo`` when the space is tight (under ``2 * want``), else the head of the
+        run's largest buddy block that lies in ``[lo, end - want]`` (the first of the
+        largest; ``lo`` if none): a buddy split, the ids before it stay free."""
+        if end - lo < 2 * want:
+            return lo
+        last = end - want
+        best, best_order = lo, -1
+        for head, order in aligned_blocks(run_start, end):
+            if head > last:
+                break
+            if head >= lo and order > best_order:
+                best, best_order = head, order
+        return best
+
+    def _gather(self, n: int) -> list[int]:
+        """No single run holds ``n`` ids: whole runs, longest first (lowest start among
+        equals), until the remainder fits one run, which step 2 then places."""
+        ids: list[int] = []
+        for start, end in sorted(self.free_runs(), key=lambda run: run[0] - run[1]):
+            if end - start >= n:
+                break
+            self._take(start, end, start, end)
+            ids += self._ids[start:end]
+            n -= end - start
+        start, run_start, run_end = self._place(n, n, False)
+        self._take(start, start + n, run_start, run_end)
+        ids += self._ids[start:start + n]
+        return ids
 
     def _run_containing(self, block_id: int) -> int:
-        """Start of the free run holding the free id ``block_id``: from its block's head,
-        step left block by block (each block's last id records its head)."""
-        run_end = self._run_end
-        tail_head = self._tail_head
-        head = self._block_head(block_id)
-        while not run_end[head]:
-            head = tail_head[head - 1]
-        return head
+        """Start of the free run holding the free id ``block_id``: one past the nearest
+        id to its left that is not free (C-speed scans, bounded by the run)."""
+        state = self._state
+        allocated = state.rfind(ALLOCATED, 0, block_id)
+        reserved = state.rfind(RESERVED, allocated + 1, block_id)
+        return max(allocated, reserved) + 1
 
-    def _allocate_from_runs(self, n: int) -> list[int]:
-        """No single run holds ``n`` ids: take whole runs, largest first, until the
-        remainder fits one run, then place the remainder there."""
-        ids: list[int] = []
-        while True:
-            start, run_start = self._place(n, n)
-            if start >= 0:
-                self._take(start, start + n, run_start, self._run_end[run_start])
-                ids.extend(range(start, start + n))
-                return ids
-            length = self._lengths[-1]
-            start = _pick(self._runs_by_len[length])
-            self._take(start, start + length, start, start + length)
-            ids.extend(range(start, start + length))
-            n -= length
+    # ------------------------------------------------------------- bookkeeping
 
-    # ------------------------------------------------------------- run bookkeeping
-
-    def _add_run(self, start: int, end: int) -> None:
-        length = end - start
+    def _link_run(self, start: int, end: int, claim: int = 0) -> None:
+        """Record the free run ``[start, end)`` with its claim (0: none)."""
         self._run_end[start] = end
         self._run_start[end - 1] = start
-        bucket = self._runs_by_len.get(length)
-        if bucket is None:
-            self._runs_by_len[length] = {start}
-            insort(self._lengths, length)
-        else:
-            bucket.add(start)
-        self._run_hist[length.bit_length() - 1] += 1
+        self._claim[end - 1] = claim
+        areas = self._claimed_area if claim >= end else self._free_area
+        areas[(end - start).bit_length() - 1].add(end)
         self._num_runs += 1
 
-    def _remove_run(self, start: int, end: int) -> None:
-        length = end - start
+    def _unlink_run(self, start: int, end: int) -> int:
+        """Forget the free run ``[start, end)``; returns its claim."""
         self._run_end[start] = 0
-        bucket = self._runs_by_len[length]
-        bucket.discard(start)
-        if not bucket:
-            del self._runs_by_len[length]
-            lengths = self._lengths
-            del lengths[bisect_left(lengths, length)]
-        self._run_hist[length.bit_length() - 1] -= 1
+        claim = self._claim[end - 1]
+        self._claim[end - 1] = 0
+        areas = self._claimed_area if claim >= end else self._free_area
+        areas[(end - start).bit_length() - 1].discard(end)
         self._num_runs -= 1
+        return claim
 
-    # ------------------------------------------------------------- block bookkeeping
-
-    def _add_block(self, head: int, order: int) -> None:
-        self._head_order[head] = order + 1
-        self._tail_head[head + (1 << order) - 1] = head
-        self._free_area[order].add(head)
-
-    def _add_range_blocks(self, start: int, end: int) -> None:
-        """Add the maximal aligned blocks of ``[start, end)``; none may merge outward."""
-        while start < end:
-            order = ((start & -start) if start else 1 << self.max_order).bit_length() - 1
-            while start + (1 << order) > end:
-                order -= 1
-            self._add_block(start, order)
-            start += 1 << order
-
-    def _take_blocks(self, start: int, end: int) -> None:
-        """Remove ``[start, end)`` (all free) from the free blocks, splitting at both ends."""
-        head_order = self._head_order
-        areas = self._free_area
-        # The block holding `start` may begin before it (a take inside a block).
-        head = start if head_order[start] else self._block_head(start)
-        order = head_order[head] - 1
-        while True:
-            size = 1 << order
-            head_order[head] = 0
-            areas[order].discard(head)
-            block_end = head + size
-            if head < start:
-                self._add_range_blocks(head, start)
-            if block_end >= end:
-                if block_end > end:
-                    self._add_range_blocks(end, block_end)
-                return
-            head = block_end
-            order = head_order[head] - 1
-
-    def _take(self, start: int, end: int, run_start: int, run_end: int) -> None:
-        """Mark ``[start, end)`` allocated; it lies inside the free run ``[run_start, run_end)``."""
-        self._remove_run(run_start, run_end)
+    def _take(self, start: int, stop: int, run_start: int, run_end: int,
+              claim: int = 0) -> None:
+        """Allocate ``[start, stop)`` out of the free run ``[run_start, run_end)`` (Linux's
+        ``expand``): what is left on either side goes back as free runs, the left part
+        with the run's claim, the right part with ``claim`` (that of the new run's owner,
+        capped at the pool; 0 for none)."""
+        kept = self._unlink_run(run_start, run_end)
         if run_start < start:
-            self._add_run(run_start, start)
-        if end < run_end:
-            self._add_run(end, run_end)
-        self._take_blocks(start, end)
-        self._state[start:end] = b"\x01" * (end - start)
-        self.num_free -= end - start
+            self._link_run(run_start, start, kept)
+        if stop < run_end:
+            self._link_run(stop, run_end, min(claim, self.num_blocks))
+        self._state[start:stop] = b"\x01" * (stop - start)
+        self.num_free -= stop - start
 
     def _give_back_range(self, start: int, end: int) -> None:
-        """Mark ``[start, end)`` free; merge runs with neighbours, blocks with buddies."""
+        """Free the allocated ids ``[start, end)`` and merge the range with the free runs
+        on either side. The merged run keeps the claim of the run on the left, if any; the
+        claim of the run on the right ends (its owner ended at ``end - 1``)."""
         state = self._state
         state[start:end] = bytes(end - start)
         self.num_free += end - start
-        # Runs: join the free run ending at start-1 and the one starting at end.
-        run_start, run_end = start, end
-        if start > 0 and state[start - 1] == FREE:
+        run_start, run_end, claim = start, end, 0
+        if start and state[start - 1] == FREE:
             run_start = self._run_start[start - 1]
-            self._remove_run(run_start, start)
+            claim = self._unlink_run(run_start, start)
         if end < self.num_blocks and state[end] == FREE:
             run_end = self._run_end[end]
-            self._remove_run(end, run_end)
-        self._add_run(run_start, run_end)
-        # Blocks: the maximal aligned pieces of [start, end), each climbing while its
-        # buddy is a free block of the same order (Linux's __free_one_page).
-        head_order = self._head_order
-        areas = self._free_area
-        max_order = self.max_order
-        num_blocks = self.num_blocks
-        pos = start
-        while pos < end:
-            order = ((pos & -pos) if pos else 1 << max_order).bit_length() - 1
-            while pos + (1 << order) > end:
-                order -= 1
-            piece_end = pos + (1 << order)
-            head = pos
-            while order < max_order:
-                buddy = head ^ (1 << order)
-                if buddy >= num_blocks or head_order[buddy] != order + 1:
-                    break
-                head_order[buddy] = 0
-                areas[order].discard(buddy)
-                head &= ~(1 << order)
-                order += 1
-            self._add_block(head, order)
-            pos = piece_end
+            self._unlink_run(end, run_end)
+        self._link_run(run_start, run_end, claim)
 
-    @staticmethod
-    def _runs_of(ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Split ``ids`` into ranges of consecutive ascending ids (C-speed when already one)."""
-        if not ids:
-            return []
-        first = ids[0]
-        n = len(ids)
-        if ids[-1] - first == n - 1 and list(ids) == list(range(first, first + n)):
-            return [(first, first + n)]
-        runs = []
-        start = prev = first
-        for i in ids[1:]:
-            if i != prev + 1:
-                runs.append((start, prev + 1))
-                start = i
-            prev = i
-        runs.append((start, prev + 1))
-        return runs
+
+def aligned_blocks(start: int, end: int) -> Iterator[tuple[int, int]]:
+    """``(head, order)`` of the maximal aligned power-of-two blocks that make up the ids
+    ``[start, end)``, ascending: the buddy decomposition of a free run."""
+    while start < end:
+        size = (start & -start) if start else 1 << (end.bit_length())
+        while start + size > end:
+            size >>= 1
+        yield start, size.bit_length() - 1
+        start += size
+
+
+def _not_ids(ids) -> AllocationError:
+    """The error for a :meth:`BuddyAllocator.free` argument that holds a non-int."""
+    try:
+        items = list(ids)
+    except TypeError:
+        return AllocationError(f"cannot free {ids!r}: give a collection of block ids (ints)")
+    bad = next((i for i in items if type(i) is not int), _NONE)
+    if bad is _NONE:                # a one-shot iterator, used up by the failed sort
+        return AllocationError(f"cannot free {short_repr(ids)}: give block ids (ints)")
+    return AllocationError(f"cannot free id {bad!r}: block ids are ints")
+
+
+def _ranges_of_sorted(ordered: list[int]) -> list[tuple[int, int]]:
+    """Ranges ``(start, end)`` of consecutive ids in an ascending list; an id listed twice
+    is an :class:`AllocationError`."""
+    ranges = []
+    start = prev = ordered[0]
+    for i in ordered[1:]:
+        if i != prev + 1:
+            if i == prev:
+                raise AllocationError(f"cannot free id {i}: it is listed twice")
+            ranges.append((start, prev + 1))
+            start = i
+        prev = i
+    ranges.append((start, prev + 1))
+    return ranges
 
 
 def count_runs(block_ids) -> int:
@@ -620,13 +725,3 @@ def count_runs(block_ids) -> int:
             runs += 1
         prev = block_id
     return runs
-
-
-def _pick(candidates: set[int]) -> int:
-    """A deterministic member of a non-empty set: the lowest of a few, else the set's own
-    choice (``pop``'s finger keeps that amortised O(1) even in a sparse hash table)."""
-    if len(candidates) <= 8:
-        return min(candidates)
-    choice = candidates.pop()
-    candidates.add(choice)
-    return choice

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_right
-from collections import OrderedDict
 from typing import Iterator
 
 from proxima.allocator import BuddyAllocator
@@ -39,24 +38,112 @@ from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_r
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
+_clock = time.perf_counter
+
+
+class _End:
+    """A fake block at either end of the LRU tier's list (as vLLM's queue has)."""
+
+    __slots__ = ("prev_free_block", "next_free_block")
+
+    def __init__(self) -> None:
+        self.prev_free_block = self.next_free_block = None
+
+
+class _LruTier:
+    """Free blocks that carry a prefix-cache hash, least recently used first: a doubly
+    linked list through the blocks' own ``prev_free_block`` / ``next_free_block``, as
+    in vLLM's ``FreeKVCacheBlockQueue``. A block is in the tier iff its links are set
+    (every other block's are None). O(1) per block appended, removed or popped."""
+
+    def __init__(self) -> None:
+        self.head, self.tail = _End(), _End()
+        self.head.next_free_block = self.tail
+        self.tail.prev_free_block = self.head
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def extend(self, blocks) -> None:
+        """Append ``blocks`` at the most recently used end, in order."""
+        tail = self.tail
+        last = tail.prev_free_block
+        count = 0
+        for block in blocks:
+            block.prev_free_block = last
+            last.next_free_block = block
+            last = block
+            count += 1
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        self.size += count
+
+    def remove(self, block) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.size -= 1
+
+    def pop_oldest(self, k: int) -> list:
+        """The ``k`` least recently used blocks, out of the tier (caller checked k)."""
+        out = []
+        block = self.head.next_free_block
+        for _ in range(k):
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        self.head.next_free_block = block
+        block.prev_free_block = self.head
+        self.size -= k
+        return out
+
+    def after(self, block) -> Iterator:
+        """The blocks after ``block`` (None: from the oldest), read live as vLLM's
+        queue does: a block that leaves the tier ends the walk."""
+        block = self.head.next_free_block if block is None else block.next_free_block
+        tail = self.tail
+        while block is not None and block is not tail:
+            yield block
+            block = block.next_free_block
 
 
 class ProximaFreeQueue:
     """Drop-in for vLLM's ``FreeKVCacheBlockQueue``, backed by the buddy allocator.
 
-    ``after``/``room`` are set by the manager wrapper around one allocation and read by
-    :meth:`popleft_n`; vLLM's own ``BlockPool.get_new_blocks`` calls it unchanged.
+    Eviction order (what ``popleft_n`` hands out first, and what ``iter_blocks_after``
+    and ``get_all_free_blocks`` walk): the buddy tier, then the LRU tier, oldest first.
+    Stock's list has the same two parts, hash-less blocks first (``prepend_n``), then
+    cached blocks (``append_n``); within the hash-less part stock keeps the most
+    recently freed first, the buddy keeps no order (walked by ascending id).
+
+    ``after``/``room``/``spread`` are the growth hint, set by the manager wrapper around
+    one ``allocate_new_blocks`` and read by :meth:`popleft_n` (vLLM's own
+    ``BlockPool.get_new_blocks`` calls it unchanged). While a hint is set, each
+    ``popleft_n`` moves ``after`` to the last block it handed out and takes what it
+    handed out off ``room``, so the calls of one ``allocate_new_blocks`` (vLLM's
+    copy-on-write block for a partial prefix hit, then the new blocks) form one run.
     """
 
     def __init__(self, blocks: list, reserved: tuple[int, ...] = (0,)) -> None:
         self._blocks = blocks
+        for block in blocks:                # the links mean "in the LRU tier" here
+            block.prev_free_block = block.next_free_block = None
         self.buddy = BuddyAllocator(len(blocks), reserved=reserved)
-        self._lru: OrderedDict[int, object] = OrderedDict()   # cached free blocks, LRU first
+        self._lru = _LruTier()              # cached free blocks, least recently used first
         self.after: int | None = None
         self.room: int | None = None
         self.spread = False
         self.alloc_seconds = 0.0
         self.demoted = 0
+        # The cursor walker's state (iter_blocks_after): the block it holds, stock's
+        # position of it (None: stock's front; int: a hash-less entry with that many
+        # behind it; _CACHED), and the fewest hash-less blocks since its last walk.
+        self._walk_held = None
+        self._walk_pos = None
+        self._walk_low = 0
         # A plain attribute, as in stock's queue: the scheduler reads it on every step.
         self.num_free_blocks = self.buddy.num_free
 
@@ -72,24 +159,32 @@ class ProximaFreeQueue:
         """``n`` free blocks as few contiguous runs as the pool allows (caller checked n)."""
         if n <= 0:
             return []
-        t0 = time.perf_counter()
+        t0 = _clock()
         buddy = self.buddy
-        short = n - buddy.num_free
-        if short > 0:
+        after = self.after
+        room = self.room
+        if n > buddy.num_free:
             # Everything free goes, plus exactly the blocks stock would evict now: the
-            # `short` least recently used cached ones. No placement choice is left, so
-            # they go straight out (sorted, starting after the caller's last block).
-            victims = self._pop_lru(short)          # checks there are enough first
+            # least recently used cached ones. No placement choice is left, so they go
+            # straight out (sorted, starting after the caller's last block).
+            victims = self._pop_lru(n - buddy.num_free)     # checks there are enough first
             ids = sorted(buddy.allocate_all() + victims)
-            if self.after is not None:
-                i = bisect_right(ids, self.after)
+            if after is not None:
+                i = bisect_right(ids, after)
                 ids = ids[i:] + ids[:i]
         else:
-            ids = buddy.allocate(n, self.after, self.room, self.spread)
+            ids = buddy.allocate(n, after, room, self.spread)
+        free = buddy.num_free
+        if free < self._walk_low:
+            self._walk_low = free                   # stock's hash-less stack ran this low
+        if after is not None or room is not None:   # a hint is set: the run continues
+            self.after = ids[-1]
+            if room is not None:
+                self.room = room - n if room > n else 0
         self.num_free_blocks -= n
         blocks = self._blocks
-        out = [blocks[i] for i in ids]
-        self.alloc_seconds += time.perf_counter() - t0
+        out = [blocks[ids[0]]] if n == 1 else list(map(blocks.__getitem__, ids))
+        self.alloc_seconds += _clock() - t0
         return out
 
     def _pop_lru(self, k: int) -> list[int]:
@@ -100,52 +195,117 @@ class ProximaFreeQueue:
             raise ValueError(f"Cannot get {k} more free blocks: only {len(lru)} cached "
                              f"blocks are evictable")
         self.demoted += k
-        return [lru.popitem(last=False)[0] for _ in range(k)]
+        return [block.block_id for block in lru.pop_oldest(k)]
 
     def _demote(self, k: int) -> None:
-        """Move the ``k`` least recently used cached blocks into the buddy tier."""
-        ids = self._pop_lru(k)
-        ids.sort()
-        self.buddy.free(ids)
+        """Move the ``k`` least recently used cached blocks into the buddy tier (the pool's
+        reset_prefix_cache, when vLLM's offload connectors drop their cursors too)."""
+        self.buddy.free(self._pop_lru(k))
+        self._walk_held = self._walk_pos = None
 
     def remove(self, block) -> None:
         """A free block leaves the queue (a prefix-cache hit claims it back)."""
-        bid = block.block_id
-        if self._lru.pop(bid, None) is None:
-            self.buddy.take(bid)
+        if block.next_free_block is not None:
+            self._lru.remove(block)
+        else:
+            self.buddy.take(block.block_id)
+            if self.buddy.num_free < self._walk_low:
+                self._walk_low = self.buddy.num_free
         self.num_free_blocks -= 1
 
     def append(self, block) -> None:
-        self._lru[block.block_id] = block
+        self._lru.extend((block,))
         self.num_free_blocks += 1
 
     def append_n(self, blocks) -> None:
         """Free blocks with a hash: most recently used end of the LRU tier."""
-        lru = self._lru
-        for block in blocks:
-            lru[block.block_id] = block
-        self.num_free_blocks = self.buddy.num_free + len(lru)
+        if blocks:
+            self._lru.extend(blocks)
+            self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks) -> None:
-        """Free blocks without a hash: straight back to the buddy (they merge there)."""
+        """Free blocks without a hash: straight back to the buddy, in whatever order they
+        come (vLLM's is a request's table reversed: one range per run of ids)."""
         if blocks:
             self.buddy.free([b.block_id for b in blocks])
             self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list:
+        """Every free block, in eviction order (see the class doc)."""
         blocks = self._blocks
-        return [blocks[i] for i in range(len(blocks)) if self.buddy.is_free(i)] + list(
-            self._lru.values())
+        return [blocks[i] for i in self.buddy.free_ids_from(0)] + list(self._lru.after(None))
+
+    # ------------------------------------------------------------ walking from a cursor
 
     def iter_blocks_after(self, cursor) -> Iterator:
-        """Cached free blocks in eviction order after ``cursor`` (the offload connectors'
-        view: these are the blocks that carry KV worth saving)."""
-        started = cursor is None
-        for block in list(self._lru.values()):
-            if started:
-                yield block
-            elif block is cursor:
-                started = True
+        """Free blocks in eviction order after ``cursor`` (None: from the first), live and
+        in O(blocks yielded) (plus C-speed scans of allocated ids between free runs).
+
+        vLLM's simple CPU offload (lazy mode) walks stock's queue from a cursor every
+        step, counting free blocks until it has covered its target and storing the cached
+        ones; its cursor is the last block it went past. What it sees here is what it
+        sees in stock's queue:
+
+        * the cached tier is stock's cached part, block for block in the same order: a
+          cursor there continues after it; one that left the queue yields nothing;
+        * the hash-less tier holds as many blocks as stock's hash-less part, which is a
+          stack (``prepend_n`` pushes, ``popleft_n`` pops, nothing leaves from the
+          middle), so a stock cursor there is the entry with ``r`` entries behind it, for
+          as long as the stack keeps more than ``r``. The buddy has no order, so the
+          queue remembers, for the walker it last served, the ``r`` of the block the
+          walker went past last (:meth:`_walk`) and how low the tier has run since: a
+          walk from that cursor yields ``r`` hash-less blocks then the cached tier, or
+          the whole queue once stock's entry would have been popped (stock's walker
+          then starts again from the front, as it also does when Proxima handed that
+          block out: ``ref_cnt > 0``).
+
+        A cursor this queue did not hand to the walker continues with the free ids above
+        it, then the cached tier.
+        """
+        held, pos = self._walk_held, self._walk_pos
+        if pos.__class__ is int and (cursor is held or (cursor is None and held.ref_cnt > 0)):
+            return self._walk(cursor, pos if self._walk_low > pos else None)
+        if cursor is None or (cursor is held and pos is None):
+            return self._walk(cursor, None)
+        if cursor.next_free_block is not None:
+            return self._walk_cached(cursor)
+        if self.buddy.is_free(cursor.block_id):
+            return self._walk_by_id(cursor.block_id + 1)
+        return iter(())                    # the cursor left the queue (stock: the same)
+
+    def _walk(self, cursor, behind: int | None) -> Iterator:
+        """``behind`` hash-less blocks (None: all of them, from stock's front), then the
+        cached tier; records what the walker holds after each block it goes past."""
+        buddy = self.buddy
+        count = buddy.num_free if behind is None else behind
+        skip = cursor.block_id if behind is not None and cursor is not None else -1
+        self._walk_low = buddy.num_free
+        self._walk_held, self._walk_pos = cursor, behind    # if it goes past nothing
+        blocks = self._blocks
+        for i in buddy.free_ids_from(0):
+            if not count:
+                break
+            if i == skip:
+                continue
+            count -= 1
+            block = blocks[i]
+            yield block
+            self._walk_held, self._walk_pos = block, count  # stock's entry: count behind
+        yield from self._walk_cached(None)
+
+    def _walk_cached(self, cursor) -> Iterator:
+        for block in self._lru.after(cursor):
+            yield block
+            self._walk_held, self._walk_pos = block, _CACHED
+
+    def _walk_by_id(self, first: int) -> Iterator:
+        blocks = self._blocks
+        for i in self.buddy.free_ids_from(first):
+            yield blocks[i]
+        yield from self._lru.after(None)
+
+
+_CACHED = "cached"          # _walk_pos of a walker's cursor in the cached tier
 
 
 def _block_pool_class():
@@ -217,26 +377,34 @@ ProximaBlockPool = None
 
 
 def _wrap_allocate_new_blocks(original):
-    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+    def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
         # Called for every scheduled request every step; most calls need no block, and
-        # those go straight through (this is the scheduler's hot loop).
+        # those go straight through (this is the scheduler's hot loop). Arguments vLLM
+        # adds after num_tokens (num_tokens_main_model in 0.26) pass through untouched.
         req_blocks = self.req_to_blocks.get(request_id)
         have = len(req_blocks) if req_blocks else 0
-        if num_tokens <= have * self.block_size and not self._partial_hit_reqs:
-            return original(self, request_id, num_tokens, num_tokens_main_model)
+        partial_hit = request_id in self._partial_hit_reqs
+        if num_tokens <= have * self.block_size and not partial_hit:
+            return original(self, request_id, num_tokens, *args, **kwargs)
         pool = self.block_pool
         queue = pool.free_block_queue
         if queue.__class__ is not ProximaFreeQueue:
-            return original(self, request_id, num_tokens, num_tokens_main_model)
+            return original(self, request_id, num_tokens, *args, **kwargs)
         last = req_blocks[-1] if req_blocks else None
         queue.after = None if last is None or last.is_null else last.block_id
         total = pool.proxima_expected_tokens.get(request_id)
-        queue.room = None if total is None else -(-total // self.block_size) - have
+        if total is None:
+            queue.room = None
+        else:
+            # Blocks it may still need; with a partial prefix hit vLLM first takes a
+            # copy-on-write block for the shared last one, so the run holds one more.
+            room = -(-total // self.block_size) - have + partial_hit
+            queue.room = room if room > 0 else 0
         # Room for everyone twice over: spread runs out (they may outgrow their room);
         # otherwise pack them (see BuddyAllocator.allocate).
         queue.spread = 2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks
         try:
-            return original(self, request_id, num_tokens, num_tokens_main_model)
+            return original(self, request_id, num_tokens, *args, **kwargs)
         finally:
             queue.after = queue.room = None
             if pool.proxima_status.path is not None:

@@ -3,16 +3,42 @@
 The trace is what vLLM's scheduler asks of its block pool while serving a ShareGPT-like
 load (lognormal prompt/output lengths, up to 256 requests in flight): for each request one
 prefill allocation, then one block every 16 decoded tokens, then a free of every block;
-now and then a prefix-cache hit claims a just-freed block back. Ops are request-level
-(``alloc rid n`` / ``free rid`` / ``hit``), so each allocator replays them with its own ids.
+now and then a just-freed block is claimed back (``remove``, what a prefix-cache hit does).
+Ops are request-level (``alloc rid n total`` / ``free rid`` / ``hit``), so each allocator
+replays them with its own ids.
+
+Every side sees the operations in vLLM's real order: a request's blocks are freed tail
+first (``SingleTypeKVCacheManager.free`` reverses the block table, and ``BlockPool``
+hands blocks without a hash to ``prepend_n`` in that order). Three replays:
+
+* ``replay_vllm``: vLLM 0.26's ``FreeKVCacheBlockQueue`` (``popleft_n``, ``prepend_n``,
+  ``remove``) over ``KVCacheBlock`` objects;
+* ``replay_proxima``: ``proxima.allocator.BuddyAllocator`` on ids (``allocate`` with the
+  growth hint the V1 adapter computes, ``free`` of the reversed ids, ``take``);
+* ``replay_proxima_queue``: Proxima's drop-in ``ProximaFreeQueue`` over the same
+  ``KVCacheBlock`` objects, hints set as ``_wrap_allocate_new_blocks`` sets them.
+
+Each returns a :class:`Tally` of what it did; the three tallies of one trace are equal.
+The pool is built by ``setup_*`` outside the timed replay. The three loops are written
+out on purpose: one loop calling per-side functions would add a call per operation to
+every side and blur a comparison of sub-microsecond operations.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from typing import NamedTuple
 
 BLOCK = 16
+
+
+class Tally(NamedTuple):
+    ops: int
+    allocated: int        # ids handed out by allocations
+    freed: int            # ids given back
+    taken: int            # just-freed ids claimed back (``hit``)
+    free_at_end: int      # free ids once the trace is over
 
 
 def make_trace(num_requests: int = 2000, in_flight: int = 256, seed: int = 0):
@@ -42,12 +68,16 @@ def make_trace(num_requests: int = 2000, in_flight: int = 256, seed: int = 0):
     return ops
 
 
-def replay_proxima(ops, num_blocks: int) -> int:
+def setup_proxima(num_blocks: int):
     from proxima.allocator import BuddyAllocator
 
-    a = BuddyAllocator(num_blocks, reserved=(0,))
+    return BuddyAllocator(num_blocks, reserved=(0,))
+
+
+def replay_proxima(ops, a) -> Tally:
     held: dict[int, list[int]] = {}
     last_freed: list[int] = []
+    allocated = freed = taken = 0
     for op in ops:
         kind = op[0]
         if kind == "alloc":
@@ -57,24 +87,38 @@ def replay_proxima(ops, num_blocks: int) -> int:
                 held[rid] = a.allocate(n, room=total)
             else:
                 ids += a.allocate(n, after=ids[-1], room=total - len(ids))
+            allocated += n
         elif kind == "free":
             ids = held.pop(op[1])
+            ids.reverse()                      # vLLM's order: tail first
             a.free(ids)
+            freed += len(ids)
             last_freed = ids
         elif last_freed and a.is_free(last_freed[0]):
             a.take(last_freed[0])
             held[-len(held) - 1] = [last_freed[0]]
-    return len(ops)
+            taken += 1
+    return Tally(len(ops), allocated, freed, taken, a.num_free)
 
 
-def replay_vllm(ops, num_blocks: int) -> int:
-    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+def _kv_blocks(num_blocks: int):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-    q = FreeKVCacheBlockQueue(blocks)
+    return [KVCacheBlock(i) for i in range(num_blocks)]
+
+
+def setup_vllm(num_blocks: int):
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    q = FreeKVCacheBlockQueue(_kv_blocks(num_blocks))
     q.popleft()                            # the null block, as BlockPool does
+    return q
+
+
+def replay_vllm(ops, q) -> Tally:
     held: dict[int, list] = {}
     last_freed: list = []
+    allocated = freed = taken = 0
     for op in ops:
         kind = op[0]
         if kind == "alloc":
@@ -84,11 +128,52 @@ def replay_vllm(ops, num_blocks: int) -> int:
                 held[rid] += got
             else:
                 held[rid] = got
+            allocated += n
         elif kind == "free":
             got = held.pop(op[1])
-            q.append_n(list(reversed(got)))   # vLLM frees a request tail first
+            got.reverse()                      # vLLM's order: tail first
+            q.prepend_n(got)
+            freed += len(got)
             last_freed = got
         elif last_freed and last_freed[0].prev_free_block is not None:
             q.remove(last_freed[0])
             held[-len(held) - 1] = [last_freed[0]]
-    return len(ops)
+            taken += 1
+    return Tally(len(ops), allocated, freed, taken, q.num_free_blocks)
+
+
+def setup_proxima_queue(num_blocks: int):
+    from proxima.engines.vllm_v1 import ProximaFreeQueue
+
+    return ProximaFreeQueue(_kv_blocks(num_blocks), reserved=(0,))
+
+
+def replay_proxima_queue(ops, q) -> Tally:
+    held: dict[int, list] = {}
+    last_freed: list = []
+    allocated = freed = taken = 0
+    for op in ops:
+        kind = op[0]
+        if kind == "alloc":
+            _, rid, n, total = op
+            got = held.get(rid)
+            if got is None:
+                q.room = total
+                held[rid] = q.popleft_n(n)
+            else:
+                q.after = got[-1].block_id
+                q.room = total - len(got)
+                got += q.popleft_n(n)
+            q.after = q.room = None
+            allocated += n
+        elif kind == "free":
+            got = held.pop(op[1])
+            got.reverse()                      # vLLM's order: tail first
+            q.prepend_n(got)
+            freed += len(got)
+            last_freed = got
+        elif last_freed and q.buddy.is_free(last_freed[0].block_id):
+            q.remove(last_freed[0])
+            held[-len(held) - 1] = [last_freed[0]]
+            taken += 1
+    return Tally(len(ops), allocated, freed, taken, q.num_free_blocks)

@@ -112,10 +112,16 @@ def test_identical_tokens_under_prefix_sharing_and_preemption(tmp_path, tiny_lla
 
 
 def test_throughput_side_by_side_with_noise_band(tmp_path, tiny_llama):
-    """Item 2, small: the chat workload, each allocator twice (alternating). Throughput
-    figures are reported, not judged here (a tiny model on a big GPU is noise-bound, and
-    eager mode keeps the four engine starts short); contiguity is measured for both, and
-    Proxima's runs must be longer than stock's."""
+    """Item 2, small: the chat workload, each allocator twice (alternating); contiguity is
+    measured for both, and Proxima's runs must be longer than stock's.
+
+    Throughput: Proxima's median must be at least 0.9 of stock's, or within stock's own
+    spread if that is wider. Why 0.9 and not issue 4's 0.99: a tiny model on a big GPU
+    in eager mode is noise-bound (two runs a side; stock's run-to-run spread against
+    itself reached 8 % on the H200, docs/benchmarks.md 3.1), and the full-scale 0.99
+    runs are the proof of parity. What 0.9 catches is the allocator costing the engine
+    real time: here the scheduler's CPU work is a large part of each step, so a placement
+    or free path gone slow (the 41,556 one-id frees of issue 12) shows up first."""
     rc, rep, log = bench_tiny(tmp_path, tiny_llama, 65536, "--workload", "chat",
                               "--requests", "100", "--repeat", "2")
     assert_proxima_was_on(rep, log)
@@ -125,8 +131,12 @@ def test_throughput_side_by_side_with_noise_band(tmp_path, tiny_llama):
     assert [r["allocator"] for r in rep["runs"]] == ["stock", "proxima", "stock", "proxima"]
     for r in rep["runs"]:
         assert r["output_tokens"] == 100 * 100 and r["output_tokens_per_s"] > 0
-    assert stock["output_tokens_per_s_spread"]["spread_pct"] is not None
-    assert rep["ratios"]["proxima/stock"]["output_tokens_per_s"] > 0
+    spread_pct = stock["output_tokens_per_s_spread"]["spread_pct"]
+    assert spread_pct is not None
+    ratio = rep["ratios"]["proxima/stock"]["output_tokens_per_s"]
+    floor = min(0.9, 1 - spread_pct / 100)
+    assert ratio >= floor, (f"Proxima's throughput is {ratio:.3f} of stock's, below "
+                            f"{floor:.3f} (stock's own spread {spread_pct:.1f} %)")
     assert stock["proxima_active"] is False          # observed, not replaced
     assert stock["blocks_per_run"] is not None and prox["blocks_per_run"] is not None
     assert prox["blocks_per_run"] > stock["blocks_per_run"] >= 1.0

@@ -147,17 +147,19 @@ def test_manager_has_every_attribute_of_vllms(caching):
     for name, value in vars(stock).items():
         if isinstance(value, (int, float, bool, str, type(None), dict)):
             assert vars(ours)[name] == value, name
-    sliding = make_manager(True, 100, enable_caching=False)
-    sliding_stock = make_manager(False, 100, enable_caching=False)
-    assert sliding.max_block_sliding_window == sliding_stock.max_block_sliding_window
 
 
 def test_sliding_window_matches_stock():
+    """With a sliding window (none of the managers above has one) every plain attribute is
+    stock's, the window's block count included: 100 // 16 + 1 blocks, plus one."""
     stock = STOCK(block_size=16, num_gpu_blocks=64, num_cpu_blocks=8, sliding_window=100)
     from proxima.engines.vllm_v0 import ProximaBlockSpaceManager
     ours = ProximaBlockSpaceManager(block_size=16, num_gpu_blocks=64, num_cpu_blocks=8,
                                     sliding_window=100)
-    assert ours.max_block_sliding_window == stock.max_block_sliding_window
+    assert ours.max_block_sliding_window == stock.max_block_sliding_window == 8
+    for name, value in vars(stock).items():
+        if isinstance(value, (int, float, bool, str, type(None), dict)):
+            assert vars(ours)[name] == value, name
 
 
 def test_status_file(clean_activation, monkeypatch, tmp_path):

