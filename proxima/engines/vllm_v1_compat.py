@@ -70,3 +70,20 @@ def api_server_app():
         app = state = importlib.import_module("vllm.entrypoints.openai.api_server")
     return app.build_app, state.init_app_state
 
+
+
+def kv_cache_tensors(num_blocks: int, page_bytes: int, layer_names: list[str]) -> list:
+    """``KVCacheConfig.kv_cache_tensors`` for one region of ``num_blocks`` pages per layer:
+    0.26 says it as one ``KVCacheTensor(size, shared_by=[layer])`` per layer; 0.33 as one
+    backing allocation, ``KVCacheTensor(size, layers, layer_stride, block_stride)``
+    (layer-outermost: each layer's pages contiguous)."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
+    region = num_blocks * page_bytes
+    if "shared_by" in fields:
+        return [KVCacheTensor(size=region, shared_by=[name]) for name in layer_names]
+    return [KVCacheTensor(size=region * len(layer_names), layers=list(layer_names),
+                          layer_stride=region, block_stride=page_bytes)]

@@ -47,10 +47,10 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            KVCacheTensor)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from proxima.engines.vllm_v1_compat import kv_cache_tensors
     from proxima.engines import vllm_v1
 
     if model_dir is None:
@@ -74,8 +74,9 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
                                  dtype=torch.bfloat16)
         kv_cache_groups = [KVCacheGroupSpec(["layer.0", "layer.1"], spec)]
     tensors = [] if kv_transfer_config is None else [
-        KVCacheTensor(size=group.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name])
-        for group in kv_cache_groups for name in group.layer_names]
+        tensor for group in kv_cache_groups
+        for tensor in kv_cache_tensors(num_blocks, group.kv_cache_spec.page_size_bytes,
+                                       group.layer_names)]
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
                               kv_cache_groups=kv_cache_groups)
     was_active = vllm_v1.is_active()

@@ -171,10 +171,10 @@ def offload_scheduler(proxima: bool, num_blocks: int, lazy: bool, cpu_blocks: in
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            KVCacheTensor)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from proxima.engines.vllm_v1_compat import kv_cache_tensors
     from proxima.replay.driver_v1 import TINY_LLAMA
 
     model_dir = tempfile.mkdtemp(prefix="proxima-tiny-llama-")
@@ -197,7 +197,7 @@ def offload_scheduler(proxima: bool, num_blocks: int, lazy: bool, cpu_blocks: in
         device_config=DeviceConfig(device="cpu"), kv_transfer_config=transfer)
     kv_config = KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=num_blocks * page, shared_by=["layer.0", "layer.1"])],
+        kv_cache_tensors=kv_cache_tensors(num_blocks, page, ["layer.0", "layer.1"]),
         kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
     if proxima:
         vllm_v1.activate()
@@ -283,7 +283,9 @@ def test_simple_cpu_offload_decides_the_same_on_both_pools(lazy, max_num_batched
     stock = offload_replay(False, num_blocks, lazy, 32, max_num_batched_tokens)
     proxima = offload_replay(True, num_blocks, lazy, 32, max_num_batched_tokens)
     assert sum(step[2] for step in stock) > 0, "nothing was offloaded"
-    if num_blocks <= 200:
+    if lazy and num_blocks <= 200:
+        # (eager mode on a full pool brings blocks back on vLLM 0.26 but not on 0.33,
+        # whose eager policy changed; the lazy walk from a cursor is what must be seen)
         assert sum(step[3] for step in stock) > 0, "nothing came back from the CPU"
     assert len(proxima) == len(stock)
     for i, (ours, theirs) in enumerate(zip(proxima, stock)):
