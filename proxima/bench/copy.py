@@ -18,9 +18,17 @@ The request's blocks are placed in the GPU pool five ways:
   worker builds them today (it does not merge adjacent pages).
 
 Each is submitted on the legacy default stream and on a side stream (``torch.cuda.Stream``,
-as the offload worker does). Reported per call: DMA time between two CUDA events on that
-stream and its bandwidth (GB/s, 1e9 bytes), the CPU time of the ``swap_blocks_batch`` call
-(submit), and the numpy time to build the descriptors. The copied bytes are checked against
+as the offload worker does). Two timings per call, both between CUDA events on that stream:
+
+* ``call``: the stream idle when the call starts, as a lone offload finds it: the copies
+  can only start as fast as the CPU submits them, so this is submit + copy as the GPU sees
+  it, and the GB/s that one call achieves;
+* ``DMA``: the stream held by a GPU sleep that outlasts the submission, the start event
+  recorded after it: every descriptor is queued before the first byte moves, so this is the
+  copy engines' own time and bandwidth (what a busy offload stream, already queued, sees).
+
+Also the CPU time of the ``swap_blocks_batch`` call (submit) and the numpy time to build the
+descriptors. The copied bytes are checked against
 the GPU's. Needs a CUDA GPU and vLLM 0.26 (on the project's offline GPU host:
 ``PYTHONPATH=/tmp/site``); about 30 s.
 """
@@ -148,11 +156,12 @@ def run(args) -> int:
           f"{args.request_blocks} blocks x {layers} layers x {args.page_kib} KiB = "
           f"{total_bytes / 2**20:.0f} MiB, GPU -> pinned CPU, ops.swap_blocks_batch",
           flush=True)
-    header = (f"{'layout':<25} {'blk/run':>7} {'descr.':>6} {'stream':<15} {'DMA ms':>7} "
-              f"{'GB/s':>6} {'submit ms':>9} {'build ms':>8}  check")
+    header = (f"{'layout':<25} {'blk/run':>7} {'descr.':>6} {'stream':<15} {'call ms':>7} "
+              f"{'GB/s':>6} {'DMA ms':>7} {'GB/s':>6} {'submit ms':>9} {'build ms':>8}  check")
     print(header)
     print("-" * len(header), flush=True)
 
+    hold = _sleep_cycles(torch, HOLD_S)
     rows = []
     for name, (pattern, per_run) in LAYOUTS.items():
         lengths = run_lengths(args.request_blocks, pattern)
@@ -169,10 +178,17 @@ def run(args) -> int:
                    "runs": len(lengths), "descriptors": int(src.size), "stream": stream_name,
                    "bytes": total_bytes, "build_s": build_s}
             try:
+                held = _time_calls(torch, ops, stream, src_t, dst_t, size_t, args.reps,
+                                   lambda: None, hold_cycles=hold)
                 row.update(_time_calls(torch, ops, stream, src_t, dst_t, size_t, args.reps,
                                        lambda: [c.zero_() for c in cpu]))
                 row["check_ok"] = all(torch.equal(c, g.index_select(0, gpu_ids).cpu())
                                       for c, g in zip(cpu, gpu))
+                row["call_s"] = row.pop("dma_s")
+                row["call_s_min"], row["call_s_max"] = row.pop("dma_s_min"), row.pop("dma_s_max")
+                row["call_gbps"] = total_bytes / row["call_s"] / 1e9
+                row.update(dma_s=held["dma_s"], dma_s_min=held["dma_s_min"],
+                           dma_s_max=held["dma_s_max"], held_submit_s=held["submit_s"])
                 row["gbps"] = total_bytes / row["dma_s"] / 1e9
             except RuntimeError as exc:          # e.g. a stream the batch API refuses
                 row.update(error=str(exc).splitlines()[0], check_ok=None)
@@ -182,7 +198,8 @@ def run(args) -> int:
                       f"{stream_name:<15} error: {row['error']}", flush=True)
             else:
                 print(f"{name:<25} {row['blocks_per_run']:>7.1f} {row['descriptors']:>6} "
-                      f"{stream_name:<15} {row['dma_s'] * 1e3:>7.2f} {row['gbps']:>6.1f} "
+                      f"{stream_name:<15} {row['call_s'] * 1e3:>7.2f} {row['call_gbps']:>6.1f} "
+                      f"{row['dma_s'] * 1e3:>7.2f} {row['gbps']:>6.1f} "
                       f"{row['submit_s'] * 1e3:>9.3f} {build_s * 1e3:>8.3f}  "
                       f"{'ok' if row['check_ok'] else 'WRONG BYTES'}", flush=True)
 
@@ -199,15 +216,35 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def _time_calls(torch, ops, stream, src, dst, size, reps: int, reset) -> dict:
-    """Median DMA time (events on ``stream``) and CPU submit time of ``reps`` calls, after
-    2 warm-up calls; the last call's bytes stay in the destination for the check."""
+HOLD_S = 0.05        # the GPU sleep that holds the stream while the CPU submits (>> 11 ms)
+
+
+def _sleep_cycles(torch, seconds: float) -> int:
+    """GPU clock cycles of ``torch.cuda._sleep`` that last about ``seconds`` (calibrated)."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)                    # warm-up (the first launch loads the kernel)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * seconds / (start.elapsed_time(end) * 1e-3))
+
+
+def _time_calls(torch, ops, stream, src, dst, size, reps: int, reset,
+                hold_cycles: int = 0) -> dict:
+    """Median time between events on ``stream`` around the call, and CPU submit time, of
+    ``reps`` calls after 2 warm-up calls; the last call's bytes stay in the destination for
+    the check. ``hold_cycles``: a GPU sleep queued before the start event, so the whole
+    batch is submitted before the GPU reaches it (the events then time the copies alone)."""
     dma, submit = [], []
     for i in range(reps + 2):
         if i == reps + 1:
             reset()                           # the checked call writes onto zeros
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            if hold_cycles:
+                torch.cuda._sleep(hold_cycles)
             start.record(stream)
             t0 = time.perf_counter()
             ops.swap_blocks_batch(src, dst, size, False)
