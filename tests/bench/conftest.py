@@ -121,11 +121,20 @@ class FakeOpenAIServer:
                 with state.lock:
                     state.active += 1
                     state.peak_active = max(state.peak_active, state.active)
+                self._open = True
                 try:
                     self._stream(body, chat, nth)
                 finally:
-                    with state.lock:
-                        state.active -= 1
+                    self._closing()
+
+            def _closing(self) -> None:
+                # A stream stops counting as open just before its last token chunk is written:
+                # the client cannot finish (and start the next request in its slot) before that
+                # chunk reaches it, so the server's count never runs ahead of the client's.
+                if getattr(self, "_open", False):
+                    self._open = False
+                    with server.state.lock:
+                        server.state.active -= 1
 
             def _stream(self, body, chat, nth):
                 cfg, state = server.config, server.state
@@ -163,9 +172,12 @@ class FakeOpenAIServer:
                     if cfg.die_after and nth >= cfg.die_after and sent > total // 2:
                         os.kill(os.getpid(), signal.SIGKILL)
                     if cfg.stream_error_every and nth % cfg.stream_error_every == 0 and sent > total // 2:
+                        self._closing()
                         emit({"error": {"message": "injected stream error", "code": 500}})
                         self.wfile.write(b"data: [DONE]\n\n")
                         return
+                    if finish:
+                        self._closing()
                     emit(chunk)
                 if usage_final:
                     emit({"choices": [], "usage": {"prompt_tokens": prompt_tokens,
