@@ -402,11 +402,12 @@ class GranuleIndex:
         self._unlink(ids)
 
     def set_end(self, ids: Iterable[int], end: int) -> None:
-        """Live ``ids`` are now expected to live until ``end`` at least."""
+        """Live ``ids`` are now expected to live until ``end`` at least (ids that are no
+        longer live are skipped)."""
         G, ends, T = self.granule_blocks, self.end, self.end_of_granule
         touched = set()
         for i in ids:
-            if end > ends[i]:
+            if 0 <= ends[i] < end:
                 ends[i] = end
                 g = i // G
                 if end > T[g]:

@@ -290,6 +290,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.bytes_per_granule = g * sum(sizes) // self._kv_cache_config.num_blocks
         startup, initial = elastic_v1.startup_granules(
             opts, self._vllm_config, self._kv_cache_config, g, self.bytes_per_granule)
+        self.startup_granules = startup          # what the workers map at start-up
         use_granules = getattr(gpu_block_pool, "proxima_use_granules", None)
         if opts.policy == "off":
             return                               # the whole pool stays mapped, as stock

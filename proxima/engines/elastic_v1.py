@@ -330,8 +330,11 @@ def with_elastic_connector(ktc, extra: dict | None = None):
 _saved: list[tuple[object, str, object]] = []
 
 
+_ABSENT = object()
+
+
 def _patch(owner, name: str, value) -> None:
-    _saved.append((owner, name, getattr(owner, name)))
+    _saved.append((owner, name, getattr(owner, name, _ABSENT)))
     setattr(owner, name, value)
 
 
@@ -432,7 +435,10 @@ def deactivate() -> None:
     """Undo every patch of this module (configuration and allocation hooks)."""
     while _saved:
         owner, name, value = _saved.pop()
-        setattr(owner, name, value)
+        if value is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
 
 
 # ----------------------------------------------------------------------------- allocation
