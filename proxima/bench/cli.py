@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="JSON Lines trace (see proxima.workloads; default: none)")
     src.add_argument("--requests", "-n", "--num-prompts", dest="requests", type=int, metavar="N",
                      help=f"number of requests (default: the workload's: chat 100, sharegpt "
-                          f"1000, multiturn 400, pressure 500; with --trace: all its lines; "
+                          f"1000, multiturn 400, pressure 500, bursts 800; with --trace: all its lines; "
                           f"at most {MAX_REQUESTS:,})")
     src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     src.add_argument("--max-model-len", type=int, metavar="TOKENS",

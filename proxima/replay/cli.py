@@ -77,7 +77,7 @@ def add_arguments(p) -> None:
                           "prefix_len, arrival_step] (default: none, use --workload)")
     p.add_argument("--requests", type=int, metavar="N",
                    help=f"number of requests; with --trace its first N (default per workload: "
-                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500; at most "
+                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500, bursts 800; at most "
                         f"{MAX_REQUESTS:,})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated prompts")
     p.add_argument("--num-blocks", type=int, metavar="B",
