@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "bytes or a number with a unit (8GiB, 512MiB, 20GB).")
     parser.epilog = ("exit status: 0 done; 1 the server refused the change or answered an "
                      "error; 2 bad input or nothing listening at --url")
-    parser.add_argument("--url", required=True,
+    parser.add_argument("--url",
                         help="the proxima serve to talk to, e.g. http://127.0.0.1:8000 (required)")
     parser.add_argument("--min", dest="min_bytes", metavar="SIZE",
                         help="set the least KV memory kept mapped (e.g. 4GiB; default: "
@@ -66,9 +66,12 @@ def _request(args) -> dict:
     return body
 
 
-def _url(url: str) -> str:
+def _url(url: str | None) -> str:
     from urllib.parse import urlsplit
 
+    if not url:
+        raise UserError("give --url URL: the proxima serve to talk to (e.g. "
+                        "http://127.0.0.1:8000)")
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise UserError(f"--url must look like http://HOST:PORT (a running proxima serve), "
