@@ -163,7 +163,8 @@ class ForcedCycler:
         """Advance at a step boundary; True when a cycle completed now."""
         state = self.channel.state
         if not self.out:
-            if step % self.every == 0:
+            idle = not self.queue.live_blocks() and not (self.forecast and self.forecast())
+            if step % self.every == 0 and not idle:     # an idle engine sleeps: no cycle
                 self.out = self._candidates()
                 if self.out:
                     self.queue.release(self.out)
@@ -275,8 +276,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._applied:
             return None
+        stats = self._memory.stats
         report = Report(tuple(self._applied), self._memory.mapped_granules,
-                        self._memory.granule_blocks)
+                        self._memory.granule_blocks, stats["map_seconds"],
+                        stats["unmap_seconds"])
         self._applied = []
         return ElasticWorkerMetadata(report)
 
@@ -420,7 +423,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         that must keep an idle scheduler alive (``Scheduler.has_requests``)."""
         if self.channel is None:
             return False
-        return self.channel.pending or (self.policy is not None and self.policy.pending)
+        return (self.channel.pending or (self.policy is not None and self.policy.pending)
+                or (self.cycler is not None and bool(self.cycler.out)))
 
     # ================================================================ control
     def control(self, request: dict) -> dict:

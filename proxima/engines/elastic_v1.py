@@ -89,6 +89,8 @@ class ElasticOptions:
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).
     ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity).
+    ``zero_on_map``: zero-fill memory when it is mapped (default true; stock vLLM does not
+    zero its KV memory unless its KV cache config needs it, so false is what stock does).
     ``initial_granules``: granules mapped after start-up (overrides ``initial_bytes``).
     ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
     that every N steps releases up to ``granules`` granules holding neither live nor cached
@@ -112,6 +114,7 @@ class ElasticOptions:
     compactor: str | None = None
     idle_sleep_s: float = 0.005
     granule_bytes: int = 2 << 20
+    zero_on_map: bool = True
     initial_granules: int | None = None
     force_cycle_every: int = 0
     force_cycle_hold: int = 2
@@ -167,7 +170,7 @@ class ElasticOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 bad(name, "a number >= 0")
-        for name in ("forecast", "force_cycle_safe", "verify"):
+        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
         if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:
@@ -506,7 +509,7 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
-                      device=index, mapped=mapped)
+                      device=index, mapped=mapped, zero_on_map=options.zero_on_map)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}

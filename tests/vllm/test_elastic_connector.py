@@ -250,7 +250,11 @@ def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth,
     assert worker.memory.stats["granules_unmapped"] > 0
     # safe cycles and strict LRU: the same requests ran the same steps with the same token
     # counts, preempted and finished as with stock vLLM's pool
-    assert [(s[0], s[3], s[4]) for s in elastic] == [(s[0], s[3], s[4]) for s in stock]
+    # (an open cycle keeps the engine stepping after the last request: empty steps)
+    def busy(log):
+        return [(s[0], s[3], s[4]) for s in log if s[0] or s[3] or s[4]]
+
+    assert busy(elastic) == busy(stock)
     conn.queue.check()
     conn.shutdown()
     written = json.loads(stats.read_text())
