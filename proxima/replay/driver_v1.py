@@ -278,7 +278,9 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         preemptions=preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
         scheduler_ms_per_step=1000 * sched_seconds / steps if steps else 0.0,
-        blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        # (elastic: the blocks of unmapped granules are not free, and not leaked either)
+        blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        - (elastic_run.unmapped_blocks() if elastic_run is not None else 0),
         num_blocks=num_blocks,
         largest_free_run_timeline=free_run_timeline,
         details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,

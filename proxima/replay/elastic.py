@@ -144,6 +144,10 @@ class ElasticRun:
     def mapped_granules(self) -> int:
         return self.queue.granules.num_mapped
 
+    def unmapped_blocks(self) -> int:
+        gi = self.queue.granules
+        return sum(gi.size[g] for g in range(gi.num_granules) if not gi.mapped[g])
+
     def report(self) -> dict:
         status = self.connector.status()
         status.pop("events", None)
