@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from proxima.engines import activation
 from proxima.errors import UserError
+from proxima.memory.policy import PolicyOptions
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -66,6 +67,7 @@ def enabled(environ: dict | None = None) -> bool:
 # ----------------------------------------------------------------------------- options
 
 POLICIES = ("auto", "fixed", "off")
+_POLICY = PolicyOptions()          # the grow/shrink defaults: one place (proxima.memory.policy)
 
 
 @dataclass(frozen=True)
@@ -102,14 +104,14 @@ class ElasticOptions:
     """
 
     policy: str = "auto"
-    min_bytes: int = 0
-    max_bytes: int | None = None
+    min_bytes: int = _POLICY.min_bytes
+    max_bytes: int | None = _POLICY.max_bytes
     initial_bytes: int | None = None
-    headroom: float = 0.10
-    reserve_blocks: int = 0
-    release_delay_s: float = 10.0
-    retry_s: float = 1.0
-    forecast: bool = True
+    headroom: float = _POLICY.headroom
+    reserve_blocks: int = _POLICY.reserve_blocks
+    release_delay_s: float = _POLICY.release_delay_s
+    retry_s: float = _POLICY.retry_s
+    forecast: bool = _POLICY.forecast
     eviction: str = "auto"
     compactor: str | None = None
     idle_sleep_s: float = 0.005
@@ -209,8 +211,6 @@ class ElasticOptions:
         return EvictionPolicy.parse(self.eviction)
 
     def policy_options(self, reserve_blocks: int = 0):
-        from proxima.memory.policy import PolicyOptions
-
         return PolicyOptions(min_bytes=self.min_bytes, max_bytes=self.max_bytes,
                              headroom=float(self.headroom),
                              reserve_blocks=max(self.reserve_blocks, reserve_blocks),
