@@ -257,6 +257,8 @@ class GranuleIndex:
         self._cand: list[tuple[int, int]] = []
         self._key: list[tuple[int, int] | None] = [None] * ng
         self._empty: set[int] = set()
+        self._vacant: set[int] = set()        # empty, every id free
+        self._empty_free: set[int] = set()    # empty, some ids free and some cached
         for g in range(ng):
             self._refile(g)
 
@@ -341,14 +343,13 @@ class GranuleIndex:
         return sorted((g, self.cached[g]) for g in self._empty)
 
     def empty_with_free(self) -> int | None:
-        """A mapped granule without live ids that has free ids, the one with most of them
-        (fewest cached ids to keep company), lowest first; None if there is none."""
-        best, best_free = None, 0
-        for g in self._empty:
-            f = self.free_count(g)
-            if f > best_free or (f == best_free and f and g < best):
-                best, best_free = g, f
-        return best
+        """A mapped granule without live ids that has free ids: one holding no cached ids
+        if there is one (its cached content stays where it can still be released), else
+        one that has some; None if there is none. O(1)."""
+        for bucket in (self._vacant, self._empty_free):
+            for g in bucket:
+                return g
+        return None
 
     def state_of(self, block_id: int, is_free) -> str:
         """LIVE, CACHED, FREE or UNMAPPED for ``block_id``; ``is_free(id)`` is the owner's
@@ -505,8 +506,20 @@ class GranuleIndex:
             self._key[g] = key
         if mapped and live == 0:
             self._empty.add(g)
+            cached = self.cached[g]
+            if cached == 0:
+                self._vacant.add(g)
+                self._empty_free.discard(g)
+            else:
+                self._vacant.discard(g)
+                if cached < self.size[g]:
+                    self._empty_free.add(g)
+                else:
+                    self._empty_free.discard(g)
         else:
             self._empty.discard(g)
+            self._vacant.discard(g)
+            self._empty_free.discard(g)
 
     def _append(self, ids: list[int], cls: int) -> None:
         nxt, prev, G = self._next, self._prev, self.granule_blocks
@@ -652,7 +665,10 @@ class GranuleIndex:
                 and (self.free_count(g) > 0 or self.win[g])) else None
             if self._key[g] != want:
                 raise InvariantError(f"granule {g} is filed as {self._key[g]}, expected {want}")
-            if (g in self._empty) != bool(self.mapped[g] and not self.live[g]):
+            empty = bool(self.mapped[g] and not self.live[g])
+            if (g in self._empty) != empty or (g in self._vacant) != (
+                    empty and not self.cached[g]) or (g in self._empty_free) != (
+                    empty and 0 < self.cached[g] < self.size[g]):
                 raise InvariantError(f"granule {g}'s emptiness is recorded wrongly")
         if self._cand != sorted(k for k in self._key if k is not None):
             raise InvariantError("the placement candidates are not the filed granules, sorted")

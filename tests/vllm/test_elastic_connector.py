@@ -523,3 +523,35 @@ def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
     assert status["max_bytes"] == min(16 * per, (8 << 30) // per * per)
     fixed = scheduler_for(True, 4 * GRANULE, 1, elastic_config(policy="fixed")).connector
     assert "fixed" in fixed.control({"min_bytes": 0})["error"]
+
+
+def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugin(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
+    monkeypatch.setenv(elastic_v1.ENV, "1")
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", "min_bytes=2GiB,release_delay_s=3,eviction=lru")
+    register()
+    try:
+        args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+        try:
+            args.create_engine_config()
+        except Exception:     # no device platform here: the connector is set before that
+            pass
+        extra = args.kv_transfer_config.kv_connector_extra_config
+        assert extra == {"min_bytes": "2GiB", "release_delay_s": 3, "eviction": "lru"}
+        from vllm.v1.engine.core import EngineCore
+
+        assert hasattr(EngineCore, elastic_v1.UTILITY)        # the run-time control
+    finally:
+        elastic_v1.deactivate()
+        vllm_v1.deactivate()
+    from vllm.v1.engine.core import EngineCore
+
+    assert not hasattr(EngineCore, elastic_v1.UTILITY)        # deactivate undoes it
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", '{"min_bytes": "lots"}')
+    with pytest.raises(SystemExit, match="min_bytes: 'lots' is not a size"):
+        register()
+    vllm_v1.deactivate()
