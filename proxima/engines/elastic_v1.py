@@ -33,9 +33,10 @@ What warm-up and capture touch (vLLM 0.26): ``profile_run`` runs before the KV c
 exists. ``_dummy_run`` (compile sizes, CUDA-graph capture) fills every slot mapping with
 ``PAD_SLOT_ID`` (no KV writes) and reads through the persistent block tables, all zeros at
 start-up (block 0, the null block, which is never unmapped). ``warmup_kernels`` then runs
-real steps writing block ids from 1 up to about ``max_num_seqs`` -- so the whole pool is
-mapped at start-up, and the scheduler's first step may release granules
-(``initial_granules``). CUDA graphs capture virtual addresses, which never move, so they
+real steps writing block ids from 1 up to about ``max_num_seqs`` -- so the workers map
+those granules and the initial size at start-up (:func:`startup_granules`, computed from
+the same configs on both sides), and the scheduler releases what is above the initial size
+before the first request. CUDA graphs capture virtual addresses, which never move, so they
 replay correctly whatever is mapped under the blocks they do not touch. Later dummy runs
 (data-parallel ranks with no work) read stale block ids and are why elastic mode refuses
 ``data_parallel_size > 1``.
