@@ -280,6 +280,11 @@ def run(args) -> int:
         if "elastic" not in params:
             raise UserError(f"--elastic needs vLLM's V1 engine; vLLM {version} runs the V0 "
                             f"one: drop --elastic")
+        from proxima.engines import elastic_v1
+
+        reason = elastic_v1.unsupported_reason()
+        if reason:
+            raise UserError(f"--elastic: {reason}")
         elastic = {"elastic": args.elastic_spec}
     runs: dict[str, list[ReplayResult]] = {"stock": [], "proxima": []}
     done = 0

@@ -123,6 +123,10 @@ def test_every_replay_reports_the_reclaimable_granules_and_the_packed_ideal(tmp_
 
 
 def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, capsys):
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
     out, plot = tmp_path / "e.json", tmp_path / "e.png"
     assert main(["replay", "--workload", "bursts", "--requests", "120", "--num-blocks", "2048",
                  "--elastic", "--release-delay", "2", "--no-progress", "--json", str(out),
@@ -151,3 +155,17 @@ def test_elastic_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["replay", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_elastic_replay_is_one_line_where_this_vllm_allocates_kv_differently(capsys):
+    from proxima.engines import elastic_v1
+
+    reason = elastic_v1.unsupported_reason()
+    if reason is None:
+        pytest.skip("this vLLM supports elastic KV memory (0.26's KV allocation)")
+    assert main(["replay", "--workload", "chat", "--requests", "4", "--elastic",
+                 "--no-progress"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("proxima replay: error")]     # (vLLM's import warnings above)
+    assert len(errors) == 1 and "--elastic: PROXIMA_ELASTIC=1 needs the KV allocation of " \
+        "vLLM 0.26" in errors[0]
