@@ -1,4 +1,4 @@
-"""`proxima` — one entry point: replay | bench | serve | selfcheck | bundle.
+"""`proxima` — one entry point: replay | bench | serve | kv | selfcheck | bundle.
 
 Each subcommand lives in its own package and is imported only when chosen, so
 `proxima --version` needs neither torch nor vllm. A subcommand module
@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "replay": ("proxima.replay.cli", "replay a workload through vLLM's real scheduler on CPU, stock vs Proxima"),
     "bench": ("proxima.bench.cli", "benchmark stock vLLM vs Proxima (online servers or offline LLM)"),
     "serve": ("proxima.serve.cli", "serve vLLM's OpenAI API with Proxima, supervised, self-checked"),
+    "kv": ("proxima.serve.kv", "read or set a running proxima serve's elastic KV memory (mapped, used, reclaimable; min/max)"),
     "selfcheck": ("proxima.serve.selfcheck", "check GPU, versions and Proxima activation; exit non-zero on failure"),
     "bundle": ("proxima.bundle", "write an air-gapped bundle: image archives, wheelhouse, model, SHA256SUMS, README"),
 }

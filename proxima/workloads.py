@@ -10,6 +10,10 @@ Workloads:
              a turn is sent when the previous one has finished.
   pressure   500-style mixed lengths (prompt U[64,1024], output U[32,512]), all at once,
              meant for a small pool (1,920 blocks) so that requests get preempted.
+  bursts     load that comes and goes: 4 bursts of 200 requests, 1,500 steps apart, each
+             request one of 4 shared 512-token system prompts plus a ShareGPT-like
+             question and answer (prefix hits within and across bursts); between bursts
+             the engine idles -- what elastic KV memory gives back.
 
 A trace file is JSON Lines, one request a line:
   {"prompt_len": 812, "output_len": 128, "prefix_id": "sys-a", "prefix_len": 256, "arrival_step": 40}
@@ -32,7 +36,8 @@ from pathlib import Path
 
 from proxima.errors import UserError
 
-WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure")
+WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure", "bursts")
+BURSTS, BURST_GAP_STEPS, BURST_PREFIX_TOKENS = 4, 1500, 512
 VOCAB = (3, 31999)          # token ids drawn here: clear of bos/eos (1, 2) of the tiny models
 # Bounds on what is built in memory before any work starts (prompts are lists of ints,
 # ~36 bytes a token): 100,000 requests, 50 M prompt tokens (~2 GB), 1 M tokens a request.
@@ -79,7 +84,7 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int
 def make_workload(name: str, requests: int | None = None, seed: int = 0,
                   max_model_len: int = 8192) -> Workload:
     """Build a named workload. ``requests`` defaults per workload (100 chat, 1000 sharegpt,
-    400 multiturn turns, 500 pressure)."""
+    400 multiturn turns, 500 pressure, 800 bursts)."""
     if name not in WORKLOADS:
         raise UserError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)} "
                         f"or pass --trace FILE")
@@ -120,6 +125,18 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
                 history += reply                                   # resent next turn
                 previous = rid
             conv += 1
+    elif name == "bursts":
+        n = requests or 800
+        prefixes = [_tokens(rng, min(BURST_PREFIX_TOKENS, max_model_len // 4))
+                    for _ in range(4)]
+        per_burst = -(-n // BURSTS)
+        for i in range(n):
+            burst = i // per_burst
+            question = _lognormal(rng, 200, 1.0, 4, max_model_len // 4)
+            out = _lognormal(rng, 180, 0.9, 1, min(1024, max_model_len // 4))
+            prompt = prefixes[rng.randrange(4)] + _tokens(rng, question)
+            specs.append(RequestSpec(f"bursts-{i}", prompt, out,
+                                     arrival_step=burst * BURST_GAP_STEPS + rng.randint(0, 50)))
     else:  # pressure
         n = requests or 500
         for i in range(n):

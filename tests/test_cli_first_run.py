@@ -35,7 +35,10 @@ def test_stdout_is_the_table_and_the_bar_starts_with_the_work(tmp_path):
     assert done.returncode == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["stock", "proxima", "proxima/stock"], out    # nothing above
-    assert lines[-1].startswith("parity checks:") and len(lines) == 10, out
+    # the header, 8 figures, the two granule rows (V1) and their ratio line, the checks
+    assert lines[-1].startswith("parity checks:") and len(lines) == 13, out
+    assert [line.split()[0] for line in lines[9:11]] == [
+        "reclaimable_granule_fraction", "packed_ideal_fraction"], out
     assert "WARNING" not in out and "INFO" not in out
     # tqdm writes its bar to stderr with carriage returns; the first frame of each run's
     # bar already counts a finished request: it was created when the replay had started,

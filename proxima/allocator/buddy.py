@@ -359,6 +359,71 @@ class BuddyAllocator:
         run_start = self._run_containing(block_id)
         self._take(block_id, block_id + 1, run_start, self._run_end[run_start])
 
+    def allocate_within(self, n: int, lo: int, hi: int, after: int | None = None) -> list[int]:
+        """Up to ``n`` free ids of ``[lo, hi)`` (fewer when fewer are free there): the ids
+        right after ``after`` first when they lie in the range and are free (the caller's
+        run grows in place), then the longest free run there, then the next longest, each
+        taken from its start. Claims are ignored (a granule-aware caller places by
+        granule). O(runs in the range) plus C-speed scans.
+
+        Raises :class:`AllocationError` for a bad argument; nothing changed."""
+        if type(n) is not int or n < 0:
+            raise AllocationError(f"cannot allocate {n!r} blocks: n must be an integer >= 0")
+        if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= self.num_blocks:
+            raise AllocationError(f"allocate_within: [{lo!r}, {hi!r}) is not a range of the "
+                                  f"pool 0..{self.num_blocks}")
+        if after is not None and (type(after) is not int or not 0 <= after < self.num_blocks
+                                  or self._state[after] != ALLOCATED):
+            raise self._bad_after(after)
+        out: list[int] = []
+        if n == 0:
+            return out
+        state = self._state
+        pieces = []                                   # (length, start, stop) inside [lo, hi)
+        i = state.find(FREE, lo, hi)
+        while i >= 0:
+            end = state.find(ALLOCATED, i, hi)
+            end = hi if end < 0 else end
+            reserved = state.find(RESERVED, i, end)
+            end = reserved if reserved >= 0 else end
+            pieces.append((end - i, i, end))
+            i = state.find(FREE, end, hi)
+        if after is not None:
+            first = [p for p in pieces if p[1] == after + 1]
+            rest = [p for p in pieces if p[1] != after + 1]
+            rest.sort(key=lambda p: (-p[0], p[1]))
+            pieces = first + rest
+        else:
+            pieces.sort(key=lambda p: (-p[0], p[1]))
+        for length, start, stop in pieces:
+            take = min(n - len(out), length)
+            run_start = self._run_containing(start)
+            self._take(start, start + take, run_start, self._run_end[run_start])
+            out += self._ids[start:start + take]
+            if len(out) == n:
+                break
+        return out
+
+    def take_range(self, start: int, stop: int) -> None:
+        """Allocate the free ids ``[start, stop)`` (all must be free and none reserved):
+        e.g. a granule of memory that is given back, whose ids stop being free capacity.
+
+        Raises :class:`AllocationError` if one is not free; nothing changed."""
+        if type(start) is not int or type(stop) is not int or \
+                not 0 <= start < stop <= self.num_blocks:
+            raise AllocationError(f"take_range: [{start!r}, {stop!r}) is not a non-empty "
+                                  f"range of the pool 0..{self.num_blocks}")
+        if self._state.count(FREE, start, stop) != stop - start:
+            bad = next(i for i in range(start, stop) if self._state[i] != FREE)
+            raise AllocationError(f"cannot take id {bad}: it is not free")
+        i = start
+        while i < stop:
+            run_start = self._run_containing(i)
+            run_end = self._run_end[run_start]
+            end = min(run_end, stop)
+            self._take(i, end, run_start, run_end)
+            i = end
+
     def free(self, ids: Iterable[int]) -> None:
         """Give ``ids`` back, in any order, as few ranges as they form (vLLM frees a
         request's blocks tail first: one range). Each range merges with its free

@@ -33,7 +33,8 @@ from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS, RequestSpe
 ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout",
                "save_result", "result_filename", "result_dir")
 OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "check_outputs",
-                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "arrivals")
+                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "arrivals",
+                "elastic", "elastic_options")
 
 
 ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -89,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="JSON Lines trace (see proxima.workloads; default: none)")
     src.add_argument("--requests", "-n", "--num-prompts", dest="requests", type=int, metavar="N",
                      help=f"number of requests (default: the workload's: chat 100, sharegpt "
-                          f"1000, multiturn 400, pressure 500; with --trace: all its lines; "
+                          f"1000, multiturn 400, pressure 500, bursts 800; with --trace: all its lines; "
                           f"at most {MAX_REQUESTS:,})")
     src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     src.add_argument("--max-model-len", type=int, metavar="TOKENS",
@@ -133,6 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--tensor-parallel-size", type=int, metavar="TP", help="GPUs (default 1)")
     off.add_argument("--enforce-eager", action="store_true", default=None,
                      help="no torch.compile / CUDA graphs (default: off)")
+    off.add_argument("--elastic", action="store_true", default=None,
+                     help="the Proxima runs with elastic KV memory (vLLM 0.26: PROXIMA_ELASTIC=1, "
+                          "Proxima's connector; stock runs unchanged) (default: off)")
+    off.add_argument("--elastic-options", metavar="K=V,...",
+                     help="with --elastic: elastic KV options, e.g. min_bytes=2GiB,"
+                          "release_delay_s=5 (see proxima serve --help; default: none)")
     off.add_argument("--check-outputs", action="store_true", default=None,
                      help="compare generated token ids of every run with the first stock run "
                           "(default: off)")
@@ -367,6 +374,22 @@ def untrustworthy(results: dict) -> list[str]:
     return reasons
 
 
+def _elastic_options(args) -> dict | None:
+    """``--elastic-options`` checked (one line for a bad one); needs ``--elastic``."""
+    if args.elastic_options is not None and not args.elastic:
+        raise UserError("--elastic-options needs --elastic")
+    if not args.elastic:
+        return None
+    from proxima.engines import elastic_v1
+
+    options = elastic_v1._parse_options(args.elastic_options or "")
+    try:
+        elastic_v1.ElasticOptions.from_extra(options)
+    except UserError as exc:
+        raise UserError(f"--elastic-options: {exc}") from None
+    return options
+
+
 def run_offline_mode(args) -> int:
     stray = _given(args, ONLINE_ONLY)
     if stray:
@@ -382,7 +405,8 @@ def run_offline_mode(args) -> int:
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
         enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
         seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress,
-        arrivals=args.arrivals or "held")
+        arrivals=args.arrivals or "held", elastic=bool(args.elastic),
+        elastic_options=_elastic_options(args))
     validate(config)
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
@@ -431,6 +455,8 @@ def _checkpoint(args, config, workload: Workload, specs):
 
 def _offline_info(args, config, workload: Workload, specs) -> dict:
     info = _workload_info(args, workload, specs, "offline")
+    if config.elastic:
+        info["elastic"] = {"proxima_runs": True, "options": config.elastic_options or {}}
     info.update(settings={k: v for k, v in vars(config).items() if k != "progress"})
     return info
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from proxima.bench.stats import median, spread
-from proxima.engines.activation import ENV as ALLOCATOR_ENV, OBSERVE_ENV
+from proxima.engines.activation import ELASTIC_ENV, ENV as ALLOCATOR_ENV, OBSERVE_ENV
 from proxima.engines.status import STATS_ENV, read_status
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
@@ -84,6 +84,10 @@ class OfflineConfig:
     check_outputs: bool = False
     progress: bool = True
     arrivals: str = "held"      # see hold_arrivals
+    #: the Proxima runs with elastic KV memory (PROXIMA_ELASTIC=1 and Proxima's connector,
+    #: these options): the stock runs are unchanged
+    elastic: bool = False
+    elastic_options: dict | None = None
 
 
 def validate(config: OfflineConfig) -> None:
@@ -253,6 +257,10 @@ def compare_tokens(reference: Sequence[Sequence[int]], other: Sequence[Sequence[
 def default_build_llm(kwargs: dict):
     """Build vLLM's ``LLM`` (imported here: the rest of this module needs no vLLM)."""
     from vllm import LLM
+    if isinstance(kwargs.get("kv_transfer_config"), dict):
+        from vllm.config import KVTransferConfig
+
+        kwargs = dict(kwargs, kv_transfer_config=KVTransferConfig(**kwargs["kv_transfer_config"]))
     try:
         return LLM(**kwargs)
     except ValueError as exc:               # vLLM's own argument checks, e.g. KV too small
@@ -365,8 +373,17 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
     # Stock runs are observed (read-only, see proxima.engines.observe_v1) for their contiguity.
     flags = {ALLOCATOR_ENV: "1" if allocator == "proxima" else "0", STATS_ENV: str(status_path),
              OBSERVE_ENV: "0" if allocator == "proxima" else "1"}
+    kwargs = llm_kwargs(config)
+    elastic = config.elastic and allocator == "proxima"
+    flags[ELASTIC_ENV] = "1" if elastic else "0"
+    if elastic:
+        # The engine core's plugin activates elastic mode; the connector must also be in
+        # this process's engine config (its plugin was loaded once, by the first run).
+        from proxima.engines.elastic_v1 import connector_config
+
+        kwargs["kv_transfer_config"] = connector_config(config.elastic_options)
     with scoped_env(flags):                 # the engine core copies them when it starts
-        llm = build_llm(llm_kwargs(config))
+        llm = build_llm(kwargs)
     try:
         blocks = kv_blocks_of(llm)
         before = metric_total(llm.get_metrics(), "vllm:num_preemptions")
@@ -399,8 +416,23 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
         "kv_blocks": blocks,
         "arrivals": "held" if held else "as-sent",
         "contiguity": contiguity(sampler.snapshots),
+        "elastic": elastic_figures(sampler.snapshots) if elastic else None,
     }
     return figures, tokens
+
+
+def elastic_figures(snapshots: Sequence[dict]) -> dict | None:
+    """Mapped KV bytes over a run from the status snapshots (mean, peak, last) and the
+    policy's counters at the end; None when the engine reported no elastic section."""
+    sections = [s["elastic"] for s in snapshots if isinstance(s.get("elastic"), dict)]
+    if not sections:
+        return None
+    mapped = [e.get("mapped_bytes") or 0 for e in sections]
+    last = sections[-1]
+    return {"mapped_bytes_mean": sum(mapped) / len(mapped), "mapped_bytes_peak": max(mapped),
+            "mapped_bytes_last": mapped[-1], "pool_bytes": last.get("pool_bytes"),
+            **{k: last.get(k) for k in ("grows", "shrinks", "failed_grows", "bytes_returned",
+                                        "evicted_cached", "policy")}}
 
 
 def summarize(runs: Sequence[dict]) -> dict:

@@ -19,6 +19,9 @@ naming the variable, the value and what is accepted)
     ``PROXIMA_ALLOW_UNTESTED_VLLM``  ``1``: try an untested vLLM anyway; ``0`` / unset: refuse.
     ``PROXIMA_ELASTIC``    ``1`` (with ``PROXIMA_ALLOCATOR=1``, V1 only): elastic KV memory
                            (:mod:`proxima.engines.elastic_v1`); ``0`` / unset: a fixed pool.
+    ``PROXIMA_ELASTIC_OPTIONS``  with ``PROXIMA_ELASTIC=1``: the elastic options,
+                           ``key=value,...`` or a JSON object (checked by
+                           :class:`proxima.engines.elastic_v1.ElasticOptions`); unset: defaults.
     ``PROXIMA_STATS_FILE`` a file path in a writable directory: where the engine writes its
                            status (:mod:`proxima.engines.status`); unset: no status file.
 
@@ -42,6 +45,7 @@ OBSERVE_ENV = "PROXIMA_OBSERVE"
 ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
 STATS_ENV = "PROXIMA_STATS_FILE"
 ELASTIC_ENV = "PROXIMA_ELASTIC"
+ELASTIC_OPTIONS_ENV = "PROXIMA_ELASTIC_OPTIONS"
 LOG_LINE = "Using Proxima contiguous allocator"
 
 logger = logging.getLogger("vllm.proxima")   # a child of vLLM's logger: its handler, its format
@@ -249,6 +253,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              _switch, False),
     Variable(ELASTIC_ENV, "1 (elastic KV memory, with PROXIMA_ALLOCATOR=1) or 0 / unset "
              "(a fixed KV pool)", _switch, False),
+    Variable(ELASTIC_OPTIONS_ENV, "key=value,... or a JSON object of elastic KV options "
+             "(see proxima serve --help), or unset (the defaults)", str, ""),
     Variable(STATS_ENV, "a file path in a writable directory, or unset (no status file)",
              _stats_file, None),
 )}

@@ -39,16 +39,24 @@ Order of events for one granule: the scheduler side makes its blocks unallocatab
 sends ``UNMAP`` with step N; the worker synchronises the device and unmaps before step N's
 forward. To grow, ``MAP`` goes with step N, the worker maps (and zero-fills) before step
 N's forward and reports; only when the report arrives are the blocks allocatable again, so
-no forward can read a granule whose map failed. Until the allocator itself knows granules
-(a later helper), :class:`HeldGranules` withholds the blocks of unmapped granules from
-vLLM's block pool by holding a reference on them.
+no forward can read a granule whose map failed.
+
+Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
+Proxima's block pool, its free queue becomes granule-aware
+(:class:`proxima.engines.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
+packed) and :class:`proxima.memory.policy.GrowShrinkPolicy` grows and shrinks it at each
+step boundary (``policy: auto``); :class:`ForcedCycler` is a test policy. A stock pool gets
+the channel only (``policy: off``: the whole pool stays mapped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +72,7 @@ from proxima.engines import elastic_v1
 from proxima.errors import UserError
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
+from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -113,94 +122,69 @@ def _current_stream() -> int:
     return torch.cuda.current_stream().cuda_stream if torch.cuda.is_initialized() else 0
 
 
-class HeldGranules:
-    """Keeps the blocks of unmapped granules out of vLLM's block pool (stock or Proxima's
-    free queue): each is taken with ``BlockPool.touch`` (as a prefix-cache hit would) when
-    its granule is released, and given back with ``free_blocks`` once its map is
-    confirmed. So the scheduler's free-block count is the mapped capacity and no request
-    can be given an unmapped block. A stand-in until the pool accounts for granules."""
-
-    def __init__(self, block_pool: "BlockPool", channel: ElasticChannel) -> None:
-        self.pool = block_pool
-        self.channel = channel
-        self.blocks: dict[int, list] = {}          # granule -> its withheld blocks
-        channel.listeners.append(self._on_map)
-
-    def _releasable(self, g: int) -> bool:
-        if g == 0 or self.channel.state[g] != MAPPED:
-            return False
-        blocks = self.pool.blocks
-        return all(blocks[b].ref_cnt == 0 and blocks[b].block_hash is None
-                   for b in self.channel.blocks_of(g))
-
-    def free_granules(self, limit: int) -> list[int]:
-        """Up to ``limit`` granules whose blocks are all free and hold no cached KV."""
-        out = []
-        for g in range(1, self.channel.num_granules):
-            if self._releasable(g):
-                out.append(g)
-                if len(out) == limit:
-                    break
-        return out
-
-    def release(self, granules) -> None:
-        for run in runs(sorted(granules)):
-            for g in run:
-                if not self._releasable(g):
-                    raise ChannelError(f"granule {g} holds a block in use or cached KV; it "
-                                       "cannot be unmapped")
-            for g in run:
-                blocks = [self.pool.blocks[b] for b in self.channel.blocks_of(g)]
-                self.pool.touch(blocks)
-                self.blocks[g] = blocks
-            self.channel.unmap(run.start, len(run))
-
-    def regrow(self, granules) -> None:
-        for run in runs(sorted(granules)):
-            self.channel.map(run.start, len(run))
-
-    def _on_map(self, run: range, ok: bool) -> None:
-        if ok:
-            for g in run:
-                blocks = self.blocks.pop(g, None)
-                if blocks:
-                    self.pool.free_blocks(blocks)
-
-
 class ForcedCycler:
-    """A test policy: every ``every`` steps release up to ``granules`` free granules, map
-    them back ``hold`` steps later, and count a cycle once the maps are confirmed."""
+    """A test policy: every ``every`` steps release up to ``granules`` granules that hold
+    neither live nor cached blocks, map them back ``hold`` steps later, and count a cycle
+    once the maps are confirmed (a map the GPU cannot back is asked again).
 
-    def __init__(self, held: HeldGranules, every: int, hold: int, granules: int) -> None:
-        self.held, self.every, self.hold, self.granules = held, every, hold, granules
+    ``safe``: release only while the free blocks left in mapped memory cover what the held
+    requests may still need (``forecast``) plus ``margin``, so that no allocation ever
+    evicts a cached block stock would have kept and no admission changes: the schedule,
+    and so greedy output, stay identical to stock's (the GPU identity proof relies on it).
+    """
+
+    def __init__(self, queue, channel: ElasticChannel, every: int, hold: int, granules: int,
+                 safe: bool = True, forecast=None, margin: int = 0) -> None:
+        self.queue, self.channel = queue, channel
+        self.every, self.hold, self.granules = every, hold, granules
+        self.safe, self.forecast, self.margin = safe, forecast, margin
         self.cycles = 0
         self.out: list[int] = []
         self._since = 0
         self._mapping = False
 
+    def _candidates(self) -> list[int]:
+        q = self.queue
+        free_only = sorted((g for g, cached in q.releasable()
+                            if not cached and self.channel.state[g] == MAPPED), reverse=True)
+        if not self.safe:
+            return free_only[:self.granules]
+        spare = q.buddy.num_free - (self.forecast() if self.forecast else 0) - self.margin
+        out = []
+        for g in free_only:
+            size = len(q.granules.ids_of(g))
+            if len(out) == self.granules or spare < size:
+                break
+            out.append(g)
+            spare -= size
+        return out
+
     def tick(self, step: int) -> bool:
         """Advance at a step boundary; True when a cycle completed now."""
-        held, state = self.held, self.held.channel.state
+        state = self.channel.state
         if not self.out:
-            if step % self.every == 0:
-                self.out = held.free_granules(self.granules)
+            idle = not self.queue.live_blocks() and not (self.forecast and self.forecast())
+            if step % self.every == 0 and not idle:     # an idle engine sleeps: no cycle
+                self.out = self._candidates()
                 if self.out:
-                    held.release(self.out)
+                    self.queue.release(self.out)
+                    for run in runs(sorted(self.out)):
+                        self.channel.unmap(run.start, len(run))
                     self._since, self._mapping = step, False
             return False
         if not self._mapping:
             if step - self._since >= self.hold:
-                held.regrow(self.out)
+                for run in runs(sorted(self.out)):
+                    self.channel.map(run.start, len(run))
                 self._mapping = True
             return False
-        if any(g in held.blocks for g in self.out):
-            retry = [g for g in self.out if state[g] == UNMAPPED and g in held.blocks]
-            if retry:                     # the GPU had no memory: ask again
-                held.regrow(retry)
+        if any(state[g] != MAPPED for g in self.out):
+            retry = [g for g in self.out if state[g] == UNMAPPED]
+            for run in runs(retry):          # the GPU had no memory: ask again
+                self.channel.map(run.start, len(run))
             return False
         self.out, self.cycles = [], self.cycles + 1
         return True
-
 
 class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     """Carries :mod:`proxima.memory.ops` batches to the workers; loads and saves nothing."""
@@ -210,9 +194,14 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.options = elastic_v1.ElasticOptions.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
         self.channel: ElasticChannel | None = None
-        self.held: HeldGranules | None = None
+        self.queue = None                   # the pool's granule-aware free queue
+        self.policy: GrowShrinkPolicy | None = None
         self.cycler: ForcedCycler | None = None
+        self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
+        self._pool = None
+        self._last_allocated = 0
+        self._step_allocs: deque[int] = deque(maxlen=64)
         self._memory = None
         self._kv_caches: dict | None = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
@@ -228,7 +217,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 raise UserError("elastic KV memory and vLLM's sleep mode both manage the KV "
                                 "memory; use one of them (unset PROXIMA_ELASTIC or "
                                 "--enable-sleep-mode)")
-            elastic_v1.install_allocation_hook(self.options)
+            elastic_v1.install_allocation_hook(self.options, vllm_config)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -287,27 +276,82 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._applied:
             return None
+        stats = self._memory.stats
         report = Report(tuple(self._applied), self._memory.mapped_granules,
-                        self._memory.granule_blocks)
+                        self._memory.granule_blocks, stats["map_seconds"],
+                        stats["unmap_seconds"])
         self._applied = []
         return ElasticWorkerMetadata(report)
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
-        g = predicted_granule_blocks(self._kv_cache_config, self.options.granule_bytes)
-        self.channel = ElasticChannel(gpu_block_pool.num_gpu_blocks, g)
-        self.held = HeldGranules(gpu_block_pool, self.channel)
-        initial = self.options.initial_granules
-        if initial is not None and initial < self.channel.num_granules:
-            self.held.release(range(initial, self.channel.num_granules))
-        if self.options.force_cycle_every:
-            self.cycler = ForcedCycler(self.held, self.options.force_cycle_every,
-                                       self.options.force_cycle_hold,
-                                       self.options.force_cycle_granules)
-        # A pool that accounts for granules itself (a later helper) takes the channel here.
-        bind = getattr(gpu_block_pool.free_block_queue, "bind_elastic_channel", None)
-        if bind is not None:
-            bind(self.channel)
+        opts = self.options
+        g = predicted_granule_blocks(self._kv_cache_config, opts.granule_bytes)
+        ch = self.channel = ElasticChannel(gpu_block_pool.num_gpu_blocks, g)
+        self._pool = gpu_block_pool
+        sizes, _ = elastic_v1.kv_regions(self._kv_cache_config)
+        self.bytes_per_granule = g * sum(sizes) // self._kv_cache_config.num_blocks
+        startup, initial = elastic_v1.startup_granules(
+            opts, self._vllm_config, self._kv_cache_config, g, self.bytes_per_granule)
+        self.startup_granules = startup          # what the workers map at start-up
+        use_granules = getattr(gpu_block_pool, "proxima_use_granules", None)
+        if opts.policy == "off":
+            return                               # the whole pool stays mapped, as stock
+        if use_granules is None:
+            raise UserError(f"{elastic_v1.CONNECTOR} with policy {opts.policy!r} needs "
+                            f"Proxima's block pool (PROXIMA_ALLOCATOR=1); with a stock pool "
+                            f"only policy 'off' works")
+        self.queue = queue = use_granules(g, opts.eviction_policy(), mapped=startup)
+        ch.state[startup:] = bytes([UNMAPPED]) * (ch.num_granules - startup)
+        ch.listeners.append(self._on_map)
+        if initial < startup:                    # warm-up needed more than the initial size
+            queue.release(range(initial, startup))
+            ch.unmap(initial, startup - initial)
+        if opts.policy == "auto":
+            self.policy = GrowShrinkPolicy(
+                queue, ch, self.bytes_per_granule, opts.policy_options(),
+                clock=lambda: self.clock(), forecast=self._forecast,
+                compactor=self._load_compactor())
+        if opts.force_cycle_every:
+            self.cycler = ForcedCycler(queue, ch, opts.force_cycle_every,
+                                       opts.force_cycle_hold, opts.force_cycle_granules,
+                                       safe=opts.force_cycle_safe, forecast=self._forecast,
+                                       margin=self._step_reserve())
+        gpu_block_pool.proxima_elastic = self.status
+        logger.info("Proxima elastic KV: %d granules of %d blocks (%.1f MiB each), %d mapped "
+                    "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
+                    self.bytes_per_granule / 2**20, startup, initial, opts.policy,
+                    queue.eviction)
+
+    def _load_compactor(self):
+        spec = self.options.compactor
+        if not spec:
+            return None
+        import importlib
+
+        module, _, name = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {spec!r} cannot be loaded "
+                            f"({exc}); give module:factory") from None
+        return factory(self.queue, self.channel)
+
+    def _forecast(self) -> int:
+        """Blocks the requests the scheduler holds may still need (prompt + max_tokens,
+        minus what is live): the memory to have before the scheduler runs short."""
+        pool = self._pool
+        expected = getattr(pool, "proxima_expected_blocks", 0)
+        return max(0, expected - self.queue.live_blocks()) if expected else 0
+
+    def _step_reserve(self) -> int:
+        """Twice the most blocks one of the last 64 steps allocated (two steps may be in
+        flight with async scheduling)."""
+        return 2 * max(self._step_allocs, default=0)
+
+    def _on_map(self, granules: range, ok: bool) -> None:
+        if ok:
+            self.queue.on_mapped(granules)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -321,9 +365,31 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return ElasticMetadata()
         if self.options.verify:
             self._verify(scheduler_output)
+        if self.queue is not None:
+            allocated = self.queue.allocated_total
+            self._step_allocs.append(allocated - self._last_allocated)
+            self._last_allocated = allocated
+        if self.policy is not None:
+            self.policy.options = dataclasses.replace(
+                self.policy.options,
+                reserve_blocks=max(self.options.reserve_blocks, self._step_reserve()))
+            self.policy.step()
         if self.cycler is not None:
+            self.cycler.margin = self._step_reserve()
             self.cycler.tick(self.steps)
-        return ElasticMetadata(self.channel.build())
+        batch = self.channel.build()
+        if batch is not None and self._pool is not None:
+            publish = getattr(self._pool, "publish_status", None)
+            if publish is not None:
+                publish(now=True)
+        elif (self.options.idle_sleep_s and scheduler_output.total_num_scheduled_tokens == 0
+              and self.policy is not None and self.policy.pending and not self.channel.pending
+              and not getattr(self._pool, "proxima_expected_tokens", None)):
+            # An idle engine kept stepping only for a release that waits for its delay:
+            # sleep a little per empty step instead of spinning (new requests wait at most
+            # this long; vLLM's own loop sleeps 1 ms here).
+            time.sleep(min(self.options.idle_sleep_s, self.policy.due_in() or 0.0))
+        return ElasticMetadata(batch)
 
     def _verify(self, scheduler_output) -> None:
         """No block handed out this step may lie in a granule that is not mapped."""
@@ -352,17 +418,71 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        return self.channel is not None and self.channel.pending
+        """Ops to deliver or confirm, or a release waiting for its delay: the engine keeps
+        stepping (empty steps) until they are done -- vLLM 0.26's hook for a connector
+        that must keep an idle scheduler alive (``Scheduler.has_requests``)."""
+        if self.channel is None:
+            return False
+        return (self.channel.pending or (self.policy is not None and self.policy.pending)
+                or (self.cycler is not None and bool(self.cycler.out)))
 
-    def stats(self) -> dict:
+    # ================================================================ control
+    def control(self, request: dict) -> dict:
+        """The ``proxima_kv`` utility (engine loop, between steps): apply ``min_bytes`` /
+        ``max_bytes`` (None: no maximum but the pool) if given, act on them now, and return
+        :meth:`status`. A bad request is ``{"error": ...}``."""
+        if self.policy is None:
+            return {"error": f"elastic KV runs with policy {self.options.policy!r}: its size "
+                             "is fixed (start it with policy auto to set min/max)",
+                    **self.status()}
+        if request:
+            unknown = sorted(set(request) - {"min_bytes", "max_bytes"})
+            if unknown:
+                return {"error": f"unknown field(s) {', '.join(unknown)}: give min_bytes "
+                                 "and/or max_bytes"}
+            try:
+                values = {k: (None if v is None else parse_bytes(v)) for k, v in request.items()}
+                lo = values.get("min_bytes", self.policy.options.min_bytes)
+                if lo is None:
+                    lo = 0
+                hi = values["max_bytes"] if "max_bytes" in values else self.policy.options.max_bytes
+                if hi is not None and hi < lo:
+                    raise ValueError(f"max_bytes {hi} is below min_bytes {lo}")
+                self.policy.set_limits(lo, hi, clear_max=hi is None)
+            except ValueError as exc:
+                return {"error": str(exc), **self.status()}
+            self.policy.step()
+            logger.info("Proxima elastic KV: limits set to min %d, max %s bytes", lo,
+                        "pool" if hi is None else hi)
+        return self.status()
+
+    # ================================================================ reporting
+    def status(self) -> dict:
+        """Mapped / used / reclaimable bytes, the limits and the counters (JSON-able)."""
         ch = self.channel
         if ch is None:
             return {"steps": self.steps}
-        return {"steps": self.steps, "granule_blocks": ch.granule_blocks,
-                "num_granules": ch.num_granules, "num_blocks": ch.num_blocks,
-                "mapped": ch.count(MAPPED), "unmapped": ch.count(UNMAPPED),
-                "held_granules": len(self.held.blocks), "reported_mapped": ch.reported_mapped,
-                "forced_cycles": self.cycler.cycles if self.cycler else 0, **ch.stats}
+        out = {"steps": self.steps, "policy": self.options.policy,
+               "granule_blocks": ch.granule_blocks, "num_granules": ch.num_granules,
+               "num_blocks": ch.num_blocks, "mapped": ch.count(MAPPED),
+               "unmapped": ch.count(UNMAPPED), "reported_mapped": ch.reported_mapped,
+               "forced_cycles": self.cycler.cycles if self.cycler else 0, **ch.stats}
+        B = getattr(self, "bytes_per_granule", 0)
+        out["bytes_per_granule"] = B
+        if self.queue is not None:
+            out["pool"] = self.queue.granule_stats()
+        if self.policy is not None:
+            out.update(self.policy.snapshot())
+        else:
+            live = self.queue.live_blocks() if self.queue is not None else None
+            releasable = len(self.queue.releasable()) if self.queue is not None else 0
+            out.update(mapped_bytes=ch.count(MAPPED) * B,
+                       used_bytes=None if live is None else live * B // ch.granule_blocks,
+                       reclaimable_bytes=releasable * B, pool_bytes=ch.num_granules * B)
+        return out
+
+    def stats(self) -> dict:
+        return self.status()
 
     def write_stats(self) -> None:
         path = self.options.stats_file
@@ -370,7 +490,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump(self.stats(), f)
+            json.dump(self.status(), f)
         os.replace(tmp, path)
 
     def shutdown(self) -> None:

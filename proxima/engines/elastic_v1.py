@@ -33,9 +33,10 @@ What warm-up and capture touch (vLLM 0.26): ``profile_run`` runs before the KV c
 exists. ``_dummy_run`` (compile sizes, CUDA-graph capture) fills every slot mapping with
 ``PAD_SLOT_ID`` (no KV writes) and reads through the persistent block tables, all zeros at
 start-up (block 0, the null block, which is never unmapped). ``warmup_kernels`` then runs
-real steps writing block ids from 1 up to about ``max_num_seqs`` -- so the whole pool is
-mapped at start-up, and the scheduler's first step may release granules
-(``initial_granules``). CUDA graphs capture virtual addresses, which never move, so they
+real steps writing block ids from 1 up to about ``max_num_seqs`` -- so the workers map
+those granules and the initial size at start-up (:func:`startup_granules`, computed from
+the same configs on both sides), and the scheduler releases what is above the initial size
+before the first request. CUDA graphs capture virtual addresses, which never move, so they
 replay correctly whatever is mapped under the blocks they do not touch. Later dummy runs
 (data-parallel ranks with no work) read stale block ids and are why elastic mode refuses
 ``data_parallel_size > 1``.
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 
 from proxima.engines import activation
 from proxima.errors import UserError
+from proxima.memory.policy import PolicyOptions
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -65,25 +67,66 @@ def enabled(environ: dict | None = None) -> bool:
 
 # ----------------------------------------------------------------------------- options
 
+POLICIES = ("auto", "fixed", "off")
+_POLICY = PolicyOptions()          # the grow/shrink defaults: one place (proxima.memory.policy)
+
+
 @dataclass(frozen=True)
 class ElasticOptions:
-    """The connector's ``kv_connector_extra_config`` (same dict on both sides).
+    """The connector's ``kv_connector_extra_config`` (same dict on both sides), also read
+    from ``PROXIMA_ELASTIC_OPTIONS`` (``key=value,key=value`` or a JSON object) when the
+    plugin configures the connector. Sizes take a unit (``2GiB``, ``512MiB``, ``8GB``).
 
+    ``policy``: ``auto`` (the default: the pool places by granule and the memory grows and
+    shrinks with the load, :mod:`proxima.memory.policy`), ``fixed`` (placement by granule,
+    the whole pool mapped: only forced cycles release memory) or ``off`` (item 1: the whole
+    pool mapped, the pool unchanged; the channel carries other ops only).
+    ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
+    ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
+    vLLM's warm-up writes); ``headroom``, ``reserve_blocks``, ``release_delay_s``,
+    ``retry_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
+    ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
+    ``lru``, ``age:N``, ``window:W``). ``compactor``: ``module:factory`` of a compaction
+    hook (issue 14): ``factory(queue, channel) -> fn(pool, granules_wanted) -> emptied``,
+    asked before a shrink that finds too few empty granules (None: no compaction).
+    ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
+    step sleeps this long (the engine loop's only wake-up; 0: none).
     ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity).
-    ``initial_granules``: granules left mapped after start-up (None: all).
+    ``zero_on_map``: zero-fill memory when it is mapped (default true; stock vLLM does not
+    zero its KV memory unless its KV cache config needs it, so false is what stock does).
+    ``initial_granules``: granules mapped after start-up (overrides ``initial_bytes``).
     ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
-    that every N steps releases up to ``granules`` free granules and maps them back ``hold``
-    steps later (0: off). ``stats_file``: where the scheduler side writes its counters
-    (JSON). ``verify``: check every step that no new block lies in an unmapped granule.
+    that every N steps releases up to ``granules`` granules holding neither live nor cached
+    blocks and maps them back ``hold`` steps later (0: off); with ``force_cycle_safe`` only
+    while the free blocks left cover what the held requests may still need, so that no
+    scheduling decision changes. ``stats_file``: where the scheduler side writes its
+    counters (JSON). ``verify``: check every step that no new block lies in an unmapped
+    granule.
     """
 
+    policy: str = "auto"
+    min_bytes: int = _POLICY.min_bytes
+    max_bytes: int | None = _POLICY.max_bytes
+    initial_bytes: int | None = None
+    headroom: float = _POLICY.headroom
+    reserve_blocks: int = _POLICY.reserve_blocks
+    release_delay_s: float = _POLICY.release_delay_s
+    retry_s: float = _POLICY.retry_s
+    forecast: bool = _POLICY.forecast
+    eviction: str = "auto"
+    compactor: str | None = None
+    idle_sleep_s: float = 0.005
     granule_bytes: int = 2 << 20
+    zero_on_map: bool = True
     initial_granules: int | None = None
     force_cycle_every: int = 0
     force_cycle_hold: int = 2
     force_cycle_granules: int = 4
+    force_cycle_safe: bool = True
     stats_file: str | None = None
     verify: bool = True
+
+    _SIZES = ("min_bytes", "max_bytes", "initial_bytes", "granule_bytes")
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":
@@ -91,22 +134,160 @@ class ElasticOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - names)
         if unknown:
-            raise UserError(f"{CONNECTOR}: unknown option(s) {', '.join(unknown)} in "
-                            f"kv_connector_extra_config; known: {', '.join(sorted(names))}")
+            raise UserError(f"{CONNECTOR}: unknown option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(names))}")
+        from proxima.memory.policy import parse_bytes
+
+        for name in cls._SIZES:
+            if isinstance(extra.get(name), str):
+                try:
+                    extra[name] = parse_bytes(extra[name])
+                except ValueError as exc:
+                    raise UserError(f"{CONNECTOR}: {name}: {exc}") from None
         opts = cls(**extra)
-        for name in ("granule_bytes", "force_cycle_hold", "force_cycle_granules"):
-            value = getattr(opts, name)
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"{CONNECTOR}: {name} must be a positive integer, got "
-                                f"{value!r}")
-        if not isinstance(opts.force_cycle_every, int) or opts.force_cycle_every < 0:
-            raise UserError(f"{CONNECTOR}: force_cycle_every must be 0 (off) or a number of "
-                            f"steps, got {opts.force_cycle_every!r}")
-        if opts.initial_granules is not None and (
-                not isinstance(opts.initial_granules, int) or opts.initial_granules < 1):
-            raise UserError(f"{CONNECTOR}: initial_granules must be at least 1 (granule 0 "
-                            f"holds the null block), got {opts.initial_granules!r}")
+        opts._validate()
         return opts
+
+    def _validate(self) -> None:
+        def bad(name, what):
+            raise UserError(f"{CONNECTOR}: {name} must be {what}, got {getattr(self, name)!r}")
+
+        if self.policy not in POLICIES:
+            bad("policy", " or ".join(POLICIES))
+        for name in ("granule_bytes", "force_cycle_hold", "force_cycle_granules"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                bad(name, "a positive integer")
+        for name in ("min_bytes", "reserve_blocks"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                bad(name, "an integer >= 0")
+        for name in ("max_bytes", "initial_bytes"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                bad(name, "a size >= 0 or null")
+        if self.max_bytes is not None and self.max_bytes < self.min_bytes:
+            raise UserError(f"{CONNECTOR}: max_bytes ({self.max_bytes}) is below min_bytes "
+                            f"({self.min_bytes})")
+        for name in ("headroom", "release_delay_s", "retry_s", "idle_sleep_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                bad(name, "a number >= 0")
+        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
+        if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:
+            bad("force_cycle_every", "0 (off) or a number of steps")
+        if self.initial_granules is not None and (
+                type(self.initial_granules) is not int or self.initial_granules < 1):
+            bad("initial_granules", "at least 1 (granule 0 holds the null block)")
+        if self.force_cycle_every and self.policy == "off":
+            raise UserError(f"{CONNECTOR}: forced cycles need the pool to place by granule: "
+                            f"use policy fixed or auto, not off")
+        if self.compactor is not None and (not isinstance(self.compactor, str)
+                                           or ":" not in self.compactor):
+            bad("compactor", "'module:factory' or null")
+        from proxima.allocator.granules import EvictionPolicy
+
+        try:
+            EvictionPolicy.parse(self.eviction)
+        except ValueError as exc:
+            raise UserError(f"{CONNECTOR}: {exc}") from None
+
+    @classmethod
+    def from_env(cls, environ: dict | None = None) -> dict:
+        """``PROXIMA_ELASTIC_OPTIONS`` as an extra-config dict (validated): empty when
+        unset. ``key=value`` pairs are comma-separated; values are JSON where they parse
+        (numbers, true/false, null), else strings (sizes with units, policy names)."""
+        text = activation.read(activation.ELASTIC_OPTIONS_ENV, environ)
+        if not text:
+            return {}
+        extra = _parse_options(text)
+        cls.from_extra(extra)
+        return extra
+
+    def eviction_policy(self):
+        from proxima.allocator.granules import EvictionPolicy
+
+        return EvictionPolicy.parse(self.eviction)
+
+    def policy_options(self, reserve_blocks: int = 0):
+        return PolicyOptions(min_bytes=self.min_bytes, max_bytes=self.max_bytes,
+                             headroom=float(self.headroom),
+                             reserve_blocks=max(self.reserve_blocks, reserve_blocks),
+                             release_delay_s=float(self.release_delay_s),
+                             retry_s=float(self.retry_s), forecast=self.forecast)
+
+
+def _parse_options(text: str) -> dict:
+    import json
+
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: not JSON ({exc.msg}): give "
+                            f"key=value,key=value or a JSON object") from None
+        if not isinstance(value, dict):
+            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: a JSON object is needed")
+        return value
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: {item!r} is not key=value "
+                            f"(e.g. min_bytes=2GiB,max_bytes=80GiB)")
+        raw = raw.strip()
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def warmup_blocks(vllm_config, kv_cache_config) -> int:
+    """The highest block id vLLM 0.26's ``warmup_kernels`` (``v1/worker/gpu/warmup.py``)
+    writes: ``num_reqs`` requests, each given distinct ids from 1 for every KV cache group
+    (prefill of ``decode_query_len + 1`` tokens, then ``decode_query_len`` decoded). Both
+    sides compute it from the same configs, so the scheduler knows what the workers map
+    at start-up."""
+    sched = vllm_config.scheduler_config
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    num_spec = getattr(spec_config, "num_speculative_tokens", 0) or 0 if spec_config else 0
+    decode_query_len = 1 + num_spec
+    prompt_len = decode_query_len + 1
+    decode_len = prompt_len + decode_query_len
+    per_req = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        block_size = getattr(spec, "block_size", 16)
+        per_req += -(-decode_len // block_size) + getattr(spec, "num_speculative_blocks", 0)
+    per_req = max(per_req, 1)
+    num_reqs = min(sched.max_num_seqs,
+                   sched.max_num_batched_tokens // max(prompt_len, decode_query_len),
+                   max(1, (kv_cache_config.num_blocks - 1) // per_req))
+    return num_reqs * per_req
+
+
+def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
+                     granule_blocks: int, bytes_per_granule: int) -> tuple[int, int]:
+    """``(mapped at start-up, kept after the first step)`` in granules (always from 0):
+    the workers map what warm-up writes and the initial size, the scheduler releases what
+    is above the initial size before the first request."""
+    total = -(-kv_cache_config.num_blocks // granule_blocks)
+    if options.policy == "off":
+        return total, total
+    if options.initial_granules is not None:
+        initial = options.initial_granules
+    elif options.policy == "fixed":
+        initial = total
+    else:
+        size = options.min_bytes if options.initial_bytes is None else options.initial_bytes
+        initial = -(-size // bytes_per_granule)
+    warm = -(-(warmup_blocks(vllm_config, kv_cache_config) + 1) // granule_blocks)
+    initial = min(total, max(1, initial))
+    return min(total, max(initial, warm)), initial
 
 
 def connector_config(extra: dict | None = None) -> dict:
@@ -119,14 +300,14 @@ def connector_config(extra: dict | None = None) -> dict:
             "kv_role": "kv_producer", "kv_connector_extra_config": dict(extra or {})}
 
 
-def with_elastic_connector(ktc):
+def with_elastic_connector(ktc, extra: dict | None = None):
     """``ktc`` (a vLLM ``KVTransferConfig``, a dict or None) with Proxima's connector in it:
     alone, already there, prepended to a ``MultiConnector``'s list, or composed with the
     user's connector in a new ``MultiConnector`` (Proxima's first, so its maps are applied
     before another connector loads KV into fresh blocks)."""
     from vllm.config import KVTransferConfig
 
-    ours = connector_config()
+    ours = connector_config(extra)
     if ktc is None:
         return KVTransferConfig(**ours)
     if isinstance(ktc, dict):
@@ -153,8 +334,11 @@ def with_elastic_connector(ktc):
 _saved: list[tuple[object, str, object]] = []
 
 
+_ABSENT = object()
+
+
 def _patch(owner, name: str, value) -> None:
-    _saved.append((owner, name, getattr(owner, name)))
+    _saved.append((owner, name, getattr(owner, name, _ABSENT)))
     setattr(owner, name, value)
 
 
@@ -190,13 +374,20 @@ def unsupported_reason() -> str | None:
 
 
 def activate() -> None:
-    """Route every engine this process configures through Proxima's KV connector."""
+    """Route every engine this process configures through Proxima's KV connector (with the
+    options of ``PROXIMA_ELASTIC_OPTIONS``), and give the engine core the ``proxima_kv``
+    utility method (run-time control: :func:`engine_core_proxima_kv`)."""
     if any(name == "create_engine_config" for _, name, _ in _saved):
         return
     reason = unsupported_reason()
     if reason:
         raise activation.ActivationError(reason)
+    try:
+        extra = ElasticOptions.from_env()
+    except UserError as exc:
+        raise activation.ActivationError(str(exc)) from None
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
 
     original = EngineArgs.create_engine_config
 
@@ -207,25 +398,58 @@ def activate() -> None:
                 f"{ENV}=1 cannot be combined with --kv-offloading-size: pass the offloading "
                 "connector as --kv-transfer-config instead (Proxima composes with it), or "
                 f"unset {ENV}")
-        self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config)
+        self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config, extra)
         return original(self, *args, **kwargs)
 
     _patch(EngineArgs, "create_engine_config", create_engine_config)
-    logger.info("Proxima elastic KV memory: engines get the %s (KV mapped by granules)",
-                CONNECTOR)
+    if not hasattr(EngineCore, UTILITY):
+        _patch(EngineCore, UTILITY, engine_core_proxima_kv)
+    logger.info("Proxima elastic KV memory: engines get the %s (KV mapped by granules)%s",
+                CONNECTOR, f", options {extra}" if extra else "")
+
+
+UTILITY = "proxima_kv"
+
+
+def engine_core_proxima_kv(self, request: dict | None = None) -> dict:
+    """vLLM engine-core utility method (``call_utility(_async)("proxima_kv", request)``
+    from the API process): the elastic KV status, after applying ``request``
+    (``{"min_bytes": int, "max_bytes": int | None}``; empty: just read). Runs in the engine
+    loop between steps. Errors come back as ``{"error": "..."}``, never raised."""
+    connector = find_connector(getattr(self.scheduler, "connector", None))
+    if connector is None:
+        return {"error": f"elastic KV memory is not active in this engine (start it with "
+                         f"{ENV}=1, or proxima serve --elastic)"}
+    return connector.control(request or {})
+
+
+def find_connector(connector):
+    """Proxima's connector: ``connector`` itself, or its child in a MultiConnector."""
+    if connector is None:
+        return None
+    if type(connector).__name__ == CONNECTOR:
+        return connector
+    for child in getattr(connector, "_connectors", ()):
+        if type(child).__name__ == CONNECTOR:
+            return child
+    return None
 
 
 def deactivate() -> None:
     """Undo every patch of this module (configuration and allocation hooks)."""
     while _saved:
         owner, name, value = _saved.pop()
-        setattr(owner, name, value)
+        if value is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
 
 
 # ----------------------------------------------------------------------------- allocation
 
 class _Worker:
     options: ElasticOptions | None = None
+    vllm_config = None
     memory = None      # the KvMemory of this worker process, once allocated
 
 
@@ -234,11 +458,12 @@ def kv_memory():
     return _Worker.memory
 
 
-def install_allocation_hook(options: ElasticOptions) -> None:
+def install_allocation_hook(options: ElasticOptions, vllm_config=None) -> None:
     """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent)."""
     import vllm.v1.worker.gpu.attn_utils as attn_utils
 
     _Worker.options = options
+    _Worker.vllm_config = vllm_config
     if attn_utils._allocate_kv_cache is not _allocate_kv_cache_vmm:
         _patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm)
 
@@ -273,8 +498,19 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
     options = _Worker.options or ElasticOptions()
     sizes, where = kv_regions(kv_cache_config)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    mapped = None
+    if _Worker.vllm_config is not None:
+        # Only what warm-up writes and the initial size: the rest is mapped on demand, so
+        # an engine whose maximum exceeds what is free now can start.
+        from proxima.memory.kv import region_block_strides
+        from proxima.memory.layout import granule_blocks
+
+        strides = region_block_strides(sizes, kv_cache_config.num_blocks)
+        g = granule_blocks(strides, options.granule_bytes)
+        mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
+                                     g * sum(strides))
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
-                      device=index)
+                      device=index, mapped=mapped, zero_on_map=options.zero_on_map)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}

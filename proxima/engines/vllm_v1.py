@@ -136,6 +136,7 @@ class ProximaFreeQueue:
         self.after: int | None = None
         self.room: int | None = None
         self.spread = False
+        self.end_for = 0                    # read by the elastic queue only
         self.alloc_seconds = 0.0
         self.demoted = 0
         # The cursor walker's state (iter_blocks_after): the block it holds, stock's
@@ -307,6 +308,13 @@ class ProximaFreeQueue:
 
 _CACHED = "cached"          # _walk_pos of a walker's cursor in the cached tier
 
+#: the free-queue classes whose growth hint the manager wrapper sets (elastic mode adds
+#: its granule-aware queue, proxima.engines.elastic_pool)
+QUEUES = {ProximaFreeQueue}
+#: queues that cache the blocks of a preempted request as their own class (elastic mode)
+CLASSED_QUEUES: set = set()
+PREEMPTED_CLASS = 1                 # proxima.allocator.granules.PREEMPTED
+
 
 def _block_pool_class():
     from vllm.v1.core.block_pool import BlockPool
@@ -329,6 +337,7 @@ def _block_pool_class():
             self.proxima_expected_blocks = 0                    # their sum, in blocks
             self.proxima_managers: list = []   # the per-group managers seen allocating
             self.proxima_steps = 0
+            self.proxima_tick = None           # elastic mode: the queue's clock
             self.proxima_finished = FinishedTally()
             self.proxima_status = StatusWriter(STATUS_INTERVAL_S)
             import vllm
@@ -345,12 +354,50 @@ def _block_pool_class():
                 queue._demote(len(queue._lru))
             return ok
 
+        def proxima_use_granules(self, granule_blocks: int, eviction=None,
+                                 mapped: int | None = None):
+            """Elastic mode: the free queue becomes a granule-aware one
+            (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`) with ``mapped``
+            granules backed (None: all). Only on a fresh pool (nothing handed out but the
+            null block); returns the new queue."""
+            from proxima.allocator.granules import EvictionPolicy
+            from proxima.engines.elastic_pool import GranuleFreeQueue
+
+            queue = self.free_block_queue
+            if queue.num_free_blocks != self.num_gpu_blocks - 1 or len(queue._lru):
+                raise RuntimeError("the pool's free queue can become granule-aware only "
+                                   "before any block was handed out")
+            queue = GranuleFreeQueue(
+                self.blocks, reserved=(self.null_block.block_id,),
+                granule_blocks=granule_blocks, eviction=eviction or EvictionPolicy(),
+                mapped=mapped,
+                evict=self._maybe_evict_cached_block if self.enable_caching else None)
+            queue.tick(self.proxima_steps)
+            self.free_block_queue = queue
+            self.proxima_tick = queue.tick
+            if self.enable_caching:
+                # Lookups that miss tell the queue which early evictions were reused.
+                self.get_cached_block = self._proxima_get_cached_block
+            return queue
+
+        def _proxima_get_cached_block(self, block_hash, kv_cache_group_ids):
+            # Elastic mode only (bound per instance by proxima_use_granules): vLLM's own
+            # lookup; a miss is reported to the queue's reuse horizon.
+            found = BlockPool.get_cached_block(self, block_hash, kv_cache_group_ids)
+            if found is None:
+                from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+                miss = self.free_block_queue.on_lookup_miss
+                for group_id in kv_cache_group_ids:
+                    miss(make_block_hash_with_group_id(block_hash, group_id))
+            return found
+
         def proxima_stats(self) -> dict:
             queue = self.free_block_queue
             per_request = running_blocks_per_run(self.proxima_managers)
             import vllm
 
-            return {
+            out = {
                 "active": True, "engine": "vllm-v1", "vllm_version": vllm.__version__,
                 "num_blocks": self.num_gpu_blocks, "block_size": self.hash_block_size,
                 "allocator": queue.buddy.stats(), "num_evictable": queue.num_evictable,
@@ -359,6 +406,13 @@ def _block_pool_class():
                 "finished_blocks_per_run": self.proxima_finished.as_status(),
                 "alloc_seconds_total": queue.alloc_seconds, "steps": self.proxima_steps,
             }
+            granule_stats = getattr(queue, "granule_stats", None)
+            if granule_stats is not None:
+                out["granules"] = granule_stats()
+            elastic = getattr(self, "proxima_elastic", None)
+            if elastic is not None:
+                out["elastic"] = elastic()
+            return out
 
         def publish_status(self, check: bool = False, now: bool = False) -> None:
             """Write the status file (if PROXIMA_STATS_FILE is set): at most once a second,
@@ -388,11 +442,15 @@ def _wrap_allocate_new_blocks(original):
             return original(self, request_id, num_tokens, *args, **kwargs)
         pool = self.block_pool
         queue = pool.free_block_queue
-        if queue.__class__ is not ProximaFreeQueue:
+        if queue.__class__ not in QUEUES:
             return original(self, request_id, num_tokens, *args, **kwargs)
         last = req_blocks[-1] if req_blocks else None
         queue.after = None if last is None or last.is_null else last.block_id
         total = pool.proxima_expected_tokens.get(request_id)
+        # The step this request is expected to finish at (elastic placement groups
+        # blocks that end together): now + the tokens it may still generate.
+        queue.end_for = pool.proxima_steps + (total - num_tokens if total and
+                                              total > num_tokens else 0)
         if total is None:
             queue.room = None
         else:
@@ -436,6 +494,14 @@ def _wrap_add_request(original):
 def _wrap_free(original):
     def free(self, request) -> None:
         pool = self.block_pool
+        if not request.is_finished() and pool.free_block_queue.__class__ in CLASSED_QUEUES:
+            # elastic mode: blocks freed by a preemption are cached as their own class
+            queue = pool.free_block_queue
+            queue.free_class = PREEMPTED_CLASS
+            try:
+                return original(self, request)
+            finally:
+                queue.free_class = 0
         if not request.is_finished() or getattr(pool, "proxima_expected_tokens", None) is None:
             return original(self, request)          # preemption, or a stock pool
         tokens = pool.proxima_expected_tokens.pop(request.request_id, None)
@@ -459,6 +525,8 @@ def _wrap_new_step_starts(original):
         pool = self.block_pool
         if hasattr(pool, "proxima_steps"):
             pool.proxima_steps += 1        # the metrics' "allocator seconds per step"
+            if pool.proxima_tick is not None:
+                pool.proxima_tick(pool.proxima_steps)
         return original(self)
 
     new_step_starts.__wrapped__ = original

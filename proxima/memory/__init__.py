@@ -4,8 +4,10 @@ Rooms inside: :mod:`~proxima.memory.driver` (the driver calls, ctypes), :mod:`~.
 (a reserved range mapped by units), :mod:`~.tensor` (torch views over it), :mod:`~.layout`
 (which bytes a block id owns; the granule in block ids), :mod:`~.kv` (a KV cache mapped by
 granules), :mod:`~.ops` and :mod:`~.channel` (the scheduler -> worker commands and the
-scheduler's view of what is mapped). Importing any of them needs no GPU: the driver is
-loaded and torch imported on first use; ``layout``, ``ops`` and ``channel`` are pure Python.
+scheduler's view of what is mapped), :mod:`~.policy` (when to grow and shrink: min / max
+bytes, headroom, release delay). Importing any of them needs no GPU: the driver is loaded
+and torch imported on first use; ``layout``, ``ops``, ``channel`` and ``policy`` are pure
+Python.
 
 Why not vLLM's sleep-mode allocator (``vllm/device_allocator/cumem.py``)? It is the same
 driver API, but built for another job: a torch ``CUDAPluggableAllocator`` (a C extension

@@ -55,7 +55,8 @@ class ElasticChannel:
         self.listeners: list[Callable[[range, bool], None]] = []
         self.reported_mapped: int | None = None            # the workers' last count
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
-                      "map_failures": 0, "blocks_moved": 0, "reports": 0}
+                      "map_failures": 0, "blocks_moved": 0, "reports": 0,
+                      "worker_map_seconds": 0.0, "worker_unmap_seconds": 0.0}
 
     # ------------------------------------------------------------------ geometry
     def granule_of(self, block_id: int) -> int:
@@ -146,6 +147,8 @@ class ElasticChannel:
                 "predicted from the KV cache config")
         self.stats["reports"] += 1
         self.reported_mapped = report.mapped_granules
+        self.stats["worker_map_seconds"] = report.map_seconds
+        self.stats["worker_unmap_seconds"] = report.unmap_seconds
         for seq, failed in report.applied:
             maps = self._waiting.pop(seq, None)
             if not maps:

@@ -39,20 +39,22 @@ class KvMemory:
     """The KV regions of one worker, in one reserved range, mapped by granules.
 
     ``mapped``: granules backed at creation (default all of them, as a stock engine would
-    allocate; granule 0 always). Raises :class:`CannotGrow` if even those cannot be
+    allocate; granule 0 always). ``zero_on_map``: zero-fill newly mapped memory (default;
+    vLLM does not zero its own KV memory unless its KV cache config asks for it). Raises :class:`CannotGrow` if even those cannot be
     backed -- at start-up that is the same failure as stock vLLM running out of memory.
     """
 
     def __init__(self, region_sizes: Sequence[int], num_blocks: int, *,
                  granule_bytes: int = GRANULE_BYTES, device: int = 0, driver=None,
-                 mapped: int | None = None) -> None:
+                 mapped: int | None = None, zero_on_map: bool = True) -> None:
         self.region_sizes = tuple(int(s) for s in region_sizes)
         self.num_blocks = num_blocks
         self.block_strides = region_block_strides(self.region_sizes, num_blocks)
         self.granule_blocks = granule_blocks(self.block_strides, granule_bytes)
         self.num_granules = -(-num_blocks // self.granule_blocks)
         self.arena = VmmArena([self.granule_blocks * s for s in self.block_strides],
-                              self.num_granules, device=device, driver=driver)
+                              self.num_granules, device=device, driver=driver,
+                              zero_on_map=zero_on_map)
         if granule_bytes % self.arena.granularity:
             self.arena.close()
             raise ValueError(f"granule_bytes={granule_bytes} is not a multiple of the GPU's "

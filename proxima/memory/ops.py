@@ -65,11 +65,14 @@ class OpBatch(NamedTuple):
 class Report(NamedTuple):
     """A worker's answer: for each batch applied since its last report, ``(seq, failed)``
     where ``failed`` lists the ``(first, count)`` granule ranges of that batch's MAP ops
-    that the GPU could not back; plus its mapped granule count and its granule size."""
+    that the GPU could not back; plus its mapped granule count, its granule size and the
+    seconds it has spent mapping and unmapping so far (the stall those ops cost)."""
 
     applied: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
     mapped_granules: int
     granule_blocks: int
+    map_seconds: float = 0.0
+    unmap_seconds: float = 0.0
 
 
 def merge_reports(a: Report, b: Report) -> Report:
@@ -82,7 +85,8 @@ def merge_reports(a: Report, b: Report) -> Report:
     for seq, ranges in a.applied + b.applied:
         failed.setdefault(seq, set()).update(ranges)
     applied = tuple((seq, tuple(sorted(r))) for seq, r in sorted(failed.items()))
-    return Report(applied, min(a.mapped_granules, b.mapped_granules), a.granule_blocks)
+    return Report(applied, min(a.mapped_granules, b.mapped_granules), a.granule_blocks,
+                  max(a.map_seconds, b.map_seconds), max(a.unmap_seconds, b.unmap_seconds))
 
 
 def validate(ops: Iterable[Op], num_granules: int, num_blocks: int) -> None:

@@ -18,6 +18,7 @@ return one :class:`~proxima.replay.result.ReplayResult` per run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from proxima.errors import UserError
 from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
-from proxima.replay.result import FIELDS, ReplayResult, combine
+from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
 from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
     make_workload
 
@@ -53,6 +54,12 @@ the table (one row per figure; columns: stock, proxima, proxima/stock):
   single_run_fraction    share of finished requests whose blocks form ONE run
   scheduler_ms_per_step  CPU time of schedule() + update_from_output() per step
                          (median over --repeat runs)
+  reclaimable_granule_fraction  (V1) mean over steps of the share of granules (--granule-
+                         blocks ids) holding no live block: memory an elastic pool can
+                         give back
+  packed_ideal_fraction  (V1) the same if the live blocks were packed into the fewest
+                         granules
+  mapped_granule_fraction  (with --elastic) mean share of the granules mapped
 then the parity checks (same completed count, no more preemptions than stock, prefix-hit
 rate within 0.005, no block leaked) and the scheduler time ratio.
 
@@ -70,7 +77,7 @@ def add_arguments(p) -> None:
                           "prefix_len, arrival_step] (default: none, use --workload)")
     p.add_argument("--requests", type=int, metavar="N",
                    help=f"number of requests; with --trace its first N (default per workload: "
-                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500; at most "
+                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500, bursts 800; at most "
                         f"{MAX_REQUESTS:,})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated prompts")
     p.add_argument("--num-blocks", type=int, metavar="B",
@@ -90,6 +97,37 @@ def add_arguments(p) -> None:
                    help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
                         "as a GPU engine runs by default (V1 only; default: off, one step at "
                         "a time)")
+    p.add_argument("--granule-blocks", type=int, default=32, metavar="G",
+                   help="block ids per granule, the unit KV memory is mapped and given back "
+                        "in: the reclaimable rows count granules without a live block "
+                        "(32 = 2 MiB of a Llama-3.1-8B layer's KV, 64 KiB pages; V1 only)")
+    p.add_argument("--elastic", action="store_true",
+                   help="run Proxima's side in elastic KV mode (V1 only): the pool places by "
+                        "granule and, with --elastic-policy auto, memory grows and shrinks "
+                        "with the load through the real connector and policy (no GPU: a "
+                        "stand-in worker confirms the maps)")
+    p.add_argument("--elastic-policy", choices=("auto", "fixed"), default="auto",
+                   help="with --elastic: auto grows and shrinks; fixed keeps the whole pool "
+                        "mapped (placement alone)")
+    p.add_argument("--eviction", default="auto", metavar="SPEC",
+                   help="with --elastic: how far eviction may depart from LRU: auto (learnt "
+                        "reuse horizon), auto:Q (its quantile), age:N (steps), window:W "
+                        "(blocks), lru (strict)")
+    p.add_argument("--kv-min", default="0", metavar="SIZE",
+                   help="with --elastic: least KV memory kept mapped (e.g. 4GiB; the replay's "
+                        "KV is shaped like Llama-3.1-8B's: 2 MiB per block)")
+    p.add_argument("--kv-max", metavar="SIZE",
+                   help="with --elastic: most KV memory mapped (default: the pool)")
+    p.add_argument("--headroom", type=float, default=0.10, metavar="F",
+                   help="with --elastic: free share of the live blocks kept mapped")
+    p.add_argument("--release-delay", type=float, default=10.0, metavar="S",
+                   help="with --elastic: seconds free memory must be in excess before release")
+    p.add_argument("--step-seconds", type=float, default=0.025, metavar="S",
+                   help="with --elastic: the policy's clock per scheduler step")
+    p.add_argument("--gpu-kv", metavar="SIZE",
+                   help="with --elastic: room the simulated GPU has for this engine's KV (maps "
+                        "beyond it fail, as when another process holds the memory; default: "
+                        "the pool)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"),
                    help="how vLLM's V0 engine preempts (V0 only; default: vLLM's choice, "
                         "recompute for single sequences)")
@@ -125,6 +163,13 @@ def _validate(args) -> None:
         raise UserError(f"--num-blocks {args.num_blocks:,} is above the bound of "
                         f"{MAX_NUM_BLOCKS:,} (vLLM builds one object per block in memory): "
                         f"use at most {MAX_NUM_BLOCKS:,}")
+    if not 1 <= args.granule_blocks <= MAX_NUM_BLOCKS:
+        raise UserError(f"--granule-blocks must be >= 1, got {args.granule_blocks}")
+    elastic_flags = [f for f, v in (("--kv-max", args.kv_max), ("--gpu-kv", args.gpu_kv))
+                     if v is not None]
+    if elastic_flags and not args.elastic:
+        raise UserError(f"{elastic_flags[0]} needs --elastic")
+    args.elastic_spec = _elastic_spec(args) if args.elastic else None
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot", suffix=".png")
     if args.plot:
@@ -135,6 +180,39 @@ def _validate(args) -> None:
     if args.trace and any(p and Path(p).resolve() == Path(args.trace).resolve()
                           for p in (args.json, args.plot)):
         raise UserError(f"--json {args.json} would overwrite the trace: give another name")
+
+
+def _elastic_spec(args):
+    """The --elastic options as the replay's :class:`~proxima.replay.elastic.ElasticReplay`
+    (every value checked first: one line for a bad one)."""
+    from proxima.allocator.granules import EvictionPolicy
+    from proxima.memory.policy import parse_bytes
+    from proxima.replay.elastic import ElasticReplay
+
+    try:
+        EvictionPolicy.parse(args.eviction)
+    except ValueError as exc:
+        raise UserError(f"--eviction: {exc}") from None
+    sizes = {}
+    for flag, value in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
+                        ("--gpu-kv", args.gpu_kv)):
+        if value is not None:
+            try:
+                sizes[flag] = parse_bytes(value)
+            except ValueError as exc:
+                raise UserError(f"{flag}: {exc}") from None
+    for flag, value in (("--headroom", args.headroom), ("--release-delay", args.release_delay),
+                        ("--step-seconds", args.step_seconds)):
+        if not value >= 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+    if args.step_seconds == 0:
+        raise UserError("--step-seconds must be > 0 (the policy's clock), got 0")
+    if "--kv-max" in sizes and sizes["--kv-max"] < sizes.get("--kv-min", 0):
+        raise UserError(f"--kv-max {args.kv_max} is below --kv-min {args.kv_min}")
+    return ElasticReplay(policy=args.elastic_policy, eviction=args.eviction,
+                         min_bytes=sizes.get("--kv-min", 0), max_bytes=sizes.get("--kv-max"),
+                         headroom=args.headroom, release_delay_s=args.release_delay,
+                         step_seconds=args.step_seconds, gpu_bytes=sizes.get("--gpu-kv"))
 
 
 def _engine():
@@ -192,9 +270,22 @@ def run(args) -> int:
     extra = {}
     if args.plot and "timeline_every" in params:
         extra["timeline_every"] = timeline_every(workload, args.max_num_seqs)
+    if "granule_blocks" in params:
+        settings["granule_blocks"] = args.granule_blocks
     print(f"proxima replay: {workload.name}, {len(workload.requests)} requests, "
           f"{num_blocks} blocks of {args.block_size} tokens, vLLM {version} "
           f"(scheduler on CPU, no model)", file=sys.stderr)
+    elastic = {}
+    if args.elastic_spec is not None:
+        if "elastic" not in params:
+            raise UserError(f"--elastic needs vLLM's V1 engine; vLLM {version} runs the V0 "
+                            f"one: drop --elastic")
+        from proxima.engines import elastic_v1
+
+        reason = elastic_v1.unsupported_reason()
+        if reason:
+            raise UserError(f"--elastic: {reason}")
+        elastic = {"elastic": args.elastic_spec}
     runs: dict[str, list[ReplayResult]] = {"stock": [], "proxima": []}
     done = 0
     try:
@@ -205,7 +296,7 @@ def run(args) -> int:
                 try:
                     result = driver.run_replay(workload, proxima=label == "proxima",
                                                progress=bar.update_to if bar else None,
-                                               **settings, **extra)
+                                               **settings, **extra, **elastic)
                 except ValueError as exc:
                     refused = _config_refusal(exc)
                     if refused is None or done or label != "stock":
@@ -266,6 +357,8 @@ def _report(workload, args, version: str, settings: dict, runs: dict, done: int)
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
               "vllm_version": version, "settings": settings, "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
+    if getattr(args, "elastic_spec", None) is not None:
+        report["elastic"] = dataclasses.asdict(args.elastic_spec)
     report["partial"] = done < args.repeat
     if report["partial"]:
         report["repeats_done"] = done
@@ -328,12 +421,31 @@ def _checks(results: dict) -> dict:
 
 def format_table(report: dict) -> str:
     s, p = report["results"]["stock"], report["results"]["proxima"]
-    lines = [f"{'':24} {'stock':>12} {'proxima':>12} {'proxima/stock':>14}"]
-    for key in FIELDS:
+    lines = [f"{'':28} {'stock':>12} {'proxima':>12} {'proxima/stock':>14}"]
+    shown = list(FIELDS) + [k for k in OPTIONAL_FIELDS if k in s and k in p
+                            and (k != "mapped_granule_fraction" or s[k] != p[k])]
+    for key in shown:
         a, b = s[key], p[key]
         ratio = f"{b / a:.3f}" if isinstance(a, (int, float)) and a else "-"
         fmt = (lambda v: f"{v:.4f}") if isinstance(a, float) else str
-        lines.append(f"{key:24} {fmt(a):>12} {fmt(b):>12} {ratio:>14}")
+        lines.append(f"{key:28} {fmt(a):>12} {fmt(b):>12} {ratio:>14}")
+    if "packed_ideal_fraction" in p and p["packed_ideal_fraction"]:
+        lines.append(f"reclaimable / packed ideal: stock "
+                     f"{s['reclaimable_granule_fraction'] / s['packed_ideal_fraction']:.3f}, "
+                     f"proxima {p['reclaimable_granule_fraction'] / p['packed_ideal_fraction']:.3f}"
+                     f" (granules of {p.get('granule_blocks')} blocks)")
+    elastic = p.get("elastic")
+    if isinstance(elastic, dict) and elastic.get("mapped_bytes") is not None:
+        from proxima.memory.policy import format_bytes
+
+        mean = p.get("mean_mapped_bytes")
+        lines.append(f"elastic ({elastic.get('policy')}): mean mapped "
+                     f"{format_bytes(int(mean)) if mean else '-'} of "
+                     f"{format_bytes(elastic.get('pool_bytes', 0))}; {elastic.get('grows', 0)} "
+                     f"grows, {elastic.get('shrinks', 0)} shrinks, "
+                     f"{elastic.get('failed_grows', 0)} failed, "
+                     f"{format_bytes(elastic.get('bytes_returned', 0))} returned, "
+                     f"{elastic.get('evicted_cached', 0)} cached blocks evicted by releases")
     checks = report["checks"]
     ok = all(v for k, v in checks.items() if k != "scheduler_time_ratio")
     lines.append(f"parity checks: {'all passed' if ok else 'FAILED'} "

@@ -18,6 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from proxima.replay.reclaim import ReclaimTally
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
@@ -101,7 +102,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Callable[[int, int], None] | None = None,
-               timeline_every: int = 0, async_scheduling: bool = False) -> ReplayResult:
+               timeline_every: int = 0, async_scheduling: bool = False,
+               granule_blocks: int = 32, elastic=None) -> ReplayResult:
     """Replay ``workload`` once through one allocator (:class:`ReplayResult`).
 
     ``timeline_every``: every that many steps, record (step, free or evictable blocks,
@@ -117,11 +119,18 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     from proxima.engines import vllm_v1
 
+    elastic_kw = {}
+    if elastic is not None and proxima:
+        from proxima.replay.elastic import kv_cache_groups, kv_transfer_config
+
+        elastic_kw = dict(kv_cache_groups=kv_cache_groups(block_size),
+                          kv_transfer_config=kv_transfer_config(elastic, granule_blocks,
+                                                                block_size))
     scheduler = build_scheduler(
         proxima=proxima, num_blocks=num_blocks, block_size=block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-        async_scheduling=async_scheduling)
+        async_scheduling=async_scheduling, **elastic_kw)
     if proxima:
         vllm_v1.activate()       # the managers' growth hints must be live while we run
     # As vLLM's EngineCore does after start-up: move everything built so far (the block
@@ -136,6 +145,13 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     kv = scheduler.kv_cache_manager
     managers = kv.coordinator.single_type_managers
     pool = kv.block_pool
+    elastic_run = None
+    if elastic is not None and proxima:
+        from proxima.replay.elastic import ElasticRun
+
+        elastic_run = ElasticRun(elastic, scheduler, granule_blocks)
+    tally = ReclaimTally(num_blocks, granule_blocks,
+                         elastic.block_bytes(block_size) if elastic is not None else 0)
 
     final_tables: list[list[int]] = []
     preemptions = 0
@@ -204,6 +220,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                     submit(pending[next_i])
                     next_i += 1
             if scheduler.has_requests():
+                if elastic_run is not None:
+                    elastic_run.before_step(step)
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
                 sched_seconds += time.perf_counter() - t0
@@ -217,10 +235,14 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                     continue      # vLLM fills its batch queue before it waits for an output
             out, sampling = in_flight_steps.pop()
             runner_output = _runner_output(out, sampling, requests, replies)
+            if elastic_run is not None:
+                runner_output.kv_connector_output = elastic_run.worker_output(out)
             t2 = time.perf_counter()
             engine_outputs = scheduler.update_from_output(out, runner_output)
             sched_seconds += time.perf_counter() - t2
             peak_running = max(peak_running, len(scheduler.running))
+            tally.sample(steps, pool.blocks,
+                         elastic_run.mapped_granules() if elastic_run is not None else None)
             for outputs in engine_outputs.values():
                 # update_from_output already drained the scheduler's stats into here.
                 stats = outputs.scheduler_stats
@@ -256,10 +278,14 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         preemptions=preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
         scheduler_ms_per_step=1000 * sched_seconds / steps if steps else 0.0,
-        blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        # (elastic: the blocks of unmapped granules are not free, and not leaked either)
+        blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        - (elastic_run.unmapped_blocks() if elastic_run is not None else 0),
         num_blocks=num_blocks,
         largest_free_run_timeline=free_run_timeline,
-        details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0},
+        details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
+                 **tally.means(), "reclaim_timeline": tally.timeline(),
+                 **(elastic_run.report() if elastic_run is not None else {})},
         **contiguity(final_tables),
     )
 

@@ -1,5 +1,6 @@
-"""PNG for `proxima replay --plot`: how contiguous finished requests were, and how the free
-space of the pool looked over the run. Each panel carries a caption saying what it shows,
+"""PNG for `proxima replay --plot`: how contiguous finished requests were, how the free
+space of the pool looked over the run, and (V1) how much of the KV memory was mapped, used
+and reclaimable. Each panel carries a caption saying what it shows,
 so the picture can be read without the docs.
 
 Left: the runs (ranges of consecutive block ids) of each finished request, binned by powers
@@ -141,6 +142,55 @@ def _right(ax, report: dict, runs: dict[str, list[dict]], largest_request_blocks
     _caption(ax, text)
 
 
+def reclaim_timeline(result: dict) -> list[tuple[int, int, int, int, int]]:
+    """[(step, mapped, used, reclaimable granules, live blocks)] of a V1 replay result."""
+    return [tuple(int(x) for x in r) for r in result.get("reclaim_timeline") or []]
+
+
+def _memory(ax, report: dict, runs: dict[str, list[dict]]) -> None:
+    """Mapped / used / reclaimable granules over the run, as fractions of the pool."""
+    drawn = False
+    for label, rs in runs.items():
+        if not rs:
+            continue
+        rows = reclaim_timeline(rs[0])
+        ng = rs[0].get("num_granules") or 0
+        if not rows or not ng:
+            continue
+        steps = [r[0] for r in rows]
+        color = COLORS.get(label)
+        width = 3.2 if label == "stock" else 1.3
+        alpha = 0.55 if label == "stock" else 1.0
+        if any(r[1] != ng for r in rows):
+            ax.plot(steps, [r[1] / ng for r in rows], color=color, linewidth=width,
+                    alpha=alpha, label=f"{label}: mapped")
+        ax.plot(steps, [r[2] / ng for r in rows], color=color, linestyle=(0, (4, 2)),
+                linewidth=width, alpha=alpha, label=f"{label}: used (holds a live block)")
+        ax.plot(steps, [r[3] / ng for r in rows], color=color, linestyle=(0, (1, 1.5)),
+                linewidth=width, alpha=alpha, label=f"{label}: reclaimable")
+        G = rs[0].get("granule_blocks") or 1
+        ax.plot(steps, [1 - -(-(r[4] + 1) // G) / ng for r in rows], color="tab:green",
+                linewidth=0.8, alpha=0.7 if label == "stock" else 0.0,
+                label="packed ideal (reclaimable)" if label == "stock" else None)
+        drawn = True
+    ax.set_xlabel("scheduler step")
+    ax.set_ylabel("share of the pool's granules")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("KV memory: mapped, used, reclaimable")
+    if drawn:
+        ax.legend(fontsize=7, loc="best")
+    res = report.get("results", {})
+    text = ("Granules of G block ids (the unit memory is mapped and given back in). Used: "
+            "holds a live block; reclaimable: holds none (its cached blocks would be "
+            "evicted); packed ideal: the live blocks packed into the fewest granules. ")
+    if "stock" in res and "proxima" in res and "reclaimable_granule_fraction" in res["stock"]:
+        s, p = res["stock"], res["proxima"]
+        text += (f"Means: reclaimable {s['reclaimable_granule_fraction']:.1%} stock, "
+                 f"{p['reclaimable_granule_fraction']:.1%} Proxima, ideal "
+                 f"{s['packed_ideal_fraction']:.1%}.")
+    _caption(ax, text)
+
+
 def write_plot(report: dict, runs: dict[str, list[dict]], path: str,
                largest_request_blocks: int | None = None) -> None:
     """Write the PNG to ``path`` (a temporary name first, renamed when complete).
@@ -152,9 +202,15 @@ def write_plot(report: dict, runs: dict[str, list[dict]], path: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.8))
+    memory = any(reclaim_timeline(rs[0]) for rs in runs.values() if rs)
+    if memory:
+        fig, (left, right, third) = plt.subplots(1, 3, figsize=(19, 5.8))
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.8))
     _left(left, report, runs)
     _right(right, report, runs, largest_request_blocks)
+    if memory:
+        _memory(third, report, runs)
     settings = report.get("settings", {})
     title = (f"proxima replay: {report['workload']}, {report['requests']} requests, "
              f"{settings.get('num_blocks')} blocks of {settings.get('block_size')} tokens, "
@@ -162,7 +218,8 @@ def write_plot(report: dict, runs: dict[str, list[dict]], path: str,
     if report.get("partial"):
         title += f" — interrupted: {report.get('repeats_done')} of {report['repeat']} repeats"
     fig.suptitle(title, fontsize=11)
-    fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.27, wspace=0.22)
+    fig.subplots_adjust(left=0.05 if memory else 0.06, right=0.98, top=0.9, bottom=0.27,
+                        wspace=0.22)
     try:
         write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     finally:

@@ -16,6 +16,9 @@ from proxima.allocator import count_runs
 #: the figures of the table, in its order
 FIELDS = ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
           "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step")
+#: figures shown when both results have them (the V1 driver's granule samples)
+OPTIONAL_FIELDS = ("reclaimable_granule_fraction", "packed_ideal_fraction",
+                   "mapped_granule_fraction")
 #: figures that must be equal on every repeat (the scheduler is deterministic)
 DETERMINISTIC = ("completed", "steps", "preemptions", "blocks_per_run")
 
@@ -83,4 +86,5 @@ def combine(results: list[ReplayResult]) -> dict:
     out["scheduler_ms_per_step"] = statistics.median(times)
     out["scheduler_ms_per_step_runs"] = times
     out.pop("largest_free_run_timeline", None)
+    out.pop("reclaim_timeline", None)
     return out

@@ -6,6 +6,11 @@ and the engine takes minutes to start. The gate answers from the first second:
 - ``GET /health``: 200 once the self-check passed and while the engine lives, else 503 with
   ``{"status": <phase>}`` (phases in :mod:`proxima.serve.supervisor`).
 - ``GET /proxima/selfcheck``: the self-check report as JSON (``passed`` is null while running).
+- ``GET /proxima/kv``, ``POST /proxima/kv`` (``{"min_bytes": ..., "max_bytes": ...}``):
+  elastic KV memory -- mapped, used and reclaimable bytes, limits, counters -- read and set
+  in the engine core through vLLM's utility call (:func:`proxima.engines.elastic_v1.
+  engine_core_proxima_kv`); 503 while the engine is not ready, 404 without elastic KV,
+  400 for a bad request.
 - ``/metrics``: vLLM's exposition once its app exists; before that the same registry directly,
   so Proxima's gauges and the process metrics are scrapeable during start-up.
 - anything else: vLLM's app when ready (and the self-check's canary while checking); 503 with
@@ -23,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from proxima.serve import logs, metrics
 from proxima.serve.engine_checks import CANARY_HEADER
-from proxima.serve.supervisor import ENGINE_DEAD, FAILED, READY, Supervisor
+from proxima.serve.supervisor import CHECKING, ENGINE_DEAD, FAILED, READY, Supervisor
 
 log = logging.getLogger("proxima.serve")
 
@@ -55,6 +60,8 @@ class ProximaApp:
                 return await self._health()(scope, receive, send)
             if path == "/proxima/selfcheck":
                 return await JSONResponse(self.supervisor.status())(scope, receive, send)
+            if path == "/proxima/kv":
+                return await (await self._kv(Request(scope, receive)))(scope, receive, send)
             if path == "/metrics" or path.startswith("/metrics/"):
                 # Scrapes are answered in every phase: metrics matter most when things go wrong.
                 if self.supervisor.inner is not None:
@@ -67,6 +74,47 @@ class ProximaApp:
         if kind == "websocket":
             return await send({"type": "websocket.close", "code": 1013})  # try again later
         return await self._unavailable()(scope, receive, send)
+
+    async def _kv(self, request: Request) -> Response:
+        if request.method not in ("GET", "POST"):
+            return JSONResponse({"error": f"{request.method} is not allowed: GET reads, POST "
+                                          "{\"min_bytes\": ..., \"max_bytes\": ...} sets"},
+                                status_code=405, headers={"Allow": "GET, POST"})
+        engine = self.supervisor.engine
+        if engine is None or self.supervisor.phase not in (CHECKING, READY):
+            phase = self.supervisor.phase
+            return JSONResponse({"error": f"the engine is not running: "
+                                          f"{_WHY_UNAVAILABLE.get(phase, phase)}"},
+                                status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        payload = {}
+        if request.method == "POST":
+            try:
+                payload = await request.json()
+            except ValueError:
+                return JSONResponse({"error": "the body is not JSON: send "
+                                              "{\"min_bytes\": ..., \"max_bytes\": ...}"},
+                                    status_code=400)
+            if not isinstance(payload, dict) or not payload:
+                return JSONResponse({"error": "send a JSON object with min_bytes and/or "
+                                              "max_bytes (a number of bytes, a size such as "
+                                              "\"8GiB\", or null for no maximum)"},
+                                    status_code=400)
+        core = getattr(engine, "engine_core", None)
+        call = getattr(core, "call_utility_async", None)
+        if call is None:
+            return JSONResponse({"error": "elastic KV memory needs vLLM's V1 engine (0.26)"},
+                                status_code=404)
+        try:
+            answer = await call("proxima_kv", payload)
+        except Exception as exc:  # noqa: BLE001 - the engine lacks the utility, or died
+            return JSONResponse({"error": f"the engine did not answer proxima_kv "
+                                          f"({type(exc).__name__}: {exc}): is it running with "
+                                          f"elastic KV memory (proxima serve --elastic)?"},
+                                status_code=404)
+        if isinstance(answer, dict) and "error" in answer:
+            status = 404 if "not active" in answer["error"] else 400
+            return JSONResponse(answer, status_code=status)
+        return JSONResponse(answer)
 
     def _health(self) -> Response:
         if self.supervisor.healthy:

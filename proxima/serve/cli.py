@@ -40,9 +40,72 @@ allocator-invariants, canary); any failure stops the server with a non-zero exit
 Endpoints added: GET /proxima/selfcheck (the report as JSON). GET /health answers 503 until the
 self-check passed and while the engine is down. Proxima's metrics (proxima_*) are on /metrics.
 
-Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_STATS_FILE (where the engine writes its
-status; default: a temporary file), VLLM_* as for vLLM.
+Elastic KV memory (vLLM 0.26.0): the KV pool is reserved at its maximum but backed by GPU
+memory only as the load needs it, and unused memory is given back (another engine or job on
+the GPU can take it). Proxima's options, taken out before vLLM sees the command line:
+  --elastic               switch it on (sets PROXIMA_ELASTIC=1)
+  --kv-min SIZE           least KV memory kept mapped (default 0: granule 0 only)
+  --kv-max SIZE           most KV memory mapped (default: the pool, i.e.
+                          --kv-cache-memory-bytes or what gpu_memory_utilization gives)
+  --elastic-options K=V,...  any other option of proxima.engines.elastic_v1.ElasticOptions
+                          (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...)
+Sizes: bytes or a number with a unit (8GiB, 512MiB). Give the maximum as
+--kv-cache-memory-bytes and a low --gpu-memory-utilization (vLLM checks at start-up that
+this much is free): e.g. two engines on one GPU, each allowed more than half of it. Read or
+change the bounds at run time: GET/POST /proxima/kv, or `proxima kv --url URL --max SIZE`.
+
+Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the
+same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
+default: a temporary file), VLLM_* as for vLLM.
 """
+
+#: Proxima's own serve options (taken out of the command line): flag -> takes a value
+ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
+                 "--elastic-options": True}
+
+
+def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
+    """``argv`` without Proxima's elastic flags, and the elastic options they give (None:
+    ``--elastic`` absent). A bad value is one UserError naming the flag."""
+    rest, given, i = [], {}, 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if flag in ELASTIC_FLAGS:
+            if ELASTIC_FLAGS[flag]:
+                if eq:
+                    value = inline
+                elif i + 1 < len(argv):
+                    i += 1
+                    value = argv[i]
+                else:
+                    raise UserError(f"{flag} needs a value (e.g. {flag} 8GiB)")
+                given[flag] = value
+            else:
+                if eq:
+                    raise UserError(f"--elastic takes no value, got {token!r}")
+                given[flag] = True
+            i += 1
+            continue
+        rest.append(token)
+        i += 1
+    if not given:
+        return rest, None
+    if "--elastic" not in given:
+        raise UserError(f"{next(iter(given))} needs --elastic (elastic KV memory)")
+    from proxima.engines import elastic_v1
+
+    options = {}
+    if "--elastic-options" in given:
+        options.update(elastic_v1._parse_options(given["--elastic-options"]))
+    for flag, key in (("--kv-min", "min_bytes"), ("--kv-max", "max_bytes")):
+        if flag in given:
+            options[key] = given[flag]
+    try:
+        elastic_v1.ElasticOptions.from_extra(options)
+    except UserError as exc:
+        raise UserError(f"proxima serve --elastic: {exc}") from None
+    return rest, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +131,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     log = logs.setup()
 
+    argv, elastic = take_elastic_options(argv)
+    if elastic is not None:
+        import json
+
+        from proxima.engines import activation
+
+        os.environ[activation.ELASTIC_ENV] = "1"
+        if elastic:
+            os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
+        log.info("elastic KV memory on%s", f": {elastic}" if elastic else "")
     validate.validate_environment()
     scanned = validate.scan(argv)
     validate.validate_options(scanned.model, scanned.block_size, scanned.host, scanned.port,
@@ -103,6 +176,15 @@ def run(args: argparse.Namespace) -> int:
         from proxima.engines.vllm_v1_compat import cli_env_setup
 
         cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
+    if elastic is not None:
+        if vllm_args.card_stack():
+            raise UserError("--elastic needs vLLM's V1 engine (vLLM 0.26.0); this is the card "
+                            "stack's vLLM 0.6: drop --elastic")
+        from proxima.engines import elastic_v1
+
+        reason = elastic_v1.unsupported_reason()
+        if reason:
+            raise UserError(f"--elastic: {reason}")
     vargs = vllm_args.parse(argv)
     vllm_args.check_supported(vargs)
     demo = vllm_args.apply_demo_defaults(vargs, argv)

@@ -1,5 +1,5 @@
 """The self-check lines that need a running engine: proxima-active, allocator-invariants,
-canary. The first two read the engine's status file (:mod:`proxima.engines.status`), the
+elastic-kv, canary. The first two read the engine's status file (:mod:`proxima.engines.status`), the
 only window the API server has into the engine-core process."""
 
 from __future__ import annotations
@@ -89,6 +89,34 @@ def check_invariants(status: dict | None) -> Check:
               f"hold on the live pool, checked {when} ({alloc.get('num_free', '?')} of "
               f"{alloc.get('num_blocks', status.get('num_blocks', '?'))} blocks free, largest free "
               f"run {alloc.get('largest_free_run', '?')})")
+
+
+def check_elastic(status: dict | None, wanted: bool) -> Check:
+    """``elastic-kv``: with ``PROXIMA_ELASTIC=1`` the engine must report its elastic KV
+    memory (mapped of the pool, the policy); without it the line is skipped."""
+    from proxima.serve.report import skipped
+
+    if not wanted:
+        return skipped("elastic-kv", "PROXIMA_ELASTIC unset: a fixed KV pool "
+                                     "(proxima serve --elastic to give unused KV memory back)")
+    elastic = (status or {}).get("elastic")
+    if not isinstance(elastic, dict) or "num_granules" not in elastic:
+        return failed("elastic-kv", "PROXIMA_ELASTIC=1 but the engine reports no elastic KV "
+                                    "memory in its status",
+                      "run vLLM 0.26.0 with PROXIMA_ALLOCATOR=1 (proxima serve --elastic sets "
+                      "both); see the engine log for the Proxima elastic KV line")
+    from proxima.memory.policy import format_bytes
+
+    def size(key):
+        value = elastic.get(key)
+        return format_bytes(int(value)) if isinstance(value, (int, float)) else "?"
+
+    limits = (f", min {size('min_bytes')}, max {size('max_bytes')}"
+              if elastic.get("min_bytes") is not None else "")
+    return ok("elastic-kv", f"policy {elastic.get('policy', '?')}: {size('mapped_bytes')} of "
+                            f"{size('pool_bytes')} mapped{limits}, granules of "
+                            f"{elastic.get('granule_blocks', '?')} blocks "
+                            f"({size('bytes_per_granule')})")
 
 
 async def run_canary(base_url: str, model: str, *, token: str, api_key: str | None = None,

@@ -95,10 +95,49 @@ class ProximaCollector(Collector):
                          "(rate(proxima_allocator_seconds_total) / "
                          "rate(proxima_scheduler_steps_total) for a recent window)",
                          float(seconds) / float(steps))
+        yield from _elastic_metrics(status.get("elastic"))
         if "invariants_ok" in status:
             yield _gauge("proxima_invariants_ok",
                          "1 when the engine's last allocator invariant check passed",
                          1 if status["invariants_ok"] else 0)
+
+
+#: elastic KV memory: (status key, metric name, kind, help)
+ELASTIC_METRICS = (
+    ("mapped_bytes", "proxima_kv_mapped_bytes", "gauge",
+     "KV memory backed by GPU memory now (elastic KV)"),
+    ("used_bytes", "proxima_kv_used_bytes", "gauge",
+     "KV memory holding blocks in use by requests"),
+    ("reclaimable_bytes", "proxima_kv_reclaimable_bytes", "gauge",
+     "mapped KV memory in granules without a live block (can be given back)"),
+    ("pool_bytes", "proxima_kv_pool_bytes", "gauge",
+     "the KV pool's reserved size (the most that can be mapped)"),
+    ("min_bytes", "proxima_kv_min_bytes", "gauge", "the configured minimum of mapped KV memory"),
+    ("max_bytes", "proxima_kv_max_bytes", "gauge", "the configured maximum of mapped KV memory"),
+    ("short", "proxima_kv_short", "gauge",
+     "1 while the last grow could not be backed (another process holds the GPU memory)"),
+    ("grows", "proxima_kv_grows", "counter", "grow decisions (maps sent)"),
+    ("shrinks", "proxima_kv_shrinks", "counter", "shrink decisions (unmaps sent)"),
+    ("failed_grows", "proxima_kv_failed_grows", "counter",
+     "granules the GPU could not back when asked"),
+    ("bytes_returned", "proxima_kv_returned_bytes", "counter",
+     "KV memory given back to the GPU"),
+    ("evicted_cached", "proxima_kv_evicted_cached_blocks", "counter",
+     "cached prefix blocks evicted because their memory was given back"),
+)
+
+
+def _elastic_metrics(elastic) -> Iterator[Metric]:
+    if not isinstance(elastic, dict):
+        return
+    for key, name, kind, doc in ELASTIC_METRICS:
+        value = elastic.get(key)
+        if value is None or isinstance(value, str):
+            continue
+        if kind == "counter":
+            yield CounterMetricFamily(name, doc, value=float(value))
+        else:
+            yield _gauge(name, doc, float(value))
 
 
 def blocks_per_run_histogram(values: list[float]) -> GaugeHistogramMetricFamily:

@@ -9,7 +9,7 @@ OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 
 # The order every report uses (pre-flight first, then what needs a running engine).
 CHECK_ORDER = ("gpu", "cuda", "versions", "engine", "proxima-active",
-               "allocator-invariants", "canary")
+               "allocator-invariants", "elastic-kv", "canary")
 
 
 @dataclass

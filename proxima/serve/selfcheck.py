@@ -21,7 +21,7 @@ from proxima.engines.status import STATS_ENV, read_status
 from proxima.errors import UserError
 from proxima.serve.report import Check, Report, failed, ok, skipped
 
-ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants")
+ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants", "elastic-kv")
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
 
 
@@ -119,7 +119,9 @@ def engine_checks(model: str | None) -> list[Check]:
     """Start a small engine in a child process (as vLLM does), read its status, generate once."""
     from proxima.models import TINY_LLAMA_DIR
     from proxima.serve import startup_errors
-    from proxima.serve.engine_checks import check_active, check_invariants, pick_invariants_status
+    from proxima.engines import activation
+    from proxima.serve.engine_checks import (check_active, check_elastic, check_invariants,
+                                             pick_invariants_status)
     from proxima.serve.tee import OutputTee
 
     os.environ["PROXIMA_ALLOCATOR"] = "1"
@@ -174,6 +176,7 @@ def engine_checks(model: str | None) -> list[Check]:
                  use_tqdm=False)
     latest = _wait_status(path, generated, timeout=3)
     checks.append(check_invariants(pick_invariants_status(latest, at_activation)))
+    checks.append(check_elastic(latest or at_activation, activation.elastic()))
     return checks
 
 

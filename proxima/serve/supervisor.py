@@ -28,10 +28,11 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Callable
 
+from proxima.engines import activation
 from proxima.engines.status import read_status, stats_path
 from proxima.serve import startup_errors
 from proxima.serve.launch import launcher_for
-from proxima.serve.engine_checks import (check_active, check_invariants,
+from proxima.serve.engine_checks import (check_active, check_elastic, check_invariants,
                                          pick_invariants_status, run_canary)
 from proxima.serve.preflight import run_preflight
 from proxima.serve.report import CHECK_ORDER, Check, Report, failed, ok, skipped
@@ -172,6 +173,7 @@ class Supervisor:
         # after the canary ran if it carries a verdict; an idle engine may not write again.
         latest = await self._wait_status(newer_than=canary_started, timeout=3)
         self.report.add(check_invariants(pick_invariants_status(latest, status)))
+        self.report.add(check_elastic(latest or status, activation.elastic()))
         self._fail_if_any()
 
     async def _start_engine(self) -> None:

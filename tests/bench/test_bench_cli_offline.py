@@ -463,3 +463,32 @@ def test_an_in_process_engine_holds_arrivals_by_itself():
     llm = V0ShapedLLM()
     assert offline.hold_arrivals(llm) is True
     assert "_run_engine" not in vars(llm)
+
+
+def test_elastic_runs_only_the_proxima_side_with_the_connector_and_the_flag(tmp_path, stand_in):
+    seen = []
+
+    class Recorder(StandInLLM):
+        def __init__(self, kwargs):
+            seen.append((os.environ.get("PROXIMA_ELASTIC"), kwargs.get("kv_transfer_config")))
+            super().__init__(kwargs)
+
+    offline.run_offline(config(tmp_path, elastic=True,
+                               elastic_options={"release_delay_s": 5}),
+                        make_workload("chat", 2).requests, build_llm=Recorder,
+                        sampling_params=lambda n: {"max_tokens": n})
+    (stock_flag, stock_ktc), (prox_flag, prox_ktc) = seen
+    assert stock_flag == "0" and stock_ktc is None
+    assert prox_flag == "1" and prox_ktc["kv_connector"] == "ProximaElasticConnector"
+    assert prox_ktc["kv_connector_extra_config"] == {"release_delay_s": 5}
+    assert "PROXIMA_ELASTIC" not in os.environ                    # restored
+
+
+def test_elastic_figures_come_from_the_status_snapshots():
+    snaps = [{"elastic": {"mapped_bytes": 2, "pool_bytes": 10, "grows": 1}},
+             {"time": 1}, {"elastic": {"mapped_bytes": 6, "pool_bytes": 10, "grows": 2,
+                                       "shrinks": 1}}]
+    figures = offline.elastic_figures(snaps)
+    assert figures["mapped_bytes_mean"] == 4 and figures["mapped_bytes_peak"] == 6
+    assert figures["grows"] == 2 and figures["shrinks"] == 1
+    assert offline.elastic_figures([{"time": 1}]) is None

@@ -79,7 +79,7 @@ def test_start_on_a_machine_without_gpu_fails_the_self_check(args):
         assert checks["gpu"]["status"] == "failed"
         assert "no NVIDIA GPU" in checks["gpu"]["detail"]
         assert [c["name"] for c in report["checks"]] == [
-            "gpu", "cuda", "versions", "engine", "proxima-active", "allocator-invariants", "canary"]
+            "gpu", "cuda", "versions", "engine", "proxima-active", "allocator-invariants", "elastic-kv", "canary"]
         assert checks["canary"] == {"name": "canary", "status": "skipped",
                                     "detail": "not run: gpu failed", "fix": ""}
         assert seen == {503}

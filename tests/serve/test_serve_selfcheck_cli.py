@@ -19,7 +19,7 @@ def test_no_gpu_is_reported_clearly():
                                "False")
     assert lines[0].endswith("— run on a machine with a GPU, or with docker run --gpus all")
     assert [line.split(":")[0] for line in lines] == [
-        "gpu", "cuda", "versions", "engine", "proxima-active", "allocator-invariants", "canary"]
+        "gpu", "cuda", "versions", "engine", "proxima-active", "allocator-invariants", "elastic-kv", "canary"]
     assert "engine: skipped: not run: gpu failed" in lines
     assert "Traceback" not in done.stderr
 

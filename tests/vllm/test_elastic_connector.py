@@ -5,6 +5,9 @@ are vLLM's own code. The worker side is the connector's real worker code applyin
 to a KvMemory whose driver is the CPU stand-in (tests/memory/fake_driver.py): everything
 but the CUDA calls. After each step's ops, every block of every scheduled request must lie
 in a granule the worker has mapped -- the property that keeps a GPU from faulting.
+
+Policies: ``off`` (the channel only, the pool unchanged), ``fixed`` (the pool places by
+granule, all mapped; forced cycles), ``auto`` (grow and shrink; fake clock).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def _restore():
 def elastic_config(**extra):
     from vllm.config import KVTransferConfig
 
+    extra.setdefault("policy", "off")
     return KVTransferConfig(**elastic_v1.connector_config(extra))
 
 
@@ -67,7 +71,10 @@ class Worker:
                                             scheduler.kv_cache_config)
         num_blocks = scheduler.kv_cache_config.num_blocks
         self.driver = FakeDriver(capacity=capacity)
-        self.memory = KvMemory([PAGE * num_blocks] * 2, num_blocks, driver=self.driver)
+        ours = elastic_v1.find_connector(scheduler.connector)
+        mapped = getattr(ours, "startup_granules", None)     # what the worker maps at start
+        self.memory = KvMemory([PAGE * num_blocks] * 2, num_blocks, driver=self.driver,
+                               mapped=mapped)
         self.conn._memory = self.memory
         self.tables: dict[str, list[int]] = {}
         self.ops: list[Op] = []
@@ -185,7 +192,7 @@ def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monke
     # vLLM's copy stages its indices in pinned memory, which needs a GPU driver
     monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)
 
-    scheduler = scheduler_for(True, 1024, 1, elastic_config())
+    scheduler = scheduler_for(True, 1024, 1, elastic_config(policy="fixed"))
     worker = Worker(scheduler)
     kv = {f"layer.{i}": torch.arange(1024 * 16, dtype=torch.float32).view(1024, 16) + i
           for i in range(2)}
@@ -195,7 +202,8 @@ def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monke
 
     def between(step):
         if step == 0:
-            conn.held.release([3])        # blocks 768..1023, all free before any request
+            conn.queue.release([3])       # blocks 768..1023, all free before any request
+            channel.unmap(3)
         if step == 2:
             channel.move(600, 650, 4)
 
@@ -225,17 +233,13 @@ def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
 # ----------------------------------------------------------------------------- forced cycles
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
-@pytest.mark.parametrize("proxima", [False, True], ids=["stock", "proxima"])
-def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(proxima, depth,
-                                                                         tmp_path):
+def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth, tmp_path):
     stats = tmp_path / "elastic.json"
-    ktc = elastic_config(force_cycle_every=3, force_cycle_hold=2, force_cycle_granules=3,
-                         stats_file=str(stats))
-    # 16 granules of 256 blocks: most stay free, so the cycles take no capacity anyone needs
-    # 64 granules of 256 blocks: enough stay free of live and cached blocks (Proxima's
-    # placement spreads requests over the pool: with 16 granules it would find few)
-    _, _, plain = run(proxima, 64 * GRANULE, depth)
-    scheduler, worker, elastic = run(proxima, 64 * GRANULE, depth, ktc, worker=True)
+    ktc = elastic_config(policy="fixed", eviction="lru", force_cycle_every=3,
+                         force_cycle_hold=2, force_cycle_granules=3, stats_file=str(stats))
+    # 64 granules of 256 blocks: enough stay free of live and cached blocks
+    _, _, stock = run(False, 64 * GRANULE, depth)
+    scheduler, worker, elastic = run(True, 64 * GRANULE, depth, ktc, worker=True)
     conn = scheduler.connector
     assert conn.cycler.cycles >= 3
     unmaps = [op for op in worker.ops if op.kind == "unmap"]
@@ -244,8 +248,14 @@ def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(proxim
     still_out = conn.channel.num_granules - conn.channel.count(MAPPED)
     assert unmaps and sum(op.count for op in unmaps) - sum(op.count for op in maps) == still_out
     assert worker.memory.stats["granules_unmapped"] > 0
-    # the same requests ran the same steps with the same token counts
-    assert [s[0] for s in elastic] == [s[0] for s in plain]
+    # safe cycles and strict LRU: the same requests ran the same steps with the same token
+    # counts, preempted and finished as with stock vLLM's pool
+    # (an open cycle keeps the engine stepping after the last request: empty steps)
+    def busy(log):
+        return [(s[0], s[3], s[4]) for s in log if s[0] or s[3] or s[4]]
+
+    assert busy(elastic) == busy(stock)
+    conn.queue.check()
     conn.shutdown()
     written = json.loads(stats.read_text())
     assert written["forced_cycles"] == conn.cycler.cycles and written["map_failures"] == 0
@@ -253,30 +263,48 @@ def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(proxim
 
 
 def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out():
-    ktc = elastic_config(initial_granules=6, force_cycle_every=2, force_cycle_hold=1,
-                         force_cycle_granules=2)
-    scheduler = scheduler_for(False, 8 * GRANULE, 1, ktc)
+    ktc = elastic_config(policy="fixed", initial_granules=6, force_cycle_every=2,
+                         force_cycle_hold=1, force_cycle_granules=2, force_cycle_safe=False)
+    scheduler = scheduler_for(True, 8 * GRANULE, 1, ktc)
     worker = Worker(scheduler)
     conn = scheduler.connector
+    assert conn.startup_granules == 6 and worker.memory.mapped_granules == 6
 
     def between(step):
         # until step 12 another process takes whatever memory the engine gives back
         worker.driver.capacity = worker.driver.used if step < 12 else 1 << 40
 
-    drive(scheduler, specs(), worker, between=between)
-    assert worker.ops[0] == Op.unmap(6, 2)        # initial_granules: released at once
+    vllm_v1.activate()
+    try:
+        drive(scheduler, specs(), worker, between=between)
+    finally:
+        vllm_v1.deactivate()
     assert conn.channel.stats["map_failures"] >= 1     # while memory was short
     assert conn.cycler.cycles >= 1                      # and completed once it was back
     assert worker.checked > 0
+    conn.queue.check()
 
 
-def test_initial_granules_leave_only_their_blocks_to_the_scheduler():
-    scheduler = scheduler_for(True, 8 * GRANULE, 1, elastic_config(initial_granules=2))
+def test_warmup_and_initial_size_decide_what_is_mapped_at_start_up():
+    # 8 granules of 256 blocks; vLLM's warm-up writes ids 1..1024 (max_num_seqs requests of
+    # one block each): granules 0-4 are mapped at start-up, 2-4 released before any request
+    scheduler = scheduler_for(True, 8 * GRANULE, 1,
+                              elastic_config(policy="fixed", initial_granules=2))
+    conn = scheduler.connector
     pool = scheduler.kv_cache_manager.block_pool
+    assert elastic_v1.warmup_blocks(scheduler.vllm_config, scheduler.kv_cache_config) == 1024
+    assert conn.startup_granules == 5
     assert pool.get_num_free_blocks() == 2 * GRANULE - 1      # minus the null block
-    assert scheduler.connector.channel.count(MAPPED) == 2
-    batch = scheduler.connector.channel.build()
-    assert batch.ops == (Op.unmap(2, 6),)
+    assert conn.channel.count(MAPPED) == 2
+    batch = conn.channel.build()
+    assert batch.ops == (Op.unmap(2, 3),)                     # 5..7 were never mapped
+
+
+def test_a_policy_other_than_off_needs_proxima_s_pool():
+    from proxima.errors import UserError
+
+    with pytest.raises(UserError, match="needs Proxima's block pool"):
+        scheduler_for(False, 4 * GRANULE, 1, elastic_config(policy="fixed"))
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -314,7 +342,7 @@ def test_composed_in_vllms_multiconnector_the_ops_still_travel(tmp_path):
                               kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
     ktc = elastic_v1.with_elastic_connector(theirs)
     ktc.kv_connector_extra_config["connectors"][0]["kv_connector_extra_config"] = {
-        "initial_granules": 2}
+        "policy": "fixed", "initial_granules": 2}
     scheduler = scheduler_for(True, 4 * GRANULE, 1, ktc)
     ours = scheduler.connector._connectors[0]
     assert isinstance(ours, ProximaElasticConnector)
@@ -359,6 +387,13 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
     ({"initial_granules": 0}, "initial_granules must be at least 1"),
     ({"force_cycle_every": -1}, "force_cycle_every must be 0"),
     ({"granule": 1}, "unknown option"),
+    ({"policy": "elastic"}, "policy must be auto or fixed or off"),
+    ({"min_bytes": "lots"}, "min_bytes: 'lots' is not a size"),
+    ({"min_bytes": "4GiB", "max_bytes": "1GiB"}, "max_bytes .* is below min_bytes"),
+    ({"eviction": "fifo"}, "eviction policy 'fifo'"),
+    ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
+    ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
+    ({"headroom": -1}, "headroom must be a number >= 0"),
 ])
 def test_bad_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError
@@ -400,3 +435,123 @@ def test_elastic_needs_the_allocator_and_is_one_clear_error(monkeypatch):
     vllm_v1.deactivate()
     register()
     assert not elastic_v1.is_active()
+
+
+# ----------------------------------------------------------------------------- the policy
+
+def auto_run(num_granules, depth=1, capacity_after=None, **extra):
+    """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
+    from the second step on the GPU can back ``capacity_after`` bytes (None: plenty)."""
+    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
+    scheduler = scheduler_for(True, num_granules * GRANULE, depth, elastic_config(**extra))
+    conn = scheduler.connector
+    now = [0.0]
+    conn.clock = lambda: now[0]
+    worker = Worker(scheduler)
+    mapped = []
+
+    def between(step):
+        now[0] = step * 0.1
+        if step == 1 and capacity_after is not None:
+            worker.driver.capacity = capacity_after
+        mapped.append(conn.channel.count(MAPPED))
+
+    vllm_v1.activate()
+    try:
+        log = drive(scheduler, specs(), worker, depth, between=between)
+    finally:
+        vllm_v1.deactivate()
+    return scheduler, conn, worker, log, mapped
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(depth):
+    scheduler, conn, worker, log, mapped = auto_run(32, depth)
+    finished = {r for step in log for r in step[4]}
+    assert len(finished) == 48                          # no request lost
+    stats = conn.policy.stats
+    assert stats.grows >= 1 and stats.shrinks >= 1 and stats.failed_grows == 0
+    assert max(mapped) >= 3                             # grew with the load (from 1)...
+    assert conn.channel.count(MAPPED) == 1              # ...and fell back to granule 0
+    assert worker.memory.mapped_granules == 1           # on the worker too
+    assert stats.bytes_returned == stats.granules_released * conn.bytes_per_granule
+    conn.queue.check()
+
+
+def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_once():
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    caplog = Records()
+    logging.getLogger("vllm.proxima").addHandler(caplog)   # vLLM's loggers do not propagate
+    try:
+        # after start-up the GPU can back 2 granules only (another process took the rest)
+        scheduler, conn, worker, log, mapped = auto_run(32,
+                                                        capacity_after=2 * 2 * PAGE * GRANULE)
+    finally:
+        logging.getLogger("vllm.proxima").removeHandler(caplog)
+    finished = {r for step in log for r in step[4]}
+    assert len(finished) == 48                          # slower, but nothing lost
+    assert conn.policy.stats.failed_grows >= 1
+    assert max(mapped) <= 2
+    warnings = [r for r in caplog.records if "cannot give" in r.getMessage()]
+    assert len(warnings) == 1 and "serving at the current size" in warnings[0].getMessage()
+    assert worker.checked > 0                           # and no unmapped block was read
+    conn.queue.check()
+
+
+def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
+    scheduler = scheduler_for(True, 16 * GRANULE, 1,
+                              elastic_config(policy="auto", release_delay_s=0.0))
+    conn = scheduler.connector
+    per = conn.bytes_per_granule
+    status = conn.control({})
+    assert status["pool_bytes"] == 16 * per and status["mapped_bytes"] == per
+    status = conn.control({"min_bytes": 4 * per})
+    assert status["min_bytes"] == 4 * per and status["mapping_granules"] == 3   # grows now
+    assert conn.control({"max_bytes": per})["error"].startswith("max_bytes")
+    assert "unknown field" in conn.control({"size": 1})["error"]
+    assert "not a size" in conn.control({"max_bytes": "big"})["error"]
+    status = conn.control({"max_bytes": "8GiB", "min_bytes": 0})
+    assert status["max_bytes"] == min(16 * per, (8 << 30) // per * per)
+    fixed = scheduler_for(True, 4 * GRANULE, 1, elastic_config(policy="fixed")).connector
+    assert "fixed" in fixed.control({"min_bytes": 0})["error"]
+
+
+def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugin(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from proxima.engines.plugin import register
+
+    monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
+    monkeypatch.setenv(elastic_v1.ENV, "1")
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", "min_bytes=2GiB,release_delay_s=3,eviction=lru")
+    register()
+    try:
+        args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+        try:
+            args.create_engine_config()
+        except Exception:     # no device platform here: the connector is set before that
+            pass
+        extra = args.kv_transfer_config.kv_connector_extra_config
+        assert extra == {"min_bytes": "2GiB", "release_delay_s": 3, "eviction": "lru"}
+        from vllm.v1.engine.core import EngineCore
+
+        assert hasattr(EngineCore, elastic_v1.UTILITY)        # the run-time control
+    finally:
+        elastic_v1.deactivate()
+        vllm_v1.deactivate()
+    from vllm.v1.engine.core import EngineCore
+
+    assert not hasattr(EngineCore, elastic_v1.UTILITY)        # deactivate undoes it
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", '{"min_bytes": "lots"}')
+    with pytest.raises(SystemExit, match="min_bytes: 'lots' is not a size"):
+        register()
+    vllm_v1.deactivate()

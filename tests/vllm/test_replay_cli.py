@@ -106,3 +106,66 @@ def test_replay_asks_the_version_policy(monkeypatch, capsys):
     monkeypatch.setattr(vllm, "__version__", "0.27.1")   # what the adapter sees
     assert main(argv) == 0
     assert "parity checks: all passed" in capsys.readouterr().out
+
+
+def test_every_replay_reports_the_reclaimable_granules_and_the_packed_ideal(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["replay", "--workload", "chat", "--requests", "30", "--num-blocks", "1024",
+                 "--granule-blocks", "16", "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "reclaimable_granule_fraction" in table and "packed_ideal_fraction" in table
+    assert "mapped_granule_fraction" not in table             # both fully mapped: not shown
+    report = json.loads(out.read_text())
+    for side in report["results"].values():
+        assert side["granule_blocks"] == 16 and side["num_granules"] == 64
+        assert 0 <= side["reclaimable_granule_fraction"] <= side["packed_ideal_fraction"] <= 1
+        assert "reclaim_timeline" not in side                  # only the plot reads it
+
+
+def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, capsys):
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
+    out, plot = tmp_path / "e.json", tmp_path / "e.png"
+    assert main(["replay", "--workload", "bursts", "--requests", "120", "--num-blocks", "2048",
+                 "--elastic", "--release-delay", "2", "--no-progress", "--json", str(out),
+                 "--plot", str(plot)]) == 0
+    table = capsys.readouterr().out
+    assert "elastic (auto): mean mapped" in table and "mapped_granule_fraction" in table
+    report = json.loads(out.read_text())
+    assert report["elastic"]["policy"] == "auto" and report["elastic"]["release_delay_s"] == 2
+    p, s = report["results"]["proxima"], report["results"]["stock"]
+    assert p["completed"] == s["completed"] == 120
+    assert p["mapped_granule_fraction"] < 1.0 == s["mapped_granule_fraction"]
+    e = p["elastic"]
+    assert e["grows"] >= 1 and e["shrinks"] >= 1 and e["bytes_returned"] > 0
+    assert p["blocks_leaked"] == 0                             # unmapped is not leaked
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--elastic", "--eviction", "fifo"], "--eviction: eviction policy 'fifo'"),
+    (["--kv-max", "8GiB"], "--kv-max needs --elastic"),
+    (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "--kv-max 4GiB is below --kv-min"),
+    (["--elastic", "--step-seconds", "0"], "--step-seconds must be > 0"),
+    (["--granule-blocks", "0"], "--granule-blocks must be >= 1"),
+])
+def test_elastic_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(["replay", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_elastic_replay_is_one_line_where_this_vllm_allocates_kv_differently(capsys):
+    from proxima.engines import elastic_v1
+
+    reason = elastic_v1.unsupported_reason()
+    if reason is None:
+        pytest.skip("this vLLM supports elastic KV memory (0.26's KV allocation)")
+    assert main(["replay", "--workload", "chat", "--requests", "4", "--elastic",
+                 "--no-progress"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("proxima replay: error")]     # (vLLM's import warnings above)
+    assert len(errors) == 1 and "--elastic: PROXIMA_ELASTIC=1 needs the KV allocation of " \
+        "vLLM 0.26" in errors[0]

@@ -32,6 +32,12 @@
 #                default KV: chat (concurrency 20) x ${REPEAT_online_chat:-5} rounds, sharegpt x ${REPEAT_online_sharegpt:-2};
 #                30,720-token KV: pressure x ${REPEAT_online_pressure:-3}
 #   (offline tasks hold arrivals, bench's default; ARRIVALS=as-sent as before 2026-11-30 s3)
+#   elastic-proof  issue 13 driver A (tests/gpu/proof/elastic_proof.py): (a) identity through
+#                forced cycles, (b) release after a burst / another process takes it / regrow,
+#                (d) steady-load throughput; ~6 min; files elastic_proof.{json,log,-logs.tgz}
+#   two-engines  issue 13 driver B (tests/gpu/proof/two_engines.py): (c) two engines on one GPU,
+#                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min
+#                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
@@ -145,6 +151,10 @@ task() {
     online-default)  online online-default 40000000000 "chat:${REPEAT_online_chat:-5}" \
                        "sharegpt:${REPEAT_online_sharegpt:-2}" ;;
     online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
+    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tests/gpu/proof/elastic_proof.py \
+                     --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
+    two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tests/gpu/proof/two_engines.py \
+                     --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
     serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \

@@ -1,0 +1,338 @@
+"""When elastic KV memory grows and shrinks: min / max bytes, headroom, release delay.
+
+Pure Python (no torch, no vLLM), run by the scheduler side once per step boundary
+(:meth:`GrowShrinkPolicy.step`), with an injectable clock (tests use a fake one). It reads
+the pool through a small interface (:class:`PoolView`: what is live, free, releasable) and
+acts through the pool (``release``) and the channel (:class:`~proxima.memory.channel.
+ElasticChannel`: ``map`` / ``unmap``).
+
+The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
+
+* *wanted free* = ``max(reserve_blocks, headroom * live, forecast)``, where ``forecast``
+  is what the requests the scheduler holds may still need (prompt + max_tokens, minus
+  what they hold) and ``reserve_blocks`` what one step may allocate. *Free* counts the free
+  and cached blocks of mapped granules -- what vLLM's scheduler admits against -- less,
+  while the engine is busy, the cached blocks young enough to be hit again (younger than
+  the pool's reuse horizon, :class:`proxima.allocator.granules.ReuseHorizon`): a cache
+  that is being reused keeps its memory.
+* **Grow** at once when free (plus maps in flight) is below wanted: map enough granules,
+  never above ``max_bytes``. A map is confirmed by the workers before its blocks are
+  handed out; one the GPU cannot back (another process holds the memory) leaves the
+  engine at its current size: said once in the log and in :attr:`stats`
+  (``failed_grows``), asked again after ``retry_s``, never raised.
+* **Shrink** when free has exceeded wanted by at least a granule for ``release_delay_s``:
+  release granules without live blocks, those with the fewest cached blocks first (their
+  cached blocks are evicted, as stock would evict them when reusing the memory: counted
+  in ``evicted_cached``), never below ``min_bytes`` or wanted. Before a shrink that finds
+  too few such granules, ``compactor`` (None by default; issue 14's compaction) may be
+  asked to empty some.
+
+``min_bytes`` and ``max_bytes`` can be changed at run time (:meth:`set_limits`); a new
+minimum above the mapped size grows at the next step, a new maximum below it shrinks
+(after the delay, like any shrink, but without waiting for excess).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
+
+from proxima.memory.arena import runs
+from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ElasticChannel
+
+logger = logging.getLogger("vllm.proxima")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text) -> int:
+    """``"80GiB"`` / ``"512MiB"`` / ``"8GB"`` / ``"1048576"`` -> bytes (an int >= 0);
+    ValueError naming the value otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a size must be >= 0, got {text}")
+        return text
+    value = str(text).strip().lower().replace(" ", "").replace("_", "")
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = None
+    if amount is None or unit not in _UNITS or amount < 0 or amount != amount:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         f"(KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 80GiB")
+    return int(amount * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+class PoolView(Protocol):
+    """What the policy reads of the block pool (Proxima's elastic free queue has it)."""
+
+    num_free_blocks: int                      # free + cached blocks of mapped granules
+
+    def live_blocks(self) -> int: ...
+    def hot_cached_blocks(self) -> int: ...          # cached blocks young enough to be hit
+    def releasable(self) -> list[tuple[int, int]]: ...   # (granule, cached), cheapest first
+    def release(self, granules) -> int: ...              # returns cached blocks evicted
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """``min_bytes`` / ``max_bytes``: bounds of the mapped KV memory (max None: the whole
+    reserved pool); ``headroom``: free fraction of the live blocks kept mapped;
+    ``reserve_blocks``: blocks kept free whatever the load (what one step may allocate);
+    ``release_delay_s``: how long free memory must be in excess before it is released;
+    ``retry_s``: how long after a failed grow the next is tried; ``forecast``: count what
+    the held requests may still need (prompt + max_tokens) as wanted free memory."""
+
+    min_bytes: int = 0
+    max_bytes: int | None = None
+    headroom: float = 0.10
+    reserve_blocks: int = 0
+    release_delay_s: float = 10.0
+    retry_s: float = 1.0
+    forecast: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("min_bytes", "reserve_blocks"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.max_bytes is not None and (type(self.max_bytes) is not int
+                                           or self.max_bytes < self.min_bytes):
+            raise ValueError(f"max_bytes must be None or an integer >= min_bytes "
+                             f"({self.min_bytes}), got {self.max_bytes!r}")
+        for name in ("headroom", "release_delay_s", "retry_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass
+class PolicyStats:
+    grows: int = 0                 # grow decisions (MAP ops sent)
+    granules_grown: int = 0        # granules asked for
+    failed_grows: int = 0          # grows the GPU could not back (granules)
+    shrinks: int = 0               # shrink decisions (UNMAP ops sent)
+    granules_released: int = 0
+    bytes_returned: int = 0        # released granules x bytes per granule
+    evicted_cached: int = 0        # cached blocks evicted by releases
+    compactor_calls: int = 0
+    short: bool = False            # the last grow could not be backed
+    events: list = field(default_factory=list)   # (time, "grow"/"shrink"/"fail", granules)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "events"}
+        return out
+
+
+class GrowShrinkPolicy:
+    """Decides at each step boundary whether granules are mapped or released.
+
+    Args:
+        pool: the pool (:class:`PoolView`).
+        channel: the granule states and the ops to the workers.
+        bytes_per_granule: memory of one granule (all layers).
+        options: :class:`PolicyOptions`.
+        clock: seconds, monotonic (tests pass a fake).
+        forecast: ``fn() -> blocks`` the held requests may still need (None: 0).
+        compactor: ``fn(pool, granules_wanted) -> granules emptied`` asked before a shrink
+            that finds too few releasable granules (issue 14's hook; None: not asked).
+    """
+
+    def __init__(self, pool: PoolView, channel: ElasticChannel, bytes_per_granule: int,
+                 options: PolicyOptions = PolicyOptions(), *,
+                 clock: Callable[[], float] = time.monotonic,
+                 forecast: Callable[[], int] | None = None,
+                 compactor: Callable[[PoolView, int], int] | None = None) -> None:
+        if bytes_per_granule < 1:
+            raise ValueError(f"bytes_per_granule must be >= 1, got {bytes_per_granule}")
+        self.pool = pool
+        self.channel = channel
+        self.bytes_per_granule = bytes_per_granule
+        self.options = options
+        self.clock = clock
+        self.forecast = forecast
+        self.compactor = compactor
+        self.stats = PolicyStats()
+        self._excess_since: float | None = None
+        self._retry_at = 0.0
+        self._reported_short = False
+        channel.listeners.append(self._on_map)
+
+    # ------------------------------------------------------------------ limits
+    @property
+    def min_granules(self) -> int:
+        # granule 0 (the null block) always stays mapped
+        return max(1, -(-self.options.min_bytes // self.bytes_per_granule))
+
+    @property
+    def max_granules(self) -> int:
+        ng = self.channel.num_granules
+        if self.options.max_bytes is None:
+            return ng
+        return max(self.min_granules, min(ng, self.options.max_bytes // self.bytes_per_granule))
+
+    def set_limits(self, min_bytes: int | None = None, max_bytes: int | None = None,
+                   clear_max: bool = False) -> PolicyOptions:
+        """New bounds (None: unchanged; ``clear_max``: no maximum but the pool's). Raises
+        ValueError (naming the value) for a minimum above the maximum or beyond the pool."""
+        lo = self.options.min_bytes if min_bytes is None else min_bytes
+        hi = None if clear_max else (self.options.max_bytes if max_bytes is None else max_bytes)
+        pool_bytes = self.channel.num_granules * self.bytes_per_granule
+        if lo > pool_bytes:
+            raise ValueError(f"min_bytes {lo} is above the pool's {pool_bytes} bytes "
+                             f"(its maximum at start-up)")
+        self.options = replace(self.options, min_bytes=lo, max_bytes=hi)
+        self._excess_since = None
+        return self.options
+
+    # ------------------------------------------------------------------ the step
+    def wanted_free(self) -> int:
+        o = self.options
+        live = self.pool.live_blocks()
+        wanted = max(o.reserve_blocks, int(o.headroom * live + 0.5))
+        if o.forecast and self.forecast is not None:
+            wanted = max(wanted, self.forecast())
+        return wanted
+
+    def spare_blocks(self) -> int:
+        """Free blocks of mapped memory not counting, while the engine is busy, the cached
+        blocks young enough to be hit again (they earn their memory). Idle, every cached
+        block counts as spare: the release delay is what protects them."""
+        pool = self.pool
+        free = pool.num_free_blocks
+        if pool.live_blocks() or (self.forecast is not None and self.forecast()):
+            free -= pool.hot_cached_blocks()
+        return free
+
+    def step(self) -> None:
+        """One step boundary: grow, or shrink after the delay, or nothing."""
+        ch, G = self.channel, self.channel.granule_blocks
+        now = self.clock()
+        mapped = ch.count(MAPPED)
+        pending = ch.count(MAPPING)
+        free = self.spare_blocks()
+        wanted = self.wanted_free()
+        floor = self.min_granules
+        cap = self.max_granules
+        # grow: below wanted free memory, or below the minimum
+        short_blocks = wanted - free - pending * G
+        grow = max(-(-short_blocks // G) if short_blocks > 0 else 0,
+                   floor - mapped - pending)
+        grow = min(grow, cap - mapped - pending)
+        if grow > 0:
+            self._excess_since = None
+            if now >= self._retry_at:
+                self._grow(grow, now)
+            return
+        # shrink: excess beyond wanted (or above the maximum) for the delay
+        excess = min((free - wanted) // G, mapped - floor) if free > wanted else 0
+        over = mapped + pending - cap
+        if over > 0:
+            excess = max(excess, over)
+        if excess <= 0:
+            self._excess_since = None
+            return
+        if self._excess_since is None:
+            self._excess_since = now
+        if now - self._excess_since < self.options.release_delay_s:
+            return
+        self._shrink(excess, now)
+        self._excess_since = None
+
+    @property
+    def pending(self) -> bool:
+        """A release is waiting for its delay (the engine must keep stepping to do it)."""
+        return self._excess_since is not None
+
+    def due_in(self) -> float | None:
+        """Seconds until the waiting release is due (None: none is waiting)."""
+        if self._excess_since is None:
+            return None
+        return max(0.0, self._excess_since + self.options.release_delay_s - self.clock())
+
+    # ------------------------------------------------------------------ actions
+    def _grow(self, count: int, now: float) -> None:
+        ch = self.channel
+        todo = [g for g in range(ch.num_granules) if ch.state[g] == UNMAPPED][:count]
+        for run in runs(todo):
+            ch.map(run.start, len(run))
+        if todo:
+            self.stats.grows += 1
+            self.stats.granules_grown += len(todo)
+            self.stats.events.append((now, "grow", len(todo)))
+
+    def _shrink(self, count: int, now: float) -> None:
+        pool = self.pool
+        candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
+        if len(candidates) < count and self.compactor is not None:
+            self.stats.compactor_calls += 1
+            if self.compactor(pool, count - len(candidates)):
+                candidates = [g for g, _ in pool.releasable()
+                              if self.channel.state[g] == MAPPED]
+        chosen = sorted(candidates[:count])
+        if not chosen:
+            return
+        evicted = pool.release(chosen)
+        for run in runs(chosen):
+            self.channel.unmap(run.start, len(run))
+        s = self.stats
+        s.shrinks += 1
+        s.granules_released += len(chosen)
+        s.bytes_returned += len(chosen) * self.bytes_per_granule
+        s.evicted_cached += evicted
+        s.events.append((now, "shrink", len(chosen)))
+        if len(s.events) > 1000:
+            del s.events[:500]
+
+    def _on_map(self, granules: range, ok: bool) -> None:
+        s = self.stats
+        if ok:
+            if s.short:
+                logger.info("Proxima elastic KV: the GPU gives memory again (%d granules "
+                            "mapped)", len(granules))
+            s.short = False
+            self._reported_short = False
+            return
+        s.failed_grows += len(granules)
+        s.short = True
+        s.events.append((self.clock(), "fail", len(granules)))
+        self._retry_at = self.clock() + self.options.retry_s
+        if not self._reported_short:
+            self._reported_short = True
+            logger.warning("Proxima elastic KV: the GPU cannot give %d more granules (%.0f MiB) "
+                           "now (another process holds the memory); serving at the current "
+                           "size, retrying every %.1f s", len(granules),
+                           len(granules) * self.bytes_per_granule / 2**20,
+                           self.options.retry_s)
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict:
+        """Mapped / used / reclaimable bytes and the counters, for the status file."""
+        ch, G, B = self.channel, self.channel.granule_blocks, self.bytes_per_granule
+        live = self.pool.live_blocks()
+        releasable = len(self.pool.releasable())
+        return {
+            "granule_blocks": G, "bytes_per_granule": B, "num_granules": ch.num_granules,
+            "mapped_granules": ch.count(MAPPED), "mapping_granules": ch.count(MAPPING),
+            "mapped_bytes": ch.count(MAPPED) * B,
+            "used_bytes": live * B // G,
+            "reclaimable_bytes": releasable * B,
+            "free_blocks": self.pool.num_free_blocks, "wanted_free_blocks": self.wanted_free(),
+            "min_bytes": self.min_granules * B, "max_bytes": self.max_granules * B,
+            "pool_bytes": ch.num_granules * B,
+            "release_pending": self.pending, **self.stats.as_dict(),
+        }

@@ -1,0 +1,325 @@
+"""Issue 13's GPU proof, driver A: elastic KV memory in one vLLM 0.26 engine on one H200.
+
+    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
+        [--budget 350] [--only a,b,d]
+
+Sub-proofs, each in its own try/except with its own time budget, results written to
+$OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
+(and in $OUT/elastic_proof.log); the engines' logs go into $OUT/elastic_proof-logs.tgz.
+Three files in $OUT. The driver never touches CUDA; every engine runs in a child process
+that is killed when its time is up or when the driver exits.
+
+(a) identity: greedy token ids of a light phase (16 requests, shared prefixes: forced
+    cycles unmap and remap granules mid-run) and a pressure phase (200 requests, shared
+    prefixes, 30,720-token KV: preemptions, prefix hits), identical for stock vLLM,
+    PROXIMA_ALLOCATOR=1, and PROXIMA_ELASTIC=1 with forced safe cycles and strict LRU
+    (the schedule is stock's by construction, so any difference would be corrupted KV).
+    Then, if time is left, (a2) the default elastic policy (informational: its eviction
+    and its memory differ from stock's, the schedule may differ, and with dummy weights
+    a different batch shape can flip a near-tied greedy token).
+(b) release and regrow: a 16 GiB elastic pool with a 1 GiB minimum runs a burst; after it
+    the workers' mapped KV must fall to the minimum within the release delay (12 s) plus
+    10 s, a separate process must see that memory come back free and allocate it, and a
+    second burst must map memory again.
+(d) steady-load throughput: stock then the default elastic policy, each engine running the
+    same 300 ShareGPT-like requests twice (prefix cache reset between); ratio per pass, and
+    stock's own spread between its passes.
+
+Needs: vLLM 0.26.0 importable (PYTHONPATH=$PWD:/tmp/site as staged by run.sh c1/c2), the
+Llama-3.1-8B-shaped config at /tmp/vllm-kit/dummy-llama (PROXIMA_PROOF_MODEL overrides).
+About 5-6 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proofkit as kit  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CHILD = str(HERE / "elastic_child.py")
+GiB = 1 << 30
+_STOCK: dict = {}          # stock's identity run, for the informational (a2) comparison
+DRY = False
+
+TAKER = r"""
+import json, sys, time
+import torch
+progress, out = sys.argv[1], sys.argv[2]
+torch.empty(1, device="cuda")
+def phase():
+    try:
+        return json.load(open(progress))
+    except Exception:
+        return {}
+free_peak, total = torch.cuda.mem_get_info()
+result = {"free_at_peak": free_peak, "total": total}
+end = time.monotonic() + 60
+while phase().get("phase") != "released" and time.monotonic() < end:
+    time.sleep(0.2)
+p = phase()
+time.sleep(0.5)
+free_after, _ = torch.cuda.mem_get_info()
+result.update(free_after_release=free_after, released=p.get("released"),
+              seen_release=p.get("phase") == "released")
+want = int(0.95 * min(max(0, free_after - free_peak), p.get("released") or 0))
+result["tried"] = want
+try:
+    buf = torch.empty(want, dtype=torch.uint8, device="cuda")
+    buf.fill_(7)
+    torch.cuda.synchronize()
+    result["allocated"] = want
+    del buf
+except Exception as exc:
+    result["allocated"] = 0
+    result["error"] = f"{type(exc).__name__}: {exc}"
+json.dump(result, open(out, "w"))
+"""
+
+
+def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -> dict:
+    path = out.dir / f".{name}.json"
+    path.unlink(missing_ok=True)
+    started = time.monotonic()
+    rc = kit.run([sys.executable, CHILD, *args, "--out", str(path)], env,
+                 out.child_log(name), timeout)
+    result = kit.read_json(path) or {}
+    path.unlink(missing_ok=True)
+    result["rc"] = rc
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    if rc != 0:
+        result.setdefault("error", f"exit {rc}" + (" (timed out)" if rc == 124 else ""))
+        result["log_tail"] = kit.tail(out.child_log(name))
+    out.log(f"  {name}: rc={rc} wall={result['wall_s']}s"
+            + (f" error: {result.get('error')}" if rc else ""))
+    return result
+
+
+def compare(ref: dict, other: dict) -> dict:
+    """Per phase: requests whose tokens differ, and whether the schedule visibly matched
+    (same cached tokens per request, same preemption count)."""
+    report = {}
+    for phase in ("light", "pressure"):
+        a, b = ref.get(phase) or {}, other.get(phase) or {}
+        ta, tb = a.get("tokens"), b.get("tokens")
+        if not ta or not tb or len(ta) != len(tb):
+            report[phase] = {"ok": False, "why": "missing or different request counts"}
+            continue
+        differing = [i for i, (x, y) in enumerate(zip(ta, tb)) if x != y]
+        report[phase] = {"ok": not differing, "differing": differing[:10],
+                         "n_differing": len(differing), "requests": len(ta),
+                         "same_cached_tokens": a.get("cached_tokens") == b.get("cached_tokens"),
+                         "cached_tokens": [sum(a.get("cached_tokens") or []),
+                                           sum(b.get("cached_tokens") or [])],
+                         "preemptions": [a.get("preemptions"), b.get("preemptions")]}
+    return report
+
+
+# ----------------------------------------------------------------------------- sub-proofs
+
+def proof_a(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
+    out.log(f"(a) identity: stock, proxima, elastic (forced safe cycles); budget {share:.0f}s")
+    deadline = time.monotonic() + share
+    runs = {}
+    for mode in ("stock", "proxima", "elastic"):
+        left = min(deadline - time.monotonic(), budget.left() - 10)
+        runs[mode] = child(out, f"a-{mode}", ["identity", "--mode", mode], env,
+                           min(left, 150 if mode == "stock" else 110))
+        out.record("a", **{f"{mode}_rc": runs[mode]["rc"], f"{mode}_start_s":
+                           runs[mode].get("start_s"), f"{mode}_error": runs[mode].get("error")})
+        if runs[mode]["rc"] != 0 and mode == "stock":
+            break
+    stock = runs.get("stock", {})
+    _STOCK.update(stock)
+    checks = {m: compare(stock, runs[m]) for m in ("proxima", "elastic") if m in runs}
+    e = (runs.get("elastic") or {}).get("elastic") or {}
+    pressure = (stock.get("pressure") or {})
+    evidence = {"forced_cycles": e.get("forced_cycles"),
+                "granules_unmapped": e.get("granules_unmapped"),
+                "granules_mapped": e.get("granules_mapped"),
+                "map_failures": e.get("map_failures"),
+                "worker_map_seconds": e.get("worker_map_seconds"),
+                "stock_pressure_preemptions": pressure.get("preemptions"),
+                "stock_pressure_cached_tokens": sum(pressure.get("cached_tokens") or [])}
+    ok = (all(r.get("rc") == 0 for r in runs.values()) and len(runs) == 3
+          and all(c.get(p, {}).get("ok") for c in checks.values() for p in ("light", "pressure"))
+          and (e.get("forced_cycles") or 0) >= 1 and (e.get("granules_unmapped") or 0) >= 1
+          and e.get("map_failures") == 0 and (pressure.get("preemptions") or 0) > 0
+          and evidence["stock_pressure_cached_tokens"] > 0)
+    out.record("a", passed=ok, compare=checks, evidence=evidence)
+
+
+def proof_a2(out: kit.Out, budget: kit.Budget, env: dict) -> None:
+    left = budget.left() - 15
+    if left < 60:
+        out.record("a2", skipped=f"only {left:.0f}s left")
+        return
+    out.log("(a2) the default elastic policy against stock (informational)")
+    stock = _STOCK
+    run = child(out, "a2-elastic-auto", ["identity", "--mode", "elastic-auto"], env,
+                min(left, 110))
+    out.record("a2", rc=run["rc"], compare=compare(stock, run) if stock else None,
+               elastic={k: (run.get("elastic") or {}).get(k) for k in (
+                   "grows", "shrinks", "failed_grows", "bytes_returned", "mapped_bytes",
+                   "pool_bytes", "worker_map_seconds")},
+               note="informational: eviction and memory differ from stock's by design, so "
+                    "the schedule may differ; with dummy weights greedy near-ties may flip")
+
+
+def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
+    out.log(f"(b) release after a burst, another process takes it, regrow; budget {share:.0f}s")
+    progress = out.dir / ".b-progress.json"
+    go = out.dir / ".b-go"
+    taken = out.dir / ".b-taker.json"
+    for p in (progress, go, taken):
+        p.unlink(missing_ok=True)
+    delay = 12.0
+    path = out.dir / ".b.json"
+    proc = kit.start([sys.executable, CHILD, "burst", "--out", str(path), "--progress",
+                      str(progress), "--go", str(go), "--delay", str(delay)], env,
+                     out.child_log("b-engine"))
+    deadline = time.monotonic() + share
+    taker = None
+    try:
+        peak = kit.wait_for(lambda: (kit.read_json(progress) or {}).get("phase") in
+                            ("peak", "released"), max(1, deadline - time.monotonic() - 30))
+        if peak:
+            cmd = ([sys.executable, CHILD, "taker"] if DRY else [sys.executable, "-c", TAKER])
+            taker = kit.start([*cmd, str(progress), str(taken)], env, out.child_log("b-taker"))
+            try:
+                taker.wait(timeout=max(1, min(90, deadline - time.monotonic() - 15)))
+            except Exception:
+                kit.stop(taker)
+        go.write_text("go")
+        try:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except Exception:
+            kit.stop(proc)
+    finally:
+        kit.stop(proc)
+        if taker is not None:
+            kit.stop(taker)
+    result = kit.read_json(path) or {"error": "the engine child wrote no result",
+                                     "log_tail": kit.tail(out.child_log("b-engine"))}
+    take = kit.read_json(taken) or {}
+    for p in (progress, go, taken, path):
+        p.unlink(missing_ok=True)
+    released = result.get("released") or {}
+    b1, b2 = result.get("burst1") or {}, result.get("burst2") or {}
+    floor = result.get("min_bytes") or GiB
+    fell = (released.get("mapped_bytes") or 1 << 62) <= floor and \
+        (released.get("seconds_after_burst") or 1e9) <= delay + 10
+    came_back = (take.get("free_after_release", 0) - take.get("free_at_peak", 0))
+    took = take.get("allocated", 0)
+    want = max(0, (b1.get("peak_mapped_bytes") or 0) - (released.get("mapped_bytes") or 0))
+    ok = (fell and want >= 4 * GiB and came_back >= 0.9 * want and took >= 0.85 * want
+          and (b2.get("peak_mapped_bytes") or 0) >= floor + 4 * GiB
+          and not result.get("error"))
+    out.record("b", passed=ok, engine=result, taker=take,
+               summary={"peak_bytes": b1.get("peak_mapped_bytes"),
+                        "min_bytes": floor, "mapped_after_bytes": released.get("mapped_bytes"),
+                        "seconds_to_min": released.get("seconds_after_burst"),
+                        "delay_s": delay, "freed_seen_by_other_process_bytes": came_back,
+                        "other_process_allocated_bytes": took,
+                        "regrow_peak_bytes": b2.get("peak_mapped_bytes")})
+
+
+def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
+    out.log(f"(d) steady-load throughput, stock vs elastic default; budget {share:.0f}s")
+    run = child(out, "d-throughput", ["throughput", "--requests", "300"], env,
+                min(share, budget.left() - 10))
+    stock = [p["output_tokens_per_s"] for p in (run.get("stock") or {}).get("passes", [])]
+    elastic = [p["output_tokens_per_s"] for p in
+               (run.get("elastic-auto") or {}).get("passes", [])]
+    summary = {"stock_tok_s": stock, "elastic_tok_s": elastic}
+    if len(stock) == 2 and len(elastic) == 2:
+        mean = sum(stock) / 2
+        summary.update(stock_spread_pct=round(100 * abs(stock[0] - stock[1]) / mean, 2),
+                       ratio_pass1=round(elastic[0] / stock[0], 4),
+                       ratio_pass2=round(elastic[1] / stock[1], 4),
+                       ratio_mean=round(sum(elastic) / sum(stock), 4))
+    e = (run.get("elastic-auto") or {}).get("elastic") or {}
+    summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")})
+    ok = run.get("rc") == 0 and "ratio_mean" in summary and (
+        summary["ratio_mean"] >= 0.99 or
+        summary["ratio_mean"] >= 1 - summary["stock_spread_pct"] / 100)
+    out.record("d", passed=ok, summary=summary, error=run.get("error"),
+               log_tail=run.get("log_tail"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
+                    help="results folder (default: $OUT, else ./gpu-out)")
+    ap.add_argument("--budget", type=float, default=355.0,
+                    help="seconds for everything (default: %(default)s)")
+    ap.add_argument("--only", default="a,b,d", help="sub-proofs to run (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run the orchestration with a CPU stand-in child (fake_child.py): "
+                         "checks budgets and files, proves nothing (default: off)")
+    args = ap.parse_args()
+    global CHILD, DRY
+    if args.dry_run:
+        CHILD, DRY = str(HERE / "fake_child.py"), True
+    out = kit.Out(Path(args.out), "elastic_proof")
+    budget = kit.Budget(args.budget)
+    cache = Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof"))
+    env = kit.engine_env(cache)
+    wanted = set(args.only.split(","))
+    out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
+            f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}")
+    plan = [("a", proof_a, 185), ("b", proof_b, 70), ("d", proof_d, 95)]
+    for name, fn, share in plan:
+        if name not in wanted:
+            continue
+        share = budget.cap(share, reserve=5)
+        if share < 30:
+            out.record(name, passed=False, skipped=f"only {budget.left():.0f}s left")
+            continue
+        try:
+            fn(out, budget, env, share)
+        except Exception as exc:  # noqa: BLE001 - one sub-proof's failure is its own
+            import traceback
+
+            out.record(name, passed=False, error=f"{type(exc).__name__}: {exc}",
+                       traceback=traceback.format_exc()[-3000:])
+        finally:
+            kit.kill_all()
+    if "a" in wanted:
+        try:
+            proof_a2(out, budget, env)
+        except Exception as exc:  # noqa: BLE001
+            out.record("a2", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            kit.kill_all()
+    lines = []
+    for name, entry in out.results["subproofs"].items():
+        if name == "a2":
+            c = (entry.get("compare") or {})
+            lines.append(f"(a2) INFO: default policy vs stock: "
+                         + ", ".join(f"{p} {v.get('n_differing')} of {v.get('requests')} differ"
+                                     for p, v in c.items()) if c else
+                         f"(a2) INFO: {entry.get('skipped') or entry.get('error') or 'no result'}")
+            continue
+        verdict = "PASS" if entry.get("passed") else "FAIL"
+        detail = entry.get("summary") or entry.get("evidence") or entry.get("skipped") or \
+            entry.get("error")
+        lines.append(f"({name}) {verdict}: {json.dumps(detail, default=str)[:600]}")
+    for line in lines:
+        out.log(line)
+    out.results["summary_lines"] = lines
+    out.results["wall_s"] = round(budget.elapsed(), 1)
+    out.finish()
+    return 0 if all(e.get("passed") for n, e in out.results["subproofs"].items()
+                    if n != "a2") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""A CPU stand-in for elastic_child.py and the GPU taker (``--dry-run`` of the drivers):
+same arguments, same files, plausible numbers, a second or two of work. It checks the
+drivers' orchestration (budgets, files in $OUT, summaries, killing children) on a machine
+without a GPU; it proves nothing about elastic KV memory."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if argv and argv[0] == "taker":
+        progress, out = Path(argv[1]), Path(argv[2])
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                if json.loads(progress.read_text()).get("phase") == "released":
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        out.write_text(json.dumps({"free_at_peak": 10 * GiB, "free_after_release": 25 * GiB,
+                                   "released": 15 * GiB, "allocated": int(14.25 * GiB),
+                                   "seen_release": True}))
+        return 0
+    job = argv[0]
+    opts = dict(zip(argv[1::2], argv[2::2]))
+    out = Path(opts["--out"])
+    if opts.get("--mode") == "hang":
+        time.sleep(3600)
+    if job == "identity":
+        tokens = [[i, i + 1, i + 2] for i in range(16)]
+        heavy = [[i] * 4 for i in range(200)]
+        result = {"light": {"tokens": tokens, "cached_tokens": [0] * 16, "preemptions": 0},
+                  "pressure": {"tokens": heavy, "cached_tokens": [16] * 200, "preemptions": 9},
+                  "elastic": {"forced_cycles": 3, "granules_unmapped": 24, "granules_mapped": 24,
+                              "map_failures": 0}, "start_s": 1.0}
+    elif job == "burst":
+        progress = Path(opts["--progress"])
+        progress.write_text(json.dumps({"phase": "peak", "mapped": 16 * GiB}))
+        time.sleep(0.5)
+        progress.write_text(json.dumps({"phase": "released", "released": 15 * GiB,
+                                        "mapped": GiB}))
+        go = Path(opts["--go"])
+        end = time.monotonic() + 30
+        while not go.exists() and time.monotonic() < end:
+            time.sleep(0.1)
+        result = {"min_bytes": GiB, "burst1": {"peak_mapped_bytes": 16 * GiB},
+                  "released": {"mapped_bytes": GiB, "seconds_after_burst": 13.0},
+                  "burst2": {"peak_mapped_bytes": 16 * GiB}, "taker_done": go.exists()}
+    elif job == "throughput":
+        result = {"stock": {"passes": [{"output_tokens_per_s": 1000.0},
+                                       {"output_tokens_per_s": 1010.0}]},
+                  "elastic-auto": {"passes": [{"output_tokens_per_s": 990.0},
+                                              {"output_tokens_per_s": 1005.0}]}}
+    else:
+        result = {}
+    time.sleep(0.2)
+    out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""What the GPU proof drivers share: a time budget, child processes that always die, results
+written as they come, and few files in $OUT.
+
+The drivers never touch CUDA themselves (vLLM forks and spawns engine processes; a parent
+holding a CUDA context would break them): every engine and every GPU allocation runs in a
+child process started here, in its own process group, killed (the whole group) when its
+time is up or the driver exits for any reason.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = "/tmp/vllm-kit/dummy-llama"
+TOKENIZER = str(ROOT / "proxima" / "models" / "tiny-llama")
+
+_children: list[subprocess.Popen] = []
+
+
+def kill_all() -> None:
+    """Kill every child process group still alive (SIGTERM, then SIGKILL)."""
+    for proc in list(_children):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + 10
+    for proc in list(_children):
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    _children.clear()
+
+
+def _on_signal(signum, frame):
+    kill_all()
+    sys.exit(128 + signum)
+
+
+atexit.register(kill_all)
+for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(_sig, _on_signal)
+
+
+def engine_env(cache_root: Path, **extra) -> dict:
+    """The environment of an engine child: the repo and the staged vLLM on the path, a
+    shared compile cache, no FlashInfer sampler, NVLink multicast off; PROXIMA_* unset
+    unless given."""
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith("PROXIMA_"):
+            del env[key]
+    site = env.get("PYTHONPATH", "")
+    parts = [str(ROOT)] + [p for p in site.split(os.pathsep) if p and p != str(ROOT)]
+    if "/tmp/site" not in parts and Path("/tmp/site").is_dir():
+        parts.append("/tmp/site")
+    env.update(PYTHONPATH=os.pathsep.join(parts), VLLM_CACHE_ROOT=str(cache_root),
+               VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env.update({k: str(v) for k, v in extra.items() if v is not None})
+    return env
+
+
+class Budget:
+    """Wall-clock budget of a driver: ``left()`` seconds remain."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.start = time.monotonic()
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def cap(self, seconds: float, reserve: float = 10.0) -> float:
+        """``seconds``, or what is left minus ``reserve`` if less."""
+        return max(0.0, min(seconds, self.left() - reserve))
+
+
+class Out:
+    """$OUT: one JSON of results (rewritten after every change), one log, and the
+    children's logs packed into one .tgz at the end (at most 3 files of ours)."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        self.dir = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.json = out / f"{name}.json"
+        self.log_path = out / f"{name}.log"
+        self.logs = out / f"{name}-children"
+        self.logs.mkdir(exist_ok=True)
+        self.tgz = out / f"{name}-logs.tgz"
+        self.results: dict = {"driver": name, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                      time.gmtime()),
+                              "subproofs": {}}
+        self._log = self.log_path.open("a")
+        self.save()
+
+    def log(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        text = f"[{stamp}] {line}"
+        print(text, flush=True)
+        self._log.write(text + "\n")
+        self._log.flush()
+
+    def save(self) -> None:
+        tmp = self.json.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.results, indent=2, default=str) + "\n")
+        tmp.replace(self.json)
+
+    def record(self, subproof: str, **fields) -> dict:
+        entry = self.results["subproofs"].setdefault(subproof, {})
+        entry.update(fields)
+        self.save()
+        return entry
+
+    def child_log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def finish(self) -> None:
+        with tarfile.open(self.tgz, "w:gz") as tar:
+            for path in sorted(self.logs.glob("*")):
+                tar.add(path, arcname=f"{self.logs.name}/{path.name}")
+        for path in self.logs.glob("*"):
+            path.unlink()
+        self.logs.rmdir()
+        self.results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.save()
+        self._log.close()
+
+
+def start(cmd: list[str], env: dict, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
+    """A child in its own process group, output to ``log``; killed by :func:`kill_all`."""
+    handle = log.open("ab")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    handle.close()
+    _children.append(proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+    if proc in _children:
+        _children.remove(proc)
+    return proc.returncode
+
+
+def run(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
+    """Run a child to completion within ``timeout`` s; 124 if it ran out of time."""
+    if timeout <= 1:
+        return 124
+    proc = start(cmd, env, log)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        return 124
+    finally:
+        if proc in _children:
+            _children.remove(proc)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_for(predicate, timeout: float, every: float = 0.5):
+    """``predicate()`` until truthy (returned) or ``timeout`` s passed (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(every)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,336 @@
+"""Issue 13's GPU proof, driver B: two engines on one GPU with alternating bursts.
+
+    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/two_engines.py \\
+        [--budget 410] [--requests 1000] [--compactor module:factory]
+
+(c) Two vLLM OpenAI servers (vLLM 0.26's api_server, dummy Llama-3.1-8B) on one GPU, on
+different ports, started one after the other. Schedule: a burst on A while B idles, then a
+burst on B while A idles (``--rounds`` times). Run twice, on the same schedule:
+
+* static: two stock engines, ``gpu_memory_utilization 0.45`` each (a fixed split);
+* elastic: two Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
+  PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (more than half of the
+  GPU) and a minimum of 2 GiB, release delay 2 s: the busy engine takes what the idle
+  one gave back (a grow the GPU cannot back yet is retried: it never fails a request).
+
+Per setup: aggregate output tokens/s over the schedule, per-burst time and tokens/s,
+preemptions (vLLM's counter, from /metrics), TTFT p50/p99, errors; for elastic also each
+engine's mapped bytes at the end of every burst and the grow/shrink counters (the
+connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, zero errors.
+With ``--compactor module:factory`` (issue 14's compaction) the elastic servers get it in
+their elastic options (``compactor``); ``PROXIMA_PROOF_ELASTIC_OPTIONS`` (JSON) adds any
+other option.
+
+Files in $OUT: two_engines.json (rewritten after every burst), two_engines.log, and
+two_engines-logs.tgz (the four servers' logs). The driver never touches CUDA; servers run
+in their own process groups and are killed when their time is up or the driver exits.
+About 6-7 minutes (four engine start-ups, four bursts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proofkit as kit  # noqa: E402
+
+GiB = 1 << 30
+
+
+def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
+    if args.dry_run:
+        return [sys.executable, str(Path(__file__).resolve().parent / "fake_server.py"),
+                "--port", str(port)] + ([] if static else ["--stats-file", str(stats_file)])
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+           "--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--port", str(port),
+           "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", "2048"]
+    if static:
+        return cmd + ["--gpu-memory-utilization", "0.45"]
+    options = {"policy": "auto", "min_bytes": 2 * GiB, "max_bytes": int(args.max_gib * GiB),
+               "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
+               "stats_file": str(stats_file)}
+    if args.compactor:
+        options["compactor"] = args.compactor
+    options.update(json.loads(os.environ.get("PROXIMA_PROOF_ELASTIC_OPTIONS") or "{}"))
+    ktc = {"kv_connector": "ProximaElasticConnector",
+           "kv_connector_module_path": "proxima.engines.elastic_connector",
+           "kv_role": "kv_producer", "kv_connector_extra_config": options}
+    return cmd + ["--gpu-memory-utilization", "0.3",
+                  "--kv-cache-memory-bytes", str(int(args.max_gib * GiB)),
+                  "--kv-transfer-config", json.dumps(ktc)]
+
+
+def healthy(port: int) -> bool:
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=3).status == 200
+    except OSError:
+        return False
+
+
+def metric(port: int, name: str) -> float | None:
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                                     text, re.M)]
+    return sum(values) if values else None
+
+
+def burst_requests(n: int, seed: int, prompt: int, output: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 32000) for _ in range(rng.randrange(prompt // 2, prompt * 3 // 2))],
+             output) for _ in range(n)]
+
+
+async def one(client, port: int, model: str, prompt: list[int], max_tokens: int,
+              timeout: float) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    try:
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                 timeout=timeout) as response:
+            if response.status_code != 200:
+                return {"error": f"HTTP {response.status_code}"}
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                    first = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = usage.get("completion_tokens", tokens)
+            if not done:
+                return {"error": "stream cut before [DONE]"}
+    except Exception as exc:  # noqa: BLE001 - counted as an error of this request
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return {"ttft": first if first is not None else time.perf_counter() - start,
+            "tokens": tokens, "latency": time.perf_counter() - start}
+
+
+async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 8,
+                          max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(client, port, model, p, m, timeout))
+                 for p, m in requests]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        except asyncio.TimeoutError:
+            for t in tasks:
+                t.cancel()
+            results = [t.result() if t.done() and not t.cancelled() else
+                       {"error": "burst timed out"} for t in tasks]
+        wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    ttft = sorted(r["ttft"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(requests), "wall_s": round(wall, 3), "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / wall, 1) if wall else None,
+            "errors": len(errors), "first_errors": errors[:5],
+            "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
+            "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3)
+            if ttft else None, "ttfts": ttft}
+
+
+def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, env) -> dict:
+    """Start A then B, run the schedule, stop both. Returns the setup's figures."""
+    ports = {"A": args.port, "B": args.port + 1}
+    stats = {k: out.dir / f".{name}-{k}-elastic.json" for k in ports}
+    procs = {}
+    result: dict = {"setup": name, "bursts": []}
+    try:
+        for key, port in ports.items():
+            engine_env = dict(env)
+            if not static:
+                engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
+                                  VLLM_PORT=str(21000 + 100 * (port - args.port)))
+            else:
+                engine_env.update(VLLM_PORT=str(23000 + 100 * (port - args.port)))
+            t0 = time.monotonic()
+            out.log(f"  {name}: starting server {key} on port {port}")
+            procs[key] = kit.start(server_cmd(port, static, args, stats[key]), engine_env,
+                                   out.child_log(f"{name}-{key}"))
+            up = kit.wait_for(lambda: healthy(port) or procs[key].poll() is not None,
+                              budget.cap(240, reserve=60), every=1.0)
+            if not up or not healthy(port):
+                raise RuntimeError(f"server {key} ({name}) did not become healthy: "
+                                   f"{kit.tail(out.child_log(f'{name}-{key}'), 8)}")
+            result[f"start_{key}_s"] = round(time.monotonic() - t0, 1)
+            out.log(f"  {name}: server {key} healthy after {result[f'start_{key}_s']}s")
+            if not static and not args.dry_run:
+                log = out.child_log(f"{name}-{key}").read_text(errors="replace")
+                result[f"elastic_{key}_active"] = "Proxima elastic KV" in log
+                if not result[f"elastic_{key}_active"]:
+                    raise RuntimeError(f"server {key} runs without elastic KV memory (no "
+                                       f"'Proxima elastic KV' line in its log: is Proxima's "
+                                       f"entry point installed in /tmp/site?)")
+        out.record("c", **{name: result})
+        schedule = [x for r in range(args.rounds) for x in (("A", r), ("B", r))]
+        t_all = time.perf_counter()
+        for i, (key, r) in enumerate(schedule):
+            left = budget.cap(args.burst_timeout, reserve=15)
+            if left < 20:
+                result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
+                break
+            port = ports[key]
+            before = metric(port, "vllm:num_preemptions_total")
+            requests = burst_requests(args.requests, seed=100 * r + (key == "B"),
+                                      prompt=args.prompt, output=args.output)
+            out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
+            burst = asyncio.run(run_burst(port, args.model, requests, left))
+            after = metric(port, "vllm:num_preemptions_total")
+            burst.update(engine=key, round=r, preemptions=None if before is None or after is None
+                         else after - before)
+            for k, path in stats.items():
+                e = kit.read_json(path)
+                if e:
+                    burst[f"mapped_{k}_bytes"] = e.get("mapped_bytes")
+                    burst[f"reported_mapped_{k}_bytes"] = (e.get("reported_mapped") or 0) * (
+                        e.get("bytes_per_granule") or 0)
+            ttfts = burst.pop("ttfts")
+            result.setdefault("all_ttfts", []).extend(ttfts)
+            result["bursts"].append(burst)
+            out.log(f"  {name}: burst {i + 1} done: {burst['wall_s']}s, "
+                    f"{burst['output_tokens_per_s']} tok/s, errors {burst['errors']}, "
+                    f"preemptions {burst['preemptions']}")
+            out.record("c", **{name: {k: v for k, v in result.items() if k != "all_ttfts"}})
+        wall = time.perf_counter() - t_all
+        tokens = sum(b["output_tokens"] for b in result["bursts"])
+        ttft = sorted(result.pop("all_ttfts", []))
+        result.update(
+            schedule_wall_s=round(wall, 2), output_tokens=tokens,
+            aggregate_output_tokens_per_s=round(tokens / wall, 1) if wall else None,
+            errors=sum(b["errors"] for b in result["bursts"]),
+            preemptions=sum(b["preemptions"] or 0 for b in result["bursts"]),
+            ttft_p50_s=round(statistics.median(ttft), 3) if ttft else None,
+            ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3) if ttft else None)
+        for k, path in stats.items():
+            e = kit.read_json(path)
+            if e:
+                result[f"elastic_{k}"] = {x: e.get(x) for x in (
+                    "grows", "shrinks", "failed_grows", "bytes_returned", "evicted_cached",
+                    "mapped_bytes", "pool_bytes", "worker_map_seconds", "worker_unmap_seconds",
+                    "compactor_calls")}
+        return result
+    finally:
+        for key in list(procs):
+            kit.stop(procs[key], timeout=20)
+        time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
+                    help="results folder (default: $OUT, else ./gpu-out)")
+    ap.add_argument("--budget", type=float, default=410.0,
+                    help="seconds for everything (default: %(default)s)")
+    ap.add_argument("--model", default=os.environ.get("PROXIMA_PROOF_MODEL", kit.MODEL),
+                    help="model config directory, dummy weights (default: %(default)s)")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="requests per burst (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=256,
+                    help="mean prompt tokens, uniform in [0.5, 1.5] of it (default: %(default)s)")
+    ap.add_argument("--output", type=int, default=512,
+                    help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="A-then-B rounds (default: %(default)s)")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="(default: %(default)s)")
+    ap.add_argument("--max-gib", type=float, default=72.0,
+                    help="each elastic engine's KV maximum, GiB (default: %(default)s, more "
+                         "than half of an H200's 140 GiB)")
+    ap.add_argument("--delay", type=float, default=2.0,
+                    help="elastic release delay, s (default: %(default)s)")
+    ap.add_argument("--granule-mib", type=int, default=32,
+                    help="elastic mapping grain per layer, MiB (default: %(default)s; fewer, "
+                         "larger maps when a burst grows the pool)")
+    ap.add_argument("--burst-timeout", type=float, default=120.0,
+                    help="seconds a burst may take (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=8300, help="A's port; B's is +1 (default: %(default)s)")
+    ap.add_argument("--compactor", default=None, metavar="MODULE:FACTORY",
+                    help="issue 14's compaction hook for the elastic servers (default: none)")
+    ap.add_argument("--only", default="static,elastic",
+                    help="setups to run (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU stand-in servers (fake_server.py): checks the orchestration, "
+                         "proves nothing (default: off)")
+    args = ap.parse_args()
+    out = kit.Out(Path(args.out), "two_engines")
+    budget = kit.Budget(args.budget)
+    env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
+    out.log(f"two engines: budget {args.budget:.0f}s, {args.requests} requests per burst "
+            f"({args.prompt} prompt / {args.output} output tokens), elastic max "
+            f"{args.max_gib} GiB, compactor {args.compactor}")
+    out.results["settings"] = vars(args)
+    results = {}
+    for name in ("static", "elastic"):
+        if name not in args.only.split(","):
+            continue
+        if budget.left() < (20 if args.dry_run else 120):
+            out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left"})
+            continue
+        try:
+            results[name] = run_setup(out, budget, name, name == "static", args, env)
+            out.record("c", **{name: results[name]})
+        except Exception as exc:  # noqa: BLE001 - the other setup still runs
+            import traceback
+
+            out.record("c", **{f"{name}_error": f"{type(exc).__name__}: {exc}",
+                               f"{name}_traceback": traceback.format_exc()[-2000:]})
+            out.log(f"  {name}: FAILED: {exc}")
+        finally:
+            kit.kill_all()
+    s, e = results.get("static"), results.get("elastic")
+    passed = False
+    if s and e and s.get("aggregate_output_tokens_per_s") and e.get("aggregate_output_tokens_per_s"):
+        ratio = e["aggregate_output_tokens_per_s"] / s["aggregate_output_tokens_per_s"]
+        passed = ratio >= 1.3 and e["errors"] == 0 and s["errors"] == 0 and not e.get("cut_short")
+        summary = {"ratio": round(ratio, 3), "static_tok_s": s["aggregate_output_tokens_per_s"],
+                   "elastic_tok_s": e["aggregate_output_tokens_per_s"],
+                   "errors": [s["errors"], e["errors"]],
+                   "preemptions": [s["preemptions"], e["preemptions"]],
+                   "ttft_p50_s": [s["ttft_p50_s"], e["ttft_p50_s"]],
+                   "ttft_p99_s": [s["ttft_p99_s"], e["ttft_p99_s"]]}
+    else:
+        summary = {"why": "a setup did not finish: see two_engines.json"}
+    out.record("c", passed=passed, summary=summary)
+    line = f"(c) {'PASS' if passed else 'FAIL'}: {json.dumps(summary)}"
+    out.log(line)
+    out.results["summary_lines"] = [line]
+    out.results["wall_s"] = round(budget.elapsed(), 1)
+    for path in out.dir.glob(".*-elastic.json"):
+        path.unlink()
+    out.finish()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

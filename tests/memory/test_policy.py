@@ -1,0 +1,204 @@
+"""proxima.memory.policy: the grow/shrink decisions, with a fake clock and a model pool.
+
+The pool here is a small model of the elastic free queue (live / free / cached blocks per
+granule); the real queue in vLLM's scheduler is exercised in
+tests/vllm/test_elastic_connector.py. Maps are confirmed (or failed) through the real
+channel, as the workers' reports would.
+"""
+
+import pytest
+
+from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ElasticChannel
+from proxima.memory.ops import Report
+from proxima.memory.policy import GrowShrinkPolicy, PolicyOptions, format_bytes, parse_bytes
+
+G = 4          # blocks per granule
+B = 1 << 20    # bytes per granule
+
+
+class Pool:
+    """Per granule: live and cached blocks; free = G - live - cached when mapped."""
+
+    def __init__(self, channel: ElasticChannel, mapped: int):
+        self.ch = channel
+        self.live = [0] * channel.num_granules
+        self.cached = [0] * channel.num_granules
+        self.live[0] = 1                                   # the null block
+        self.ch.state[mapped:] = bytes([UNMAPPED]) * (channel.num_granules - mapped)
+        self.released = []
+
+    @property
+    def num_free_blocks(self):
+        return sum(G - self.live[g] for g in range(self.ch.num_granules)
+                   if self.ch.state[g] == MAPPED)
+
+    def live_blocks(self):
+        return sum(self.live) - 1
+
+    def hot_cached_blocks(self):
+        return 0
+
+    def releasable(self):
+        return [(g, self.cached[g]) for g in range(1, self.ch.num_granules)
+                if self.ch.state[g] == MAPPED and not self.live[g]]
+
+    def release(self, granules):
+        self.released += list(granules)
+        evicted = sum(self.cached[g] for g in granules)
+        for g in granules:
+            self.cached[g] = 0
+        return evicted
+
+
+def setup(num_granules=16, mapped=1, **options):
+    ch = ElasticChannel(num_granules * G, G)
+    pool = Pool(ch, mapped)
+    now = [0.0]
+    demand = [0]
+    policy = GrowShrinkPolicy(pool, ch, B, PolicyOptions(**options), clock=lambda: now[0],
+                              forecast=lambda: demand[0])
+    return ch, pool, policy, now, demand
+
+
+def confirm(ch, failed=()):
+    """The workers' answer to what was sent: maps confirmed, except ``failed`` granules."""
+    batch = ch.build()
+    if batch is None:
+        return
+    bad = tuple((g, 1) for g in failed)
+    ch.on_report(Report(((batch.seq, bad),), ch.count(MAPPED), G))
+
+
+def test_grows_at_once_when_the_held_requests_need_more_than_is_free():
+    ch, pool, policy, now, demand = setup()
+    demand[0] = 10                         # 10 blocks may still be needed, 3 are free
+    policy.step()
+    assert ch.count(MAPPING) == 2 and policy.stats.grows == 1          # 3 + 2 * 4 >= 10
+    policy.step()
+    assert policy.stats.grows == 1                  # maps in flight count: not asked twice
+    confirm(ch)
+    assert ch.count(MAPPED) == 3
+
+
+def test_never_grows_above_the_maximum_nor_shrinks_below_the_minimum():
+    ch, pool, policy, now, demand = setup(max_bytes=4 * B, min_bytes=2 * B, release_delay_s=0)
+    demand[0] = 1000
+    policy.step()
+    confirm(ch)
+    assert ch.count(MAPPED) == 4
+    policy.step()
+    assert ch.count(MAPPING) == 0
+    demand[0] = 0
+    policy.step()
+    confirm(ch)
+    assert ch.count(MAPPED) == 2                    # the minimum
+
+
+def test_shrinks_only_after_the_excess_lasted_the_delay():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=10.0)
+    policy.step()
+    assert policy.pending and ch.count(MAPPED) == 6
+    now[0] = 9.9
+    policy.step()
+    assert ch.count(MAPPED) == 6 and 0 < policy.due_in() < 0.2
+    now[0] = 10.0
+    policy.step()
+    assert ch.count(MAPPED) == 1 and sorted(pool.released) == [1, 2, 3, 4, 5]
+    assert policy.stats.bytes_returned == 5 * B and not policy.pending
+
+
+def test_a_short_dip_in_load_does_not_release_memory():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=10.0)
+    policy.step()
+    now[0] = 5.0
+    demand[0] = 20                                   # load is back before the delay
+    policy.step()
+    now[0] = 12.0
+    demand[0] = 0
+    policy.step()                                    # the delay starts again from here
+    assert ch.count(MAPPED) == 6
+
+
+def test_granules_holding_live_blocks_are_never_released():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
+    pool.live[3] = 2
+    pool.cached[4] = 3
+    policy.step()
+    assert 3 not in pool.released and ch.state[3] == MAPPED
+    assert policy.stats.evicted_cached == 3          # granule 4's cached blocks went with it
+
+
+def test_a_failed_grow_is_said_once_retried_after_the_pause_and_serving_goes_on():
+    ch, pool, policy, now, demand = setup(retry_s=2.0)
+    demand[0] = 6
+    policy.step()
+    confirm(ch, failed=[1])                          # another process holds the memory
+    assert policy.stats.failed_grows == 1 and policy.stats.short
+    assert ch.state[1] == UNMAPPED
+    now[0] = 1.0
+    policy.step()
+    assert ch.count(MAPPING) == 0                    # not before retry_s
+    now[0] = 2.5
+    policy.step()
+    assert ch.count(MAPPING) == 1
+    confirm(ch)
+    assert not policy.stats.short and ch.count(MAPPED) == 2
+
+
+def test_limits_change_at_run_time():
+    ch, pool, policy, now, demand = setup(release_delay_s=0.0)
+    policy.set_limits(min_bytes=5 * B)
+    policy.step()
+    confirm(ch)
+    assert ch.count(MAPPED) == 5
+    demand[0] = 100                                  # busy: only the new maximum shrinks it
+    policy.set_limits(min_bytes=0, max_bytes=2 * B)
+    policy.step()
+    assert ch.count(MAPPED) == 2
+    with pytest.raises(ValueError, match="above the pool"):
+        policy.set_limits(min_bytes=100 * B)
+    policy.set_limits(clear_max=True)
+    assert policy.max_granules == ch.num_granules
+
+
+def test_the_compactor_is_asked_when_too_few_granules_are_empty():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
+    for g in range(1, 6):
+        pool.live[g] = 1                             # every granule pinned by one block
+    asked = []
+
+    def compactor(p, wanted):
+        asked.append(wanted)
+        for g in (4, 5):                             # it moves two granules' blocks away
+            p.live[g] = 0
+        p.live[1] += 2
+        return 2
+
+    policy.compactor = compactor
+    policy.step()
+    assert asked and sorted(pool.released) == [4, 5]
+    assert policy.stats.compactor_calls == 1
+
+
+@pytest.mark.parametrize("text, value", [("80GiB", 80 << 30), ("512 MiB", 512 << 20),
+                                         ("8GB", 8 * 10**9), ("1048576", 1 << 20), (7, 7),
+                                         ("1.5GiB", 3 << 29)])
+def test_sizes_parse(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "5 parsecs", "", "GiB", -3])
+def test_bad_sizes_are_one_clear_error(text):
+    with pytest.raises(ValueError, match="not a size|must be >= 0"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 << 30) == "3.00 GiB" and format_bytes(12) == "12 B"
+
+
+def test_bad_options_name_the_value():
+    with pytest.raises(ValueError, match="max_bytes must be None or an integer >= min_bytes"):
+        PolicyOptions(min_bytes=10, max_bytes=5)
+    with pytest.raises(ValueError, match="headroom must be a number >= 0"):
+        PolicyOptions(headroom=-0.1)

@@ -1,0 +1,235 @@
+"""Proxima's elastic free queue (GranuleFreeQueue): mapped capacity and placement.
+
+A hypothesis state machine drives the queue over vLLM's own ``KVCacheBlock`` objects the
+way vLLM's BlockPool does (hand out, free with and without a hash, prefix hits, clock
+ticks) plus the elastic operations (release granules, confirm maps), against a reference
+model of every id's state; ``check()`` (the buddy's, the granule index's and their
+agreement with the tiers) passes after every step. Then the queue inside vLLM's real
+scheduler: with strict LRU its schedule is stock's, step for step.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from proxima.allocator.granules import EvictionPolicy
+from proxima.engines.elastic_pool import GranuleFreeQueue
+
+
+def elastic_supported():
+    from proxima.engines import elastic_v1
+
+    reason = elastic_v1.unsupported_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def blocks(n):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return [KVCacheBlock(i) for i in range(n)]
+
+
+class QueueMachine(RuleBasedStateMachine):
+    @initialize(granules=st.integers(2, 9), G=st.sampled_from([1, 2, 4, 8]),
+                tail=st.integers(0, 3), mapped=st.integers(1, 9),
+                policy=st.sampled_from(["lru", "auto", "age:3", "window:4"]))
+    def build(self, granules, G, tail, mapped, policy):
+        n = granules * G + (tail % G if G > 1 else 0)
+        self.G, self.n = G, n
+        self.ng = -(-n // G)
+        self.blocks = blocks(n)
+        self.evicted = []
+        self.policy = EvictionPolicy.parse(policy)
+        mapped = min(mapped, self.ng)
+        self.q = GranuleFreeQueue(self.blocks, (0,), granule_blocks=G, eviction=self.policy,
+                                  mapped=mapped, evict=self.evicted.append)
+        self.mapped = set(range(mapped))
+        self.state = {i: ("free" if i // G in self.mapped else "unmapped") for i in range(n)}
+        self.state[0] = "reserved"
+        self.cached: list[int] = []          # LRU order
+        self.owned: list[list[int]] = []     # what was handed out, per call
+        self.step = 0
+
+    def _free_ids(self):
+        return [i for i, s in self.state.items() if s == "free"]
+
+    # ---------------------------------------------------------------- rules
+    @rule(data=st.data(), use_after=st.booleans(), end=st.integers(0, 50))
+    def popleft_n(self, data, use_after, end):
+        available = len(self._free_ids()) + len(self.cached)
+        if not available:
+            return
+        n = data.draw(st.integers(1, available), label="n")
+        q = self.q
+        q.after = None
+        if use_after and self.owned:
+            q.after = data.draw(st.sampled_from(self.owned), label="grow")[-1]
+        q.end_for = self.step + end
+        window = {i for i in self.cached if q.granules.in_window(i)}
+        free_before = len(self._free_ids())
+        got = [b.block_id for b in q.popleft_n(n)]
+        q.after = None
+        assert len(got) == n == len(set(got))
+        taken_cached = [i for i in got if self.state[i] == "cached"]
+        for i in got:
+            assert self.state[i] in ("free", "cached"), (i, self.state[i])
+            self.state[i] = "live"
+        out_of_window = [i for i in taken_cached if i not in window]
+        assert len(out_of_window) <= max(0, n - free_before)
+        if self.policy.strict:        # stock: free ids first, then the oldest cached
+            assert taken_cached == self.cached[:max(0, n - free_before)]
+        self.cached = [i for i in self.cached if i not in set(got)]
+        self.owned.append(got)
+
+    @rule(data=st.data(), with_hash=st.booleans(), preempted=st.booleans())
+    @precondition(lambda self: self.owned)
+    def free(self, data, with_hash, preempted):
+        ids = self.owned.pop(data.draw(st.integers(0, len(self.owned) - 1)))
+        chosen = [self.blocks[i] for i in reversed(ids)]     # vLLM frees tail first
+        q = self.q
+        if with_hash:
+            q.free_class = 1 if preempted else 0
+            q.append_n(chosen)
+            q.free_class = 0
+            for i in reversed(ids):
+                self.state[i] = "cached"
+                self.cached.append(i)
+        else:
+            q.prepend_n(chosen)
+            for i in ids:
+                self.state[i] = "free"
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.cached or self._free_ids())
+    def prefix_hit(self, data):
+        candidates = self.cached + self._free_ids()
+        i = data.draw(st.sampled_from(candidates))
+        self.q.remove(self.blocks[i])
+        if self.state[i] == "cached":
+            self.cached.remove(i)
+        self.state[i] = "live"
+        self.owned.append([i])
+
+    @rule()
+    def tick(self):
+        self.step += 1
+        self.q.tick(self.step)
+
+    @rule(data=st.data())
+    def release(self, data):
+        empty = [g for g, _ in self.q.releasable()]
+        model_empty = sorted(g for g in self.mapped - {0} if not any(
+            self.state[i] == "live" for i in range(g * self.G, min((g + 1) * self.G, self.n))))
+        assert sorted(empty) == model_empty
+        if not empty:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(empty), min_size=1, unique=True))
+        cached_in = [i for i in self.cached if i // self.G in chosen]
+        assert self.q.release(chosen) == len(cached_in)
+        assert set(b.block_id for b in self.evicted[-len(cached_in):] if cached_in) == \
+            set(cached_in) or not cached_in
+        for g in chosen:
+            self.mapped.discard(g)
+            for i in range(g * self.G, min((g + 1) * self.G, self.n)):
+                self.state[i] = "unmapped"
+        self.cached = [i for i in self.cached if i // self.G not in chosen]
+
+    @rule(data=st.data())
+    def map_back(self, data):
+        unmapped = sorted(set(range(self.ng)) - self.mapped)
+        if not unmapped:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(unmapped), min_size=1, unique=True))
+        self.q.on_mapped(chosen)
+        for g in chosen:
+            self.mapped.add(g)
+            for i in range(g * self.G, min((g + 1) * self.G, self.n)):
+                self.state[i] = "free"
+
+    @rule()
+    def bad_release(self):
+        live_granules = {i // self.G for i, s in self.state.items() if s == "live"}
+        for g in sorted(live_granules)[:1]:
+            with pytest.raises(ValueError, match="cannot be released"):
+                self.q.release([g])
+
+    # ---------------------------------------------------------------- invariants
+    @invariant()
+    def agrees(self):
+        q = self.q
+        q.check()
+        assert q.num_free_blocks == len(self._free_ids()) + len(self.cached)
+        assert list(q.granules.cached_ids()) == self.cached
+        assert q.live_blocks() == sum(1 for s in self.state.values() if s == "live")
+        for i, s in self.state.items():
+            if s == "unmapped":
+                assert not q.buddy.is_free(i) and not q.granules.mapped[i // self.G]
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_prefix_hit_feeds_the_horizon_and_an_early_eviction_becomes_a_ghost():
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    bs = blocks(40)
+    q = GranuleFreeQueue(bs, (0,), granule_blocks=8, eviction=EvictionPolicy(horizon=2))
+    q.end_for = 100
+    first = q.popleft_n(8)                 # granule 0 and 1 fill
+    for i, b in enumerate(first):
+        b._block_hash = make_block_hash_with_group_id(bytes([i]) * 32, 0)
+    q.append_n(first[3:])                  # five cached at step 0
+    q.tick(5)
+    hit = first[3]
+    q.remove(hit)                           # a hit at age 5
+    assert q.reuse[0].hits == 1
+    q.end_for = 105
+    q.after = first[2].block_id             # grows where cached blocks are old enough
+    got = q.popleft_n(3)
+    # the granule holds free ids no more: old-enough cached blocks there go first, out of
+    # LRU order, and are remembered
+    early = [b for b in got if b.block_hash is not None]
+    assert early and q.early_evictions == len(early)
+    q.on_lookup_miss(early[0].block_hash)
+    assert q.reuse[0].ghost_hits == 1
+    q.check()
+
+
+@pytest.mark.parametrize("depth", [False, True], ids=["sync", "async"])
+def test_strict_lru_in_vllms_scheduler_schedules_exactly_as_stock(depth):
+    elastic_supported()          # the replay's elastic side runs the connector
+    from proxima.replay import driver_v1
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import make_workload
+
+    w = make_workload("pressure", requests=120)
+    stock = driver_v1.run_replay(w, proxima=False, num_blocks=640, async_scheduling=depth)
+    lru = driver_v1.run_replay(w, proxima=True, num_blocks=640, async_scheduling=depth,
+                               elastic=ElasticReplay(policy="fixed", eviction="lru"))
+    assert stock.preemptions > 0 and stock.prefix_hit_rate > 0      # pressure and hits
+    for key in ("completed", "steps", "preemptions", "prefix_hit_rate", "peak_running"):
+        assert getattr(lru, key) == getattr(stock, key), key
+    assert lru.details["elastic"]["pool"]["early_evictions"] == 0
+
+
+def test_elastic_placement_packs_live_blocks_better_than_stock_without_losing_hits():
+    elastic_supported()
+    from proxima.replay import driver_v1
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import make_workload
+
+    w = make_workload("sharegpt", requests=300)
+    stock = driver_v1.run_replay(w, proxima=False, num_blocks=3000)
+    packed = driver_v1.run_replay(w, proxima=True, num_blocks=3000,
+                                  elastic=ElasticReplay(policy="fixed"))
+    assert packed.completed == stock.completed and packed.preemptions == stock.preemptions
+    assert packed.prefix_hit_rate >= stock.prefix_hit_rate - 0.005
+    s, p = stock.details, packed.details
+    assert p["packed_ideal_fraction"] == pytest.approx(s["packed_ideal_fraction"], abs=0.02)
+    assert p["reclaimable_granule_fraction"] > 1.5 * s["reclaimable_granule_fraction"]
