@@ -101,7 +101,10 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384,
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Callable[[int, int], None] | None = None,
-               timeline_every: int = 0, async_scheduling: bool = False) -> ReplayResult:
+               timeline_every: int = 0, async_scheduling: bool = False,
+               granule_blocks: int | None = None, compaction=None,
+               compaction_budget_bytes: int | None = None,
+               bytes_per_block: int | None = None) -> ReplayResult:
     """Replay ``workload`` once through one allocator (:class:`ReplayResult`).
 
     ``timeline_every``: every that many steps, record (step, free or evictable blocks,
@@ -109,7 +112,15 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     ``async_scheduling``: vLLM's AsyncScheduler with its engine loop's batch queue of two
     (a step is scheduled before the previous one's output is processed), as vLLM 0.26
-    runs by default on a GPU; otherwise the synchronous scheduler, one step at a time."""
+    runs by default on a GPU; otherwise the synchronous scheduler, one step at a time.
+
+    ``granule_blocks``: sample granule occupancy every step (:mod:`proxima.replay.granules`:
+    reclaimable fraction and packed ideal, in ``details``). ``compaction``: a
+    :class:`proxima.engines.activation.CompactionMode` (Proxima only): KV compaction is
+    planned and applied to the scheduler's structures after every ``schedule()``, as the
+    engine does; the copies are not made (no KV on CPU) but counted, in blocks and in
+    bytes of ``bytes_per_block`` (default: Llama-3.1-8B's 2 MiB over 32 layers), within
+    ``compaction_budget_bytes`` per step."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -150,6 +161,24 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         return original_free(request)
 
     kv.free = free
+
+    from proxima.replay.granules import (DEFAULT_GRANULE_BLOCKS, LLAMA_8B_BYTES_PER_BLOCK,
+                                         GranuleTally)
+
+    tally = None
+    compactor = None
+    if compaction is not None:
+        if not proxima:
+            raise ValueError("compaction needs Proxima's block pool (proxima=True)")
+        from proxima.engines.compaction_v1 import DEFAULT_BUDGET_BYTES, Compactor
+
+        compactor = Compactor(
+            pool, granule_blocks=granule_blocks or DEFAULT_GRANULE_BLOCKS,
+            bytes_per_block=bytes_per_block or LLAMA_8B_BYTES_PER_BLOCK, mode=compaction,
+            budget_bytes=DEFAULT_BUDGET_BYTES if compaction_budget_bytes is None
+            else compaction_budget_bytes)
+    if granule_blocks is not None or compactor is not None:
+        tally = GranuleTally(granule_blocks or DEFAULT_GRANULE_BLOCKS)
 
     # Requests that follow another (a conversation's next turn) wait for it to finish.
     waiting_on: dict[str, object] = {r.follows: r for r in workload.requests if r.follows}
@@ -207,6 +236,12 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
                 sched_seconds += time.perf_counter() - t0
+                if compactor is not None:     # as the connector does inside schedule()
+                    compactor.begin_step(kv, out)
+                    compactor.step()
+                    compactor.take_work()
+                if tally is not None:
+                    tally.add(managers, num_blocks)
                 # What the model runner will return for this step: a token for every
                 # request whose prefill completes in it (vLLM's own flag, set by schedule()).
                 in_flight_steps.appendleft((out, {rid for rid in out.num_scheduled_tokens
@@ -259,7 +294,9 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         blocks_leaked=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
         num_blocks=num_blocks,
         largest_free_run_timeline=free_run_timeline,
-        details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0},
+        details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
+                 **(tally.as_details() if tally is not None else {}),
+                 **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )
 

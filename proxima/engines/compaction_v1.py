@@ -1,0 +1,880 @@
+"""KV compaction inside vLLM 0.26 (V1 engine, V2 model runner): the thin part.
+
+The planner (:mod:`proxima.allocator.planner`, pure Python) says which block contents go
+where; this module reads vLLM's state into its view, applies the plan to vLLM's scheduler
+structures, and carries the copies and the block-table changes to the workers.
+
+Scheduler side (:class:`Compactor`, one per engine, owned by the elastic KV connector):
+at the end of ``Scheduler.schedule`` (``build_connector_meta``: after the step's
+allocations, before the output leaves) it plans within a byte budget and applies each
+relocation ``a -> b`` to vLLM's structures, in the plan's order:
+
+* a LIVE block: ``b`` (a free, hash-less block) leaves the free queue, takes ``a``'s
+  reference count and prefix-cache entries (vLLM's own ``BlockPool.move_block_hashes``),
+  replaces ``a`` in every ``req_to_blocks`` list that holds it (all owners of a shared
+  prefix block); ``a`` goes back to the free queue without a hash. Reference counts and
+  the free count do not change.
+* a CACHED block (free, with a prefix-cache entry): ``b`` takes ``a``'s place in the LRU
+  tier (``ProximaFreeQueue.relocate``, same eviction order) and its entries;
+  ``a`` becomes a plain free block.
+
+So every hash maps to the block that holds its content, and what the scheduler decides
+next (admissions, prefix hits, evictions by hash) is what it would have decided without
+the move: compaction changes block ids, never a decision.
+
+Worker side (:func:`install_worker_hook`): vLLM 0.26's V2 runner keeps per-request block
+tables on the GPU (``vllm/v1/worker/gpu/block_table.py``: one ``[max_num_reqs,
+max_blocks]`` int32 table per KV-cache group, written through staged writes) and changes
+them only from the scheduler output, in ``GPUModelRunner.update_requests`` (appended ids
+of running requests) and ``add_requests`` (full ids of new and resumed requests). It has
+no supported way to rewrite a running request's ids: the resumed-request path re-creates
+the request's whole state (sampler, token buffers) from the scheduler's copy, which under
+async scheduling lags the GPU by a token. So the hook wraps ``update_requests``: after
+vLLM's own per-step block work (appends, KV zeroing, copy-on-write copies), it applies the
+step's :class:`CompactionWork` from the connector metadata -- the copies with the Triton
+mover (:class:`proxima.kernels.KVBlockMover`, every layer, on the forward's stream) and the
+moved ids written into the persistent block tables -- before ``apply_staged_writes`` and
+``prepare_attn`` read them. The step's forward then reads and writes the new ids. The
+blocks a plan must not touch (pinned) are those vLLM itself writes or names in this step
+before that point: new blocks (their ids are in the output), copy-on-write endpoints,
+the blocks of requests (re)added this step, partial-hit blocks awaiting their copy.
+With async scheduling the next step may already be scheduled on the new ids; its work
+runs after this step's on the same stream.
+
+Refused (at start-up, one clear error): another KV connector beside Proxima's (it may
+track block ids), vLLM's KV-cache metrics collector (it tracks blocks by object),
+Mamba layers (their blocks are zeroed before the copy point), pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from proxima.allocator import count_runs
+from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
+                                       plan_evacuate, plan_pack, plan_run, schedule_phases)
+from proxima.engines import activation
+
+logger = logging.getLogger("vllm.proxima")
+
+DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copies on an H200
+DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
+DEFAULT_MAX_PHASES = 8               # mover launches per step
+DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
+SAMPLES = 4096                       # recent per-step figures kept for percentiles
+
+
+_ANY_FREE = re.compile(rb"[\x00\x01\x06]")
+_CACHED_ONLY = bytes(1 if i == CACHED else 0 for i in range(256))
+
+
+def _mark_runs(avail: bytearray, mask: bytes) -> bytearray:
+    """``avail`` with the ids where ``mask`` is non-zero made unavailable (7)."""
+    out = bytearray(avail)
+    i = mask.find(1)
+    while i >= 0:
+        out[i] = 7
+        i = mask.find(1, i + 1)
+    return out
+
+
+def scratch_first(num_blocks: int, granule_blocks: int) -> int:
+    """The first scratch block id: the pool rounded up to whole granules."""
+    return -(-num_blocks // granule_blocks) * granule_blocks
+
+
+def _consecutive(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+@dataclass(frozen=True)
+class CompactionWork:
+    """What one step's workers do: the copies (phases of runs ``(src, dst, n)``) and the
+    block-table changes ``(req_id, group, positions, new ids)``."""
+
+    seq: int
+    phases: tuple[tuple[tuple[int, int, int], ...], ...]
+    tables: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...]], ...]
+    blocks: int
+
+
+@dataclass
+class _Sample:
+    steps: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+    def add(self, value: float) -> None:
+        self.steps.append(value)
+
+    def percentiles(self) -> dict:
+        if not self.steps:
+            return {"p50": None, "p99": None, "max": None}
+        ordered = sorted(self.steps)
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]   # noqa: E731
+        return {"p50": pick(0.50), "p99": pick(0.99), "max": ordered[-1]}
+
+
+class Compactor:
+    """The scheduler side of KV compaction for one vLLM block pool (see the module doc).
+
+    ``granule_blocks``: the granule of the reclaimable measure (and of elastic mapping);
+    ``bytes_per_block``: one block's bytes over all layers (the budget's unit);
+    ``mode``: :class:`proxima.engines.activation.CompactionMode`; ``allocatable``: a
+    ``granule -> bool`` (the elastic channel's mapped state), None: all mapped.
+    """
+
+    def __init__(self, pool, *, granule_blocks: int, bytes_per_block: int,
+                 mode: activation.CompactionMode, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 interval: int = DEFAULT_INTERVAL, max_phases: int = DEFAULT_MAX_PHASES,
+                 allocatable=None, steer: bool = True,
+                 claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
+                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True,
+                 defrag: bool = True) -> None:
+        queue = pool.free_block_queue
+        if not hasattr(queue, "relocate"):
+            raise activation.ActivationError(
+                f"{activation.COMPACTION_ENV} needs Proxima's block pool "
+                f"({activation.ENV}=1): vLLM's own free queue cannot relocate a cached block")
+        if getattr(pool, "metrics_collector", None) is not None:
+            raise activation.ActivationError(
+                f"{activation.COMPACTION_ENV} cannot run with vLLM's KV-cache metrics "
+                "(--kv-cache-metrics: it tracks blocks by object); switch one of them off")
+        if bytes_per_block < 1 or granule_blocks < 1 or budget_bytes < 0 or interval < 1:
+            raise ValueError(f"bad compaction settings: {bytes_per_block} bytes per block, "
+                             f"granule {granule_blocks}, budget {budget_bytes}, interval "
+                             f"{interval}")
+        self.pool = pool
+        self.granule_blocks = granule_blocks
+        self.bytes_per_block = bytes_per_block
+        self.mode = mode
+        self.budget_blocks = budget_bytes // bytes_per_block
+        self.interval = mode.every if mode.kind == "every" else interval
+        self.max_phases = max_phases
+        self.allocatable = allocatable
+        self.kv_manager = None
+        self.steps = 0
+        self._pinned: set[int] = set()
+        self._view: PoolView | None = None
+        self._relocations: list[tuple[int, int]] = []
+        self._tables: dict[tuple[str, int, int], int] = {}
+        self._seq = 0
+        self.steer = steer
+        self.claim_blocks = claim_blocks
+        self.scratch_null = scratch_null
+        self.displace = displace
+        self.pack = pack
+        self.defrag = defrag
+        self._single = None
+        self._lone: set[int] = set()
+        self._step_new: set[int] = set()
+        self.scratch_blocks = scratch_blocks
+        self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
+        self._step_id = None
+        self._claims: dict[str, tuple[int, int]] = {}
+        self._patterns: dict[int, re.Pattern] = {}
+        self._forced_next = 1
+        self._plan_seconds = 0.0
+        self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
+                         "cached_moved": 0, "bytes_moved": 0, "phases": 0,
+                         "evacuations": 0, "evacuations_done": 0, "replans": 0,
+                         "skipped_steps": 0, "steered": 0,
+                         "live_displaced": 0, "runs_merged": 0}
+        self.placements: dict[str, int] = {}
+        self.plan_ms = _Sample()
+        self.gpu_ms = _Sample()
+        self.blocks_per_step = _Sample()
+        pool.proxima_compaction = self
+
+    # ------------------------------------------------------------------ the step
+    def begin_step(self, kv_manager, scheduler_output) -> None:
+        """Read what this step's output pins (see the module doc)."""
+        self.kv_manager = kv_manager
+        self._sync_step()
+        self.steps += 1
+        self._view = None          # rebuilt: prefix hits and frees since the allocations
+        self._single = None
+        pinned = set()
+        for req in scheduler_output.scheduled_new_reqs:
+            for ids in req.block_ids:
+                pinned.update(ids)
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if ids:
+                for group in ids:
+                    pinned.update(group)
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            pinned.add(copy.src_block_id)
+            pinned.add(copy.dst_block_id)
+        for mgr in self._managers():
+            for _, block in getattr(mgr, "_partial_hit_reqs", {}).values():
+                pinned.add(block.block_id)
+        self._pinned |= pinned
+
+    def step(self) -> None:
+        """The policy of the mode: auto packs every ``interval`` steps; ``every:K`` empties
+        one granule every K steps (the most occupied one that can be emptied, its cached
+        blocks too when there is room; a test of the machinery, not a policy)."""
+        if self.budget_blocks <= 0 or self.steps % self.interval:
+            return
+        t0 = time.perf_counter()
+        view = self.view()
+        if self.mode.kind == "every":
+            self._apply(self._forced_plan(view))
+        else:
+            if self.defrag:
+                self._defrag()
+            if self.pack:
+                self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
+                                      max_phases=self.max_phases))
+        self._plan_seconds += time.perf_counter() - t0
+
+    def _defrag(self, attempts: int = 1) -> None:
+        """Make the most fragmented running requests one run each (plan_run), displacing
+        only free, cached and lone blocks of others, within what is left of the budget."""
+        left = self.budget_blocks - len(self._relocations)
+        tables = []
+        for mgr in self._managers():
+            for req_id, table in mgr.req_to_blocks.items():
+                if len(table) < 2 or len(table) > 2 * left:
+                    continue
+                ids = [b.block_id for b in table if not b.is_null]
+                runs = count_runs(ids)
+                if runs > 1:
+                    tables.append((runs, req_id, ids))
+        tables.sort(key=lambda t: (-t[0], t[1]))
+        for runs, req_id, ids in tables[:attempts]:
+            left = self.budget_blocks - len(self._relocations)
+            if left <= 0:
+                break
+            plan = plan_run(self.view(), ids, left, max_phases=self.max_phases,
+                            movable=self._singletons())
+            if plan and self._apply(plan):
+                self.counters["runs_merged"] += runs - 1
+                self._single = None
+
+    def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
+        """The elastic policy's hook before a shrink: move the content out of ``granules``
+        (within what is left of this step's budget). True when they now hold no block in
+        use (and, with ``cached_too``, no cached KV): they can be unmapped this step."""
+        granules = list(granules)
+        t0 = time.perf_counter()
+        self.counters["evacuations"] += 1
+        plan, clear = plan_evacuate(self.view(), granules,
+                                    max(0, self.budget_blocks - len(self._relocations)),
+                                    cached_too=cached_too, max_phases=self.max_phases)
+        applied = self._apply(plan)
+        self._plan_seconds += time.perf_counter() - t0
+        if clear and applied:
+            self.counters["evacuations_done"] += 1
+        return clear and applied
+
+    # ------------------------------------------------------------------ placement
+    def on_allocate(self, mgr, request_id: str, new_blocks: list) -> list:
+        """Where a fresh allocation's blocks go (called by the Proxima pool's manager
+        wrapper right after vLLM's ``allocate_new_blocks``, before the step's output is
+        built). The blocks just handed out hold nothing yet, so they can take the place of
+        any free block, cached or not, whose content (if cached) is copied into them: the
+        request continues its run (the ids after its last block), else takes the lowest
+        window of non-live ids that holds its expected length (a new run, packed towards
+        low ids so that high granules empty out; the rest of the window is claimed for its
+        growth). Costs one block copy per cached block displaced, within the step's budget;
+        the free count, the LRU order and every hash's content are unchanged."""
+        if not self.steer:
+            return new_blocks
+        self._sync_step()
+        pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
+        steer = [b for b in new_blocks if id(b) not in pending_cow]
+        k = len(steer)
+        req_blocks = mgr.req_to_blocks[request_id]
+        first = len(req_blocks) - k
+        if k == 0 or req_blocks[first:] != steer:
+            return new_blocks
+        view = self.view()
+        kinds = view.kinds
+        for b in steer:
+            kinds[b.block_id] = LIVE
+            self._step_new.add(b.block_id)
+            if self._single is not None:
+                self._single.pop(b.block_id, None)
+        prev = req_blocks[first - 1] if first > 0 else None
+        ids = [b.block_id for b in steer]
+        total = self.pool.proxima_expected_tokens.get(request_id)
+        need = max(k, -(-total // mgr.block_size) - first) if total else k
+        room = min(need, k + self.claim_blocks)        # what the run claims ahead
+        targets = None
+        if prev is not None and not prev.is_null:
+            start = prev.block_id + 1
+            if ids == list(range(start, start + k)):
+                self._count("grew_in_place")
+                self._claim(request_id, start + k, start + room)
+                return new_blocks                      # it grew in place already
+            if self._window_ok(start, k, ids):
+                targets = list(range(start, start + k))
+                self._count("continued")
+        if targets is None:
+            passes = ((room, True, True), (k, True, True), (k, False, True), (room, True, False),
+                      (k, True, False), (k, False, False)) if k > 1 else \
+                ((room, True, False), (k, True, False), (k, False, False))
+            for m, claims, runs in passes:
+                w = self._lowest(m, ids, claims, runs)
+                if w is not None:
+                    targets = list(range(w, w + k))
+                    break
+            if targets is None and k > 1 and self.displace:
+                best = self._cheapest_window(k, ids)
+                if best is not None and best[1] < k - 1:
+                    targets = list(range(best[0], best[0] + k))
+                    self._count("window_displacing")
+            if targets is None:
+                targets = self._lowest_ids(k, ids)
+                self._count("scattered" if targets else "no_place")
+            else:
+                self._count("window")
+            if not targets:
+                return new_blocks
+            if _consecutive(ids) and ids[0] <= targets[0]:
+                self._claim(request_id, ids[-1] + 1, ids[0] + room)
+                return new_blocks                      # a run, as low as the best
+        if targets == ids:
+            return new_blocks
+        plan = self._exchange(mgr, request_id, first, steer, targets)
+        if plan is None:
+            self._count("exchange_failed")
+            return new_blocks
+        if _consecutive(targets):
+            self._claim(request_id, targets[-1] + 1, targets[0] + room)
+        else:
+            self._claim(request_id, 0, 0)
+        cow = [b for b in new_blocks if id(b) in pending_cow]
+        return cow + plan
+
+    def _count(self, what: str) -> None:
+        self.placements[what] = self.placements.get(what, 0) + 1
+
+    def _window_ok(self, start: int, k: int, ids: list[int]) -> bool:
+        n = self.pool.num_gpu_blocks
+        if start < 1 or start + k > n:
+            return False
+        kinds, pinned = self._view.kinds, self._view.pinned
+        mine = set(ids)
+        singles = self._singletons() if self.displace else {}
+        return all((x in mine) or (x not in pinned and (kinds[x] in (FREE, CACHED)
+                                                        or x in singles))
+                   for x in range(start, start + k))
+
+    def _available(self, ids: list[int], claims: bool, runs: bool = False) -> bytearray:
+        """The view's kinds with the caller's new blocks FREE and (with ``claims``) the
+        ids others claimed and the pinned ids unavailable; with ``runs``, also the cached
+        blocks next to another cached block (likely one request's KV, kept together)."""
+        view = self._view
+        avail = bytearray(view.kinds)
+        if runs:
+            cached = int.from_bytes(avail.translate(_CACHED_ONLY), "big")
+            in_run = cached & ((cached << 8) | (cached >> 8))
+            if in_run:
+                avail = _mark_runs(avail, in_run.to_bytes(len(avail), "big"))
+        for x in ids:
+            avail[x] = FREE
+        if claims:
+            for lo, hi in self._claims.values():
+                avail[lo:hi] = b"\x05" * max(0, min(hi, len(avail)) - lo)
+            for x in ids:
+                avail[x] = FREE
+        if self.displace:
+            for x in self._singletons():
+                if avail[x] == LIVE:
+                    avail[x] = 6
+        for x in view.pinned:
+            avail[x] = FIXED
+        avail[self.pool.null_block.block_id] = FIXED
+        return avail
+
+    def _lowest(self, m: int, ids: list[int], claims: bool = True,
+                runs: bool = False) -> int | None:
+        """The lowest start of ``m`` consecutive ids that are FREE, CACHED or the caller's
+        own new blocks (and, with ``claims``, claimed by nobody), from the view (checked
+        again on use)."""
+        pattern = self._patterns.get(m)
+        if pattern is None:
+            pattern = self._patterns[m] = re.compile(rb"[\x00\x01\x06]{%d}" % m)
+        found = pattern.search(self._available(ids, claims, runs))
+        return found.start() if found else None
+
+    def _lowest_ids(self, k: int, ids: list[int]) -> list[int]:
+        """The ``k`` lowest such ids, not consecutive (unclaimed ones first)."""
+        out: list[int] = []
+        for claims in (True, False):
+            avail = self._available(ids, claims)
+            out = [m.start() for m, _ in zip(_ANY_FREE.finditer(avail), range(k))]
+            if len(out) == k:
+                return out
+        return []
+
+    def _claimed(self, start: int, k: int) -> str:
+        """The request that claims ids in ``[start, start + k)`` (empty: nobody)."""
+        for req_id, (lo, hi) in self._claims.items():
+            if lo < start + k and start < hi:
+                return req_id
+        return ""
+
+    def _claim(self, request_id: str, start: int, end: int) -> None:
+        if end > start:
+            self._claims[request_id] = (start, end)
+        else:
+            self._claims.pop(request_id, None)
+
+    def _exchange(self, mgr, request_id: str, first: int, steer: list, window: list[int]):
+        """Give the request the blocks of ``window`` instead of ``steer`` (module doc);
+        None, nothing changed, when a block is not what the view said or over budget."""
+        pool = self.pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        mine = {b.block_id: b for b in steer}
+        spare = [b for b in steer if b.block_id not in window]
+        copies = 0
+        singles = self._owners() if self.displace else {}
+        for x in window:
+            if x in mine:
+                continue
+            blk = blocks[x]
+            if blk.ref_cnt and self._single_ok(singles.get(x), blk):
+                copies += 1
+                continue
+            if blk.ref_cnt or blk.is_null or (
+                    blk.next_free_block is None and not queue.buddy.is_free(x)):
+                self._view.kinds[x] = LIVE          # the view was stale: a hit or a hold
+                return None
+            if self.allocatable is not None and not self.allocatable(x // self.granule_blocks):
+                return None
+            copies += blk.next_free_block is not None
+        if len(self._relocations) + copies > self.budget_blocks:
+            self.counters["skipped_steps"] += 1
+            return None
+        if any(b.ref_cnt != 1 or b.block_hash is not None for b in spare):
+            return None
+        kinds = self._view.kinds
+        req_blocks = mgr.req_to_blocks[request_id]
+        out = []
+        for i, x in enumerate(window):
+            blk = mine.get(x)
+            if blk is None and x in singles and blocks[x].ref_cnt:
+                # a lone block of another request: its content goes to a block just
+                # handed out, its owner's table (and the worker's) to that block
+                blk = blocks[x]
+                given = spare.pop()
+                owner_mgr, owner, idx, _ = singles.pop(x)
+                if blk.block_hash is not None or x in pool.cached_block_hashes_by_block:
+                    pool.move_block_hashes(blk, given)
+                owner_mgr.req_to_blocks[owner][idx] = given
+                self._tables[(owner, owner_mgr.kv_cache_group_id, idx)] = given.block_id
+                self._relocations.append((x, given.block_id))
+                self._step_new.add(given.block_id)
+                kinds[given.block_id] = LIVE
+                self.counters["live_displaced"] += 1
+            elif blk is None:
+                blk = blocks[x]
+                given = spare.pop()
+                cached = blk.next_free_block is not None
+                queue.exchange(blk, given)
+                if cached:
+                    pool.move_block_hashes(blk, given)
+                    self._relocations.append((x, given.block_id))
+                    kinds[given.block_id] = CACHED
+                    self.counters["cached_moved"] += 1
+                else:
+                    kinds[given.block_id] = FREE
+                blk.ref_cnt, given.ref_cnt = given.ref_cnt, 0
+                kinds[x] = LIVE
+            req_blocks[first + i] = blk
+            out.append(blk)
+        self.counters["steered"] += 1
+        self.counters["relocations"] += copies
+        self.counters["bytes_moved"] += copies * self.bytes_per_block
+        return out
+
+    def _owners(self) -> dict[int, tuple]:
+        """This step's LIVE blocks that a placement may displace: held by one request
+        (reference count 1), not allocated in this step (their ids are in the step's output
+        already) and not awaiting vLLM's copy-on-write. ``{block id: (manager, request id,
+        position, lone)}``; ``lone``: a run of one id in its owner's table (moving it
+        elsewhere breaks no run)."""
+        if self._single is None:
+            pinned = set(self._step_new)
+            for mgr in self._managers():
+                for _, blk in getattr(mgr, "_partial_hit_reqs", {}).values():
+                    pinned.add(blk.block_id)
+                for a, b in getattr(mgr, "_pending_cow_copies", ()):
+                    pinned.update((a.block_id, b.block_id))
+            owners = {}
+            lone_ids = set()
+            for mgr in self._managers():
+                for req_id, table in mgr.req_to_blocks.items():
+                    last = len(table) - 1
+                    for i, blk in enumerate(table):
+                        x = blk.block_id
+                        if blk.is_null or blk.ref_cnt != 1 or x in pinned:
+                            continue
+                        lone = not ((i > 0 and table[i - 1].block_id == x - 1) or
+                                    (i < last and table[i + 1].block_id == x + 1))
+                        owners[x] = (mgr, req_id, i, lone)
+                        if lone:
+                            lone_ids.add(x)
+            self._single = owners
+            self._lone = lone_ids
+        return self._single
+
+    def _singletons(self) -> set[int]:
+        """The lone blocks of :meth:`_owners`."""
+        self._owners()
+        return self._lone
+
+    def _cheapest_window(self, k: int, ids: list[int]) -> tuple[int, int] | None:
+        """``(start, cost)`` of the window of ``k`` ids whose placement displaces the
+        fewest blocks of others' runs (free, cached and lone blocks cost nothing; shared,
+        pinned or fixed blocks cannot be displaced), or None."""
+        view = self._view
+        kinds, n = view.kinds, self.pool.num_gpu_blocks
+        owners = self._owners()
+        big = k + 1
+        cost = [big] * n
+        for i in range(1, n):
+            kind = kinds[i]
+            if kind == FREE or kind == CACHED:
+                cost[i] = 0
+            elif kind == LIVE:
+                e = owners.get(i)
+                if e is not None:
+                    cost[i] = 0 if e[3] else 1
+        for x in ids:
+            cost[x] = 0
+        for x in view.pinned:
+            if x not in ids:
+                cost[x] = big
+        for lo, hi in self._claims.values():
+            for x in range(lo, min(hi, n)):
+                if cost[x] < big:
+                    cost[x] += 0          # claims are a preference only here
+        best = None
+        window = sum(cost[1:1 + k])
+        for start in range(1, n - k + 1):
+            if start > 1:
+                window += cost[start + k - 1] - cost[start - 1]
+            if window < big and (best is None or window < best[1]):
+                best = (start, window)
+                if window == 0:
+                    break
+        return best
+
+    def _single_ok(self, entry, blk) -> bool:
+        if entry is None or blk.ref_cnt != 1:
+            return False
+        mgr, req_id, idx, _ = entry
+        table = mgr.req_to_blocks.get(req_id)
+        return bool(table) and idx < len(table) and table[idx] is blk
+
+    def _sync_step(self) -> None:
+        """Start a new step's state at its first event (allocations come before
+        :meth:`begin_step`, both inside one ``Scheduler.schedule``)."""
+        step = getattr(self.pool, "proxima_steps", None)
+        self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
+        if step != self._step_id:
+            self._step_id = step
+            self._view = None
+            self._pinned = set()
+            self._plan_seconds = 0.0
+            self._single = None
+            self._step_new = set()
+            live = self.pool.proxima_expected_tokens
+            for req_id in [r for r in self._claims if r not in live]:
+                del self._claims[req_id]
+
+    def take_work(self) -> CompactionWork | None:
+        """This step's copies and table changes (None when nothing moved), for the workers."""
+        if self._plan_seconds:
+            self.plan_ms.add(self._plan_seconds * 1000)
+        if not self._relocations:
+            return None
+        relocations, self._relocations = self._relocations, []
+        tables, self._tables = self._tables, {}
+        phases = schedule_phases(relocations)
+        by_row: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        for (req_id, group, idx), new_id in sorted(tables.items()):
+            cols, ids = by_row.setdefault((req_id, group), ([], []))
+            cols.append(idx)
+            ids.append(new_id)
+        self._seq += 1
+        c = self.counters
+        c["steps_with_moves"] += 1
+        c["phases"] += len(phases)
+        self.blocks_per_step.add(len(relocations))
+        return CompactionWork(self._seq, tuple(tuple(p) for p in phases),
+                              tuple((rid, g, tuple(cols), tuple(ids))
+                                    for (rid, g), (cols, ids) in by_row.items()),
+                              len(relocations))
+
+    def on_worker_times(self, times: Iterable[tuple[int, float]]) -> None:
+        """GPU milliseconds of each step's compaction as the workers measured them."""
+        for _, ms in times:
+            self.gpu_ms.add(ms)
+
+    # ------------------------------------------------------------------ reading vLLM
+    def _managers(self):
+        kv = self.kv_manager
+        return kv.coordinator.single_type_managers if kv is not None else ()
+
+    def view(self) -> PoolView:
+        """The pool as the planner sees it now (built once per step, kept up to date as
+        plans are applied). O(num_blocks) in C plus O(blocks held by requests)."""
+        if self._view is not None:
+            return self._view
+        pool = self.pool
+        n = pool.num_gpu_blocks
+        kinds = bytearray([CACHED]) * n          # free blocks outside the buddy: the LRU tier
+        for start, end in pool.free_block_queue.buddy.free_runs():
+            kinds[start:end] = bytes(end - start)
+        for mgr in self._managers():
+            for blocks in mgr.req_to_blocks.values():
+                for block in blocks:
+                    if not block.is_null:
+                        kinds[block.block_id] = LIVE
+        kinds[pool.null_block.block_id] = FIXED
+        if self.allocatable is not None:
+            G = self.granule_blocks
+            for g in range(-(-n // G)):
+                if not self.allocatable(g):
+                    kinds[g * G:(g + 1) * G] = bytes([FIXED]) * len(range(g * G, min(n, (g + 1) * G)))
+        null = pool.null_block.block_id
+        self._pinned.discard(null)
+        scratch = [null] if self.scratch_null else []
+        if self.scratch_blocks:
+            first = self.scratch_first
+            kinds += bytes([FIXED]) * (first + self.scratch_blocks - n)
+            scratch += range(first, first + self.scratch_blocks)
+        self._view = PoolView(kinds, self.granule_blocks, self._pinned, scratch=scratch)
+        return self._view
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, plan: Plan) -> bool:
+        """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
+        content from its first to its last id; a stay in the scratch id leaves no trace),
+        after checking that every block involved is what the view said: a mismatch pins
+        that block, drops the plan (the view is rebuilt next time) and returns False."""
+        if not plan:
+            return True
+        moves = plan.final_positions()                 # original id -> final id
+        holders = self._holders(set(moves))
+        bad = self._mismatch(moves, holders)
+        if bad is not None:
+            self.counters["replans"] += 1
+            self._pinned.add(bad)
+            self._view = None
+            return False
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        pool = self.pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        kinds = self._view.kinds
+        c = self.counters
+        # Take every moved content off its block: reference counts, owners, and the
+        # prefix-cache entries (parked on stand-in blocks, vLLM's own move_block_hashes).
+        parked = {}
+        cached_moves = []
+        for i, (x, y) in enumerate(moves.items()):
+            src = blocks[x]
+            stand_in = None
+            if src.block_hash is not None or x in pool.cached_block_hashes_by_block:
+                stand_in = KVCacheBlock(block_id=-2 - i)
+                pool.move_block_hashes(src, stand_in)
+            parked[x] = (src.ref_cnt, stand_in)
+            if src.ref_cnt == 0:
+                cached_moves.append((src, blocks[y]))
+        final = set(moves.values())
+        taken = [y for y in final if y not in moves]          # were free, hold content now
+        freed = [x for x in moves if x not in final]          # held content, free now
+        queue.relocate(cached_moves, freed, taken)
+        for x, y in moves.items():
+            ref_cnt, stand_in = parked[x]
+            blocks[x].ref_cnt = 0
+        for x, y in moves.items():
+            ref_cnt, stand_in = parked[x]
+            dst = blocks[y]
+            dst.ref_cnt = ref_cnt
+            if stand_in is not None:
+                pool.move_block_hashes(stand_in, dst)
+            for mgr, req_id, idx in holders.get(x, ()):
+                mgr.req_to_blocks[req_id][idx] = dst
+                self._tables[(req_id, mgr.kv_cache_group_id, idx)] = y
+            c["live_moved" if ref_cnt else "cached_moved"] += 1
+        new_kinds = {y: kinds[x] for x, y in moves.items()}
+        for x in freed:
+            kinds[x] = FREE
+        for y, k in new_kinds.items():
+            kinds[y] = k
+        self._relocations += plan.relocations
+        c["relocations"] += plan.blocks_moved
+        c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
+        return True
+
+    def _holders(self, ids: set[int]) -> dict[int, list]:
+        """``{block id: [(manager, request id, position), ...]}`` for the given ids."""
+        out: dict[int, list] = {}
+        for mgr in self._managers():
+            for req_id, blocks in mgr.req_to_blocks.items():
+                for idx, block in enumerate(blocks):
+                    if block.block_id in ids and not block.is_null:
+                        out.setdefault(block.block_id, []).append((mgr, req_id, idx))
+        return out
+
+    def _mismatch(self, moves: dict[int, int], holders: dict[int, list]) -> int | None:
+        """The first block whose real state differs from what the plan assumed, or None:
+        a moved LIVE block must be held exactly by the owners found (its reference count),
+        a moved CACHED block must be in the LRU tier with a hash, a block that receives a
+        content and held none must be a free block of the buddy tier."""
+        blocks = self.pool.blocks
+        queue = self.pool.free_block_queue
+        kinds = self._view.kinds
+        for x in moves:
+            blk = blocks[x]
+            if kinds[x] == LIVE:
+                if blk.ref_cnt < 1 or blk.ref_cnt != len(holders.get(x, ())):
+                    return x
+            elif kinds[x] == CACHED:
+                if blk.ref_cnt or blk.block_hash is None or blk.next_free_block is None:
+                    return x
+            else:
+                return x
+        for y in moves.values():
+            if y not in moves:
+                blk = blocks[y]
+                if blk.ref_cnt or blk.block_hash is not None or not queue.buddy.is_free(y):
+                    return y
+        return None
+
+    def _forced_plan(self, view: PoolView) -> Plan:
+        budget = self.budget_blocks - len(self._relocations)
+        live = view.live_per_granule()
+        order = sorted(range(view.num_granules), key=lambda g: (-live[g], g))
+        for g in order:
+            if not live[g]:
+                break
+            for cached_too in (True, False):
+                plan, _ = plan_evacuate(view, [g], budget, cached_too=cached_too,
+                                        max_phases=self.max_phases)
+                if plan:
+                    return plan
+        return Plan()
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict:
+        """The figures for the engine status file and ``/metrics``."""
+        return {"mode": self.mode.kind if self.mode.kind == "auto" else f"every:{self.mode.every}",
+                "steps": self.steps, "budget_bytes": self.budget_blocks * self.bytes_per_block,
+                "bytes_per_block": self.bytes_per_block, **self.counters,
+                "placements": dict(self.placements),
+                "plan_ms": self.plan_ms.percentiles(), "gpu_ms": self.gpu_ms.percentiles(),
+                "blocks_per_moving_step": self.blocks_per_step.percentiles()}
+
+
+# ----------------------------------------------------------------------------- worker side
+
+_saved: list[tuple[object, str, object]] = []
+_worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
+
+
+def install_worker_hook() -> None:
+    """Wrap the V2 runner's ``update_requests`` (idempotent): see the module doc."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    cls = model_runner.GPUModelRunner
+    if any(owner is cls for owner, _, _ in _saved):
+        return
+    original = cls.update_requests
+
+    def update_requests(self, scheduler_output) -> None:
+        original(self, scheduler_output)
+        work = getattr(scheduler_output.kv_connector_metadata, "compaction", None)
+        if work is not None:
+            apply_on_worker(self, work)
+
+    update_requests.__wrapped__ = original
+    update_requests.__doc__ = original.__doc__
+    _saved.append((cls, "update_requests", original))
+    cls.update_requests = update_requests
+
+
+def uninstall_worker_hook() -> None:
+    while _saved:
+        owner, name, value = _saved.pop()
+        setattr(owner, name, value)
+
+
+class _WorkerState:
+    """Per model runner: the mover over its KV tensors and the pending timings."""
+
+    def __init__(self, runner) -> None:
+        from proxima.kernels import KVBlockMover
+
+        bpk = set(runner.block_tables.blocks_per_kv_block)
+        if len(bpk) != 1:
+            raise RuntimeError(f"{activation.COMPACTION_ENV}: KV-cache groups with different "
+                               f"kernel block sizes ({sorted(bpk)}) are not supported")
+        self.bpk = bpk.pop()
+        self.mover = KVBlockMover(runner.kv_caches)
+        self.pending: deque = deque()
+
+
+def apply_on_worker(runner, work: CompactionWork) -> None:
+    """Copy the moved blocks (every layer, current stream) and write their new ids into the
+    runner's persistent block tables, before the step's forward reads either."""
+    import torch
+
+    state = runner.__dict__.get("_proxima_compaction")
+    if state is None:
+        state = runner._proxima_compaction = _WorkerState(runner)
+    cuda = state.mover.device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    k = state.bpk
+    for phase in work.phases:
+        state.mover.apply([s * k for s, _, _ in phase], [d * k for _, d, _ in phase],
+                          [n * k for _, _, n in phase], validate=False)
+    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    index = runner.req_states.req_id_to_index
+    for req_id, group, cols, ids in work.tables:
+        row = index.get(req_id)
+        if row is None:
+            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
+                               "worker does not hold: its block table cannot be updated")
+        r, c, v = rows.setdefault(group, ([], [], []))
+        for col, new in zip(cols, ids):
+            for j in range(k):
+                r.append(row)
+                c.append(col * k + j)
+                v.append(new * k + j)
+    for group, (r, c, v) in rows.items():
+        table = runner.block_tables.block_tables[group].gpu
+        dev = table.device
+        idx = torch.tensor([r, c], dtype=torch.int64)
+        vals = torch.tensor(v, dtype=table.dtype)
+        if dev.type == "cuda":
+            idx, vals = idx.pin_memory().to(dev, non_blocking=True), \
+                vals.pin_memory().to(dev, non_blocking=True)
+        table[idx[0], idx[1]] = vals
+    if cuda:
+        end.record()
+        state.pending.append((work.seq, start, end))
+        while state.pending and state.pending[0][2].query():
+            seq, s, e = state.pending.popleft()
+            _worker_times.append((seq, s.elapsed_time(e)))
+
+
+def take_worker_times() -> tuple[tuple[int, float], ...]:
+    """The GPU times measured since the last call (the connector's worker report)."""
+    out = tuple(_worker_times)
+    _worker_times.clear()
+    return out
