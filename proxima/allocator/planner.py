@@ -64,6 +64,7 @@ O(granules log granules + ids examined), bounded by the budget.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -657,3 +658,178 @@ def _run_into(view: PoolView, blocks: Sequence[int], w: int, budget: int,
         if d is None or not move(x, d):
             return None
     return b.plan()
+
+
+# ----------------------------------------------------------------------------- placement
+
+@dataclass
+class Placement:
+    """Where a fresh allocation's blocks should go (:func:`plan_placement`).
+
+    ``targets``: the ids the request should hold instead of the ones it was given, in
+    table order (None: keep them); ``reason``: which rule decided (for metrics);
+    ``claim``: ``(start, end)`` ids the request's run now claims for its growth (None:
+    none)."""
+
+    targets: list[int] | None
+    reason: str
+    claim: tuple[int, int] | None = None
+
+
+_USABLE = rb"[\x00\x01\x06]"             # FREE, CACHED, lone (displaceable at no run cost)
+_ANY_USABLE = re.compile(_USABLE)
+_CACHED_ONLY = bytes(1 if i == CACHED else 0 for i in range(256))
+_WINDOWS: dict[int, re.Pattern] = {}
+_CLAIMED, _LONE, _CACHED_RUN = 5, 6, 7
+
+
+def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: int, *,
+                   claims: dict[str, tuple[int, int]] | None = None, owner: str = "",
+                   lone: Iterable[int] = (), movable: Iterable[int] = (),
+                   claim_blocks: int = 16) -> Placement:
+    """Where ``ids`` (the ``k`` blocks an allocation just handed out, in table order,
+    holding nothing yet) should be, for a request whose previous block is ``prev`` (None:
+    its first blocks) and which expects ``need`` blocks from here (``>= k``).
+
+    The blocks just handed out can take the place of any block holding nothing anyone
+    needs where it is: FREE, CACHED (its content then goes into one of them), a *lone*
+    LIVE block of another request (``lone``: a run of one id in its owner's table; its
+    content goes into one of them and its owner's table follows: no run breaks), or, at a
+    cost, one of ``movable`` (LIVE blocks of others whose move breaks one of their runs).
+    The rules, first that applies:
+
+    1. continue the run: the ``k`` ids after ``prev`` (none pinned, FREE/CACHED/lone);
+    2. a window of ``room = min(need, k + claim_blocks)`` ids, else ``k``, the lowest one
+       (packs live blocks towards low ids, so high granules empty out), first avoiding
+       others' claims and runs of cached blocks (one request's KV, kept together), then
+       not; a window of ``room`` claims its tail for the request's growth;
+    3. the window of ``k`` that displaces the fewest ``movable`` blocks, if fewer than
+       ``k - 1`` (one run broken elsewhere for ``k - 1`` runs saved);
+    4. the ``k`` lowest usable ids (scattered, but packed).
+
+    The ids given are kept when they already are a run at least as low as rule 2's
+    window. The view's kinds are read as they are (the caller marks ``ids`` LIVE)."""
+    k = len(ids)
+    if k == 0:
+        return Placement(None, "empty")
+    claims = {} if claims is None else claims
+    others = [rng for who, rng in claims.items() if who != owner]
+    room = min(max(need, k), k + claim_blocks)
+    mine = set(ids)
+    lone = set(lone)
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    if prev is not None:
+        start = prev + 1
+        if list(ids) == list(range(start, start + k)):
+            return Placement(None, "grew_in_place", (start + k, start + room))
+        if start + k <= n and all(x in mine or (x not in pinned and (
+                kinds[x] in (FREE, CACHED) or x in lone)) for x in range(start, start + k)):
+            return Placement(list(range(start, start + k)), "continued",
+                             (start + k, start + room))
+    passes = [(room, True, True), (k, True, True), (k, False, True), (room, True, False),
+              (k, True, False), (k, False, False)] if k > 1 else \
+        [(room, True, False), (k, True, False), (k, False, False)]
+    cache: dict[tuple[bool, bool], bytearray] = {}
+    target = None
+    for m, use_claims, keep_runs in passes:
+        key = (use_claims, keep_runs)
+        if key not in cache:
+            cache[key] = _usable(view, mine, lone, others if use_claims else (), keep_runs)
+        w = _lowest_window(cache[key], m)
+        if w is not None:
+            target = w
+            break
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    if target is not None:
+        if consecutive and ids[0] <= target:
+            return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+        claim = (target + k, target + room)
+        return Placement(list(range(target, target + k)), "window", claim)
+    if k > 1:
+        best = _cheapest_window(view, k, mine, lone, set(movable))
+        if best is not None and best[1] < k - 1:
+            if consecutive and ids[0] == best[0]:
+                return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+            return Placement(list(range(best[0], best[0] + k)), "window_displacing",
+                             (best[0] + k, best[0] + room))
+    if consecutive:
+        return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+    for use_claims in (True, False):
+        usable = _usable(view, mine, lone, others if use_claims else (), False)
+        out = [m.start() for m, _ in zip(_ANY_USABLE.finditer(usable), range(k))]
+        if len(out) == k:
+            return Placement(out, "scattered")
+    return Placement(None, "no_place")
+
+
+def _usable(view: PoolView, mine: set[int], lone: set[int], claims, keep_runs: bool) -> bytearray:
+    """The view's kinds as a byte string where the usable ids are FREE (0), CACHED (1) or
+    lone (6); claimed (5), cached-in-a-run (7, with ``keep_runs``), pinned, FIXED and other
+    LIVE ids are not."""
+    usable = bytearray(view.kinds)
+    n = len(usable)
+    if keep_runs:
+        cached = int.from_bytes(usable.translate(_CACHED_ONLY), "big")
+        in_run = cached & ((cached << 8) | (cached >> 8))
+        if in_run:
+            mask = in_run.to_bytes(n, "big")
+            i = mask.find(1)
+            while i >= 0:
+                usable[i] = _CACHED_RUN
+                i = mask.find(1, i + 1)
+    for lo, hi in claims:
+        lo, hi = max(lo, 0), min(hi, n)
+        if hi > lo:
+            usable[lo:hi] = bytes([_CLAIMED]) * (hi - lo)
+    for x in lone:
+        if usable[x] == LIVE:
+            usable[x] = _LONE
+    for x in mine:
+        usable[x] = FREE
+    for x in view.pinned:
+        if x not in mine:
+            usable[x] = FIXED
+    return usable
+
+
+def _lowest_window(usable: bytearray, m: int) -> int | None:
+    pattern = _WINDOWS.get(m)
+    if pattern is None:
+        pattern = _WINDOWS[m] = re.compile(_USABLE + b"{%d}" % m)
+    found = pattern.search(usable)
+    return found.start() if found else None
+
+
+def _cheapest_window(view: PoolView, k: int, mine: set[int], lone: set[int],
+                     movable: set[int]) -> tuple[int, int] | None:
+    """``(start, cost)`` of the lowest window of ``k`` ids that displaces the fewest
+    ``movable`` blocks (FREE, CACHED, lone and own ids cost nothing; anything else cannot
+    be displaced), or None."""
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    big = k + 1
+    cost = [big] * n
+    for i in range(n):
+        kind = kinds[i]
+        if kind == FREE or kind == CACHED:
+            cost[i] = 0
+        elif kind == LIVE:
+            if i in lone:
+                cost[i] = 0
+            elif i in movable:
+                cost[i] = 1
+    for x in pinned:
+        cost[x] = big
+    for x in mine:
+        cost[x] = 0
+    if n < k:
+        return None
+    best = None
+    window = sum(cost[:k])
+    for start in range(0, n - k + 1):
+        if start:
+            window += cost[start + k - 1] - cost[start - 1]
+        if window < big and (best is None or window < best[1]):
+            best = (start, window)
+            if window == 0:
+                break
+    return best

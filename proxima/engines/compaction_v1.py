@@ -49,7 +49,7 @@ Mamba layers (their blocks are zeroed before the copy point), pipeline paralleli
 from __future__ import annotations
 
 import logging
-import re
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,7 +57,8 @@ from typing import Iterable
 
 from proxima.allocator import count_runs
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       plan_evacuate, plan_pack, plan_run, schedule_phases)
+                                       plan_evacuate, plan_pack, plan_placement, plan_run,
+                                       schedule_phases)
 from proxima.engines import activation
 
 logger = logging.getLogger("vllm.proxima")
@@ -69,27 +70,58 @@ DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for i
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
 
-_ANY_FREE = re.compile(rb"[\x00\x01\x06]")
-_CACHED_ONLY = bytes(1 if i == CACHED else 0 for i in range(256))
-
-
-def _mark_runs(avail: bytearray, mask: bytes) -> bytearray:
-    """``avail`` with the ids where ``mask`` is non-zero made unavailable (7)."""
-    out = bytearray(avail)
-    i = mask.find(1)
-    while i >= 0:
-        out[i] = 7
-        i = mask.find(1, i + 1)
-    return out
-
-
 def scratch_first(num_blocks: int, granule_blocks: int) -> int:
     """The first scratch block id: the pool rounded up to whole granules."""
     return -(-num_blocks // granule_blocks) * granule_blocks
 
 
-def _consecutive(ids: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+@dataclass(frozen=True)
+class CompactionOptions:
+    """KV compaction's settings: the ``"compaction"`` dict of the elastic connector's
+    ``kv_connector_extra_config`` (same on the scheduler and the workers), over
+    ``PROXIMA_COMPACTION`` for the mode.
+
+    ``mode``: ``"1"`` (auto) or ``"every:K"`` (forced, tests); ``budget_mib``: block bytes
+    copied per step at most; ``max_phases``: mover launches per step at most;
+    ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
+    of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
+    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself."""
+
+    mode: activation.CompactionMode
+    budget_mib: int = DEFAULT_BUDGET_BYTES >> 20
+    max_phases: int = DEFAULT_MAX_PHASES
+    interval: int = DEFAULT_INTERVAL
+    scratch_granules: int = 1
+    claim_blocks: int = DEFAULT_CLAIM_BLOCKS
+
+    @classmethod
+    def resolve(cls, extra: dict | None = None, environ=None) -> "CompactionOptions | None":
+        """The settings in force (None: compaction is off); a bad value is one
+        :class:`proxima.errors.UserError` naming it."""
+        from proxima.errors import UserError
+
+        extra = dict(extra or {})
+        names = {f for f in cls.__dataclass_fields__ if f != "mode"} | {"mode"}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise UserError(f"compaction: unknown option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(names))}")
+        value = extra.pop("mode", None)
+        if value is None:
+            mode = activation.compaction(environ)
+        else:
+            try:
+                mode = activation.compaction_mode(str(value))
+            except ValueError:
+                raise UserError(f"compaction: mode must be 1, every:K (K >= 1) or 0, got "
+                                f"{value!r}") from None
+        if mode is None:
+            return None
+        for name, v in extra.items():
+            low = 0 if name == "scratch_granules" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise UserError(f"compaction: {name} must be an integer >= {low}, got {v!r}")
+        return cls(mode, **extra)
 
 
 @dataclass(frozen=True)
@@ -175,14 +207,14 @@ class Compactor:
         self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
         self._step_id = None
         self._claims: dict[str, tuple[int, int]] = {}
-        self._patterns: dict[int, re.Pattern] = {}
         self._forced_next = 1
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
-                         "live_displaced": 0, "runs_merged": 0}
+                         "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
+                         "scratch_used": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -303,128 +335,29 @@ class Compactor:
         ids = [b.block_id for b in steer]
         total = self.pool.proxima_expected_tokens.get(request_id)
         need = max(k, -(-total // mgr.block_size) - first) if total else k
-        room = min(need, k + self.claim_blocks)        # what the run claims ahead
-        targets = None
-        if prev is not None and not prev.is_null:
-            start = prev.block_id + 1
-            if ids == list(range(start, start + k)):
-                self._count("grew_in_place")
-                self._claim(request_id, start + k, start + room)
-                return new_blocks                      # it grew in place already
-            if self._window_ok(start, k, ids):
-                targets = list(range(start, start + k))
-                self._count("continued")
-        if targets is None:
-            passes = ((room, True, True), (k, True, True), (k, False, True), (room, True, False),
-                      (k, True, False), (k, False, False)) if k > 1 else \
-                ((room, True, False), (k, True, False), (k, False, False))
-            for m, claims, runs in passes:
-                w = self._lowest(m, ids, claims, runs)
-                if w is not None:
-                    targets = list(range(w, w + k))
-                    break
-            if targets is None and k > 1 and self.displace:
-                best = self._cheapest_window(k, ids)
-                if best is not None and best[1] < k - 1:
-                    targets = list(range(best[0], best[0] + k))
-                    self._count("window_displacing")
-            if targets is None:
-                targets = self._lowest_ids(k, ids)
-                self._count("scattered" if targets else "no_place")
+        lone = self._singletons() if self.displace else ()
+        movable = self._owners() if self.displace and k > 1 else ()
+        where = plan_placement(view, ids, None if prev is None or prev.is_null else prev.block_id,
+                               need, claims=self._claims, owner=request_id, lone=lone,
+                               movable=movable, claim_blocks=self.claim_blocks)
+        self._count(where.reason)
+        result = new_blocks
+        if where.targets is not None and where.targets != ids:
+            plan = self._exchange(mgr, request_id, first, steer, where.targets)
+            if plan is None:
+                self._count("exchange_failed")
+                where.claim = None
             else:
-                self._count("window")
-            if not targets:
-                return new_blocks
-            if _consecutive(ids) and ids[0] <= targets[0]:
-                self._claim(request_id, ids[-1] + 1, ids[0] + room)
-                return new_blocks                      # a run, as low as the best
-        if targets == ids:
-            return new_blocks
-        plan = self._exchange(mgr, request_id, first, steer, targets)
-        if plan is None:
-            self._count("exchange_failed")
-            return new_blocks
-        if _consecutive(targets):
-            self._claim(request_id, targets[-1] + 1, targets[0] + room)
+                cow = [b for b in new_blocks if id(b) in pending_cow]
+                result = cow + plan
+        if where.claim is not None and where.claim[1] > where.claim[0]:
+            self._claims[request_id] = where.claim
         else:
-            self._claim(request_id, 0, 0)
-        cow = [b for b in new_blocks if id(b) in pending_cow]
-        return cow + plan
+            self._claims.pop(request_id, None)
+        return result
 
     def _count(self, what: str) -> None:
         self.placements[what] = self.placements.get(what, 0) + 1
-
-    def _window_ok(self, start: int, k: int, ids: list[int]) -> bool:
-        n = self.pool.num_gpu_blocks
-        if start < 1 or start + k > n:
-            return False
-        kinds, pinned = self._view.kinds, self._view.pinned
-        mine = set(ids)
-        singles = self._singletons() if self.displace else {}
-        return all((x in mine) or (x not in pinned and (kinds[x] in (FREE, CACHED)
-                                                        or x in singles))
-                   for x in range(start, start + k))
-
-    def _available(self, ids: list[int], claims: bool, runs: bool = False) -> bytearray:
-        """The view's kinds with the caller's new blocks FREE and (with ``claims``) the
-        ids others claimed and the pinned ids unavailable; with ``runs``, also the cached
-        blocks next to another cached block (likely one request's KV, kept together)."""
-        view = self._view
-        avail = bytearray(view.kinds)
-        if runs:
-            cached = int.from_bytes(avail.translate(_CACHED_ONLY), "big")
-            in_run = cached & ((cached << 8) | (cached >> 8))
-            if in_run:
-                avail = _mark_runs(avail, in_run.to_bytes(len(avail), "big"))
-        for x in ids:
-            avail[x] = FREE
-        if claims:
-            for lo, hi in self._claims.values():
-                avail[lo:hi] = b"\x05" * max(0, min(hi, len(avail)) - lo)
-            for x in ids:
-                avail[x] = FREE
-        if self.displace:
-            for x in self._singletons():
-                if avail[x] == LIVE:
-                    avail[x] = 6
-        for x in view.pinned:
-            avail[x] = FIXED
-        avail[self.pool.null_block.block_id] = FIXED
-        return avail
-
-    def _lowest(self, m: int, ids: list[int], claims: bool = True,
-                runs: bool = False) -> int | None:
-        """The lowest start of ``m`` consecutive ids that are FREE, CACHED or the caller's
-        own new blocks (and, with ``claims``, claimed by nobody), from the view (checked
-        again on use)."""
-        pattern = self._patterns.get(m)
-        if pattern is None:
-            pattern = self._patterns[m] = re.compile(rb"[\x00\x01\x06]{%d}" % m)
-        found = pattern.search(self._available(ids, claims, runs))
-        return found.start() if found else None
-
-    def _lowest_ids(self, k: int, ids: list[int]) -> list[int]:
-        """The ``k`` lowest such ids, not consecutive (unclaimed ones first)."""
-        out: list[int] = []
-        for claims in (True, False):
-            avail = self._available(ids, claims)
-            out = [m.start() for m, _ in zip(_ANY_FREE.finditer(avail), range(k))]
-            if len(out) == k:
-                return out
-        return []
-
-    def _claimed(self, start: int, k: int) -> str:
-        """The request that claims ids in ``[start, start + k)`` (empty: nobody)."""
-        for req_id, (lo, hi) in self._claims.items():
-            if lo < start + k and start < hi:
-                return req_id
-        return ""
-
-    def _claim(self, request_id: str, start: int, end: int) -> None:
-        if end > start:
-            self._claims[request_id] = (start, end)
-        else:
-            self._claims.pop(request_id, None)
 
     def _exchange(self, mgr, request_id: str, first: int, steer: list, window: list[int]):
         """Give the request the blocks of ``window`` instead of ``steer`` (module doc);
@@ -531,43 +464,6 @@ class Compactor:
         self._owners()
         return self._lone
 
-    def _cheapest_window(self, k: int, ids: list[int]) -> tuple[int, int] | None:
-        """``(start, cost)`` of the window of ``k`` ids whose placement displaces the
-        fewest blocks of others' runs (free, cached and lone blocks cost nothing; shared,
-        pinned or fixed blocks cannot be displaced), or None."""
-        view = self._view
-        kinds, n = view.kinds, self.pool.num_gpu_blocks
-        owners = self._owners()
-        big = k + 1
-        cost = [big] * n
-        for i in range(1, n):
-            kind = kinds[i]
-            if kind == FREE or kind == CACHED:
-                cost[i] = 0
-            elif kind == LIVE:
-                e = owners.get(i)
-                if e is not None:
-                    cost[i] = 0 if e[3] else 1
-        for x in ids:
-            cost[x] = 0
-        for x in view.pinned:
-            if x not in ids:
-                cost[x] = big
-        for lo, hi in self._claims.values():
-            for x in range(lo, min(hi, n)):
-                if cost[x] < big:
-                    cost[x] += 0          # claims are a preference only here
-        best = None
-        window = sum(cost[1:1 + k])
-        for start in range(1, n - k + 1):
-            if start > 1:
-                window += cost[start + k - 1] - cost[start - 1]
-            if window < big and (best is None or window < best[1]):
-                best = (start, window)
-                if window == 0:
-                    break
-        return best
-
     def _single_ok(self, entry, blk) -> bool:
         if entry is None or blk.ref_cnt != 1:
             return False
@@ -601,7 +497,13 @@ class Compactor:
         tables, self._tables = self._tables, {}
         phases = schedule_phases(relocations)
         by_row: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        # a request preempted later in the same schedule() holds no blocks any more (its
+        # row goes on the worker); its moved blocks went back to the pool with it
+        holding = {(mgr.kv_cache_group_id, r) for mgr in self._managers()
+                   for r, blocks in mgr.req_to_blocks.items() if blocks}
         for (req_id, group, idx), new_id in sorted(tables.items()):
+            if (group, req_id) not in holding:
+                continue
             cols, ids = by_row.setdefault((req_id, group), ([], []))
             cols.append(idx)
             ids.append(new_id)
@@ -709,12 +611,16 @@ class Compactor:
                 mgr.req_to_blocks[req_id][idx] = dst
                 self._tables[(req_id, mgr.kv_cache_group_id, idx)] = y
             c["live_moved" if ref_cnt else "cached_moved"] += 1
+            if ref_cnt > 1:
+                c["shared_moved"] += 1
         new_kinds = {y: kinds[x] for x, y in moves.items()}
         for x in freed:
             kinds[x] = FREE
         for y, k in new_kinds.items():
             kinds[y] = k
         self._relocations += plan.relocations
+        scratch = self._view.scratch
+        c["scratch_used"] += sum(1 for _, d in plan.relocations if d in scratch)
         c["relocations"] += plan.blocks_moved
         c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
         return True
@@ -779,26 +685,114 @@ class Compactor:
                 "blocks_per_moving_step": self.blocks_per_step.percentiles()}
 
 
+# ----------------------------------------------------------------------------- wiring
+
+def composed_in_multiconnector(depth: int = 8) -> bool:
+    """Whether vLLM's ``MultiConnector`` is constructing the caller: it hands each child a
+    copy of the config holding only the child's own ``kv_transfer_config``, so the config
+    cannot say; the constructing frame can (looked up a few frames, once per engine)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if type(frame.f_locals.get("self")).__name__ == "MultiConnector":
+            return True
+    return False
+
+
+def _refusal(vllm_config, composed: bool) -> str | None:
+    """Why this engine cannot compact (None: it can): see the module doc."""
+    ktc = vllm_config.kv_transfer_config
+    if composed or (ktc is not None and ktc.kv_connector == "MultiConnector"):
+        return ("another KV connector is configured beside Proxima's (it may track block "
+                "ids that compaction changes)")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return (f"pipeline parallelism (pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}) keeps several steps in flight on "
+                "different stages")
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding is configured (its drafter's KV is not covered)"
+    return None
+
+
+def _options(vllm_config, extra, composed: bool) -> "CompactionOptions | None":
+    options = CompactionOptions.resolve(extra)
+    if options is None:
+        return None
+    why = _refusal(vllm_config, composed)
+    if why:
+        from proxima.errors import UserError
+
+        raise UserError(f"{activation.COMPACTION_ENV}: KV compaction cannot run here: {why}; "
+                        f"unset {activation.COMPACTION_ENV}")
+    return options
+
+
+def worker_side(vllm_config, extra, composed: bool = False) -> bool:
+    """Whether this worker applies compaction's work (the settings checked here too)."""
+    return _options(vllm_config, extra, composed) is not None
+
+
+def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
+                   composed: bool = False) -> "Compactor | None":
+    """The :class:`Compactor` of an elastic engine's scheduler (None when off)."""
+    options = _options(vllm_config, extra, composed)
+    if options is None:
+        return None
+    if kv_cache_config.needs_kv_cache_zeroing:
+        from proxima.errors import UserError
+
+        raise UserError(f"{activation.COMPACTION_ENV}: KV compaction does not support Mamba "
+                        "layers (vLLM zeroes their new blocks before the copy point); unset "
+                        f"{activation.COMPACTION_ENV}")
+    from proxima.engines import elastic_v1
+    from proxima.memory.channel import MAPPED
+
+    sizes, _ = elastic_v1.kv_regions(kv_cache_config)
+    bytes_per_block = sum(sizes) // kv_cache_config.num_blocks
+    state = channel.state
+    compactor = Compactor(
+        pool, granule_blocks=channel.granule_blocks, bytes_per_block=bytes_per_block,
+        mode=options.mode, budget_bytes=options.budget_mib << 20, interval=options.interval,
+        max_phases=options.max_phases, allocatable=lambda g: state[g] == MAPPED,
+        claim_blocks=options.claim_blocks,
+        scratch_blocks=options.scratch_granules * channel.granule_blocks)
+    logger.info("Proxima KV compaction: %s, budget %d MiB (%d blocks of %d KiB) and %d "
+                "mover launches per step, %d scratch blocks", compactor.stats()["mode"],
+                options.budget_mib, compactor.budget_blocks, bytes_per_block >> 10,
+                options.max_phases, compactor.scratch_blocks)
+    return compactor
+
+
 # ----------------------------------------------------------------------------- worker side
 
 _saved: list[tuple[object, str, object]] = []
 _worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
 
 
-def install_worker_hook() -> None:
-    """Wrap the V2 runner's ``update_requests`` (idempotent): see the module doc."""
-    import vllm.v1.worker.gpu.model_runner as model_runner
+def install_worker_hook(cls=None) -> None:
+    """Wrap the V2 runner's ``update_requests`` (``cls``: ``GPUModelRunner``; idempotent):
+    see the module doc."""
+    if cls is None:
+        import vllm.v1.worker.gpu.model_runner as model_runner
 
-    cls = model_runner.GPUModelRunner
+        cls = model_runner.GPUModelRunner
     if any(owner is cls for owner, _, _ in _saved):
         return
     original = cls.update_requests
 
     def update_requests(self, scheduler_output) -> None:
         original(self, scheduler_output)
-        work = getattr(scheduler_output.kv_connector_metadata, "compaction", None)
+        meta = scheduler_output.kv_connector_metadata
+        work = getattr(meta, "compaction", None)
         if work is not None:
             apply_on_worker(self, work)
+        elif any(getattr(m, "compaction", None) is not None
+                 for m in getattr(meta, "metadata", ()) or ()):
+            raise RuntimeError("KV compaction's work arrived inside another connector's "
+                               "metadata: compaction does not run beside other connectors")
 
     update_requests.__wrapped__ = original
     update_requests.__doc__ = original.__doc__
@@ -825,6 +819,11 @@ class _WorkerState:
         self.bpk = bpk.pop()
         self.mover = KVBlockMover(runner.kv_caches)
         self.pending: deque = deque()
+        from proxima.engines import elastic_v1
+
+        memory = elastic_v1.kv_memory()
+        spare = memory.spare_blocks if memory is not None else range(0)
+        self.limit = spare.stop if len(spare) else self.mover.num_blocks
 
 
 def apply_on_worker(runner, work: CompactionWork) -> None:
@@ -840,6 +839,13 @@ def apply_on_worker(runner, work: CompactionWork) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     k = state.bpk
+    limit = state.limit
+    for phase in work.phases:
+        for s, d, n in phase:
+            if s < 0 or d < 0 or max(s, d) + n > limit:
+                raise RuntimeError(f"compaction: move ({s}, {d}, {n}) lies outside this "
+                                   f"worker's KV blocks and scratch (0..{limit - 1}): the "
+                                   "scheduler and the workers disagree on the settings")
     for phase in work.phases:
         state.mover.apply([s * k for s, _, _ in phase], [d * k for _, d, _ in phase],
                           [n * k for _, _, n in phase], validate=False)

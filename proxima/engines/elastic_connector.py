@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from proxima.engines import elastic_v1
+from proxima.engines import compaction_v1, elastic_v1
 from proxima.errors import UserError
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
@@ -75,20 +75,26 @@ logger = logging.getLogger("vllm.proxima")
 
 @dataclass
 class ElasticMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, every step: the step's ops (None: nothing to do)."""
+    """Scheduler -> workers, every step: the step's ops (None: nothing to do) and KV
+    compaction's copies and block-table changes (None: none; applied by
+    :func:`proxima.engines.compaction_v1.install_worker_hook`'s hook, before the ops)."""
 
     batch: OpBatch | None = None
+    compaction: object | None = None
 
 
 @dataclass
 class ElasticWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: what was applied since the last report."""
+    """Worker -> scheduler: what was applied since the last report, and the GPU time of
+    each step's compaction measured since (``(seq, ms)``)."""
 
     report: Report
+    compaction_times: tuple = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ElasticWorkerMetadata)
-        return ElasticWorkerMetadata(merge_reports(self.report, other.report))
+        return ElasticWorkerMetadata(merge_reports(self.report, other.report),
+                                     self.compaction_times + other.compaction_times)
 
 
 def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
@@ -209,8 +215,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = elastic_v1.ElasticOptions.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
+        self._composed = compaction_v1.composed_in_multiconnector()
         self.channel: ElasticChannel | None = None
         self.held: HeldGranules | None = None
+        self.compactor = None                      # compaction_v1.Compactor (scheduler)
+        self._mover = None                         # the Triton block mover (worker)
         self.cycler: ForcedCycler | None = None
         self.steps = 0
         self._memory = None
@@ -229,6 +238,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                 "memory; use one of them (unset PROXIMA_ELASTIC or "
                                 "--enable-sleep-mode)")
             elastic_v1.install_allocation_hook(self.options)
+            # --- KV compaction (issue 14): the worker applies its moves before the forward
+            if compaction_v1.worker_side(vllm_config, self.options.compaction, self._composed):
+                compaction_v1.install_worker_hook()
+            # ---
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -270,10 +283,14 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._short = bool(failed)
 
     def _move(self, src: int, dst: int, count: int) -> None:
-        from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+        # --- KV compaction (issue 14): MOVE ops with the Triton mover, every layer at once,
+        # on the current (the forward's) stream
+        if self._mover is None:
+            from proxima.kernels import KVBlockMover
 
-        copy_kv_cache_blocks_inplace(list(self._kv_caches.values()), self._memory.num_blocks,
-                                     [(src + i, dst + i) for i in range(count)])
+            self._mover = KVBlockMover(self._kv_caches)
+        self._mover.apply([src], [dst], [count])
+        # ---
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -285,12 +302,13 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._applied:
+        times = compaction_v1.take_worker_times()
+        if not self._applied and not times:
             return None
         report = Report(tuple(self._applied), self._memory.mapped_granules,
                         self._memory.granule_blocks)
         self._applied = []
-        return ElasticWorkerMetadata(report)
+        return ElasticWorkerMetadata(report, times)
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
@@ -308,6 +326,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         bind = getattr(gpu_block_pool.free_block_queue, "bind_elastic_channel", None)
         if bind is not None:
             bind(self.channel)
+        # --- KV compaction (issue 14): None when off
+        self.compactor = compaction_v1.scheduler_side(
+            self._vllm_config, self._kv_cache_config, gpu_block_pool, self.channel,
+            self.options.compaction, self._composed)
+        # ---
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -321,9 +344,19 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return ElasticMetadata()
         if self.options.verify:
             self._verify(scheduler_output)
+        # --- KV compaction (issue 14): plan and apply on the scheduler's structures now,
+        # before the step's output leaves; an elastic policy may ask it to evacuate
+        # granules (Compactor.evacuate) before it releases them
+        compactor = self.compactor
+        if compactor is not None:
+            compactor.begin_step(getattr(compactor.pool, "proxima_kv_manager", None),
+                                 scheduler_output)
+            compactor.step()
+        # ---
         if self.cycler is not None:
             self.cycler.tick(self.steps)
-        return ElasticMetadata(self.channel.build())
+        work = compactor.take_work() if compactor is not None else None
+        return ElasticMetadata(self.channel.build(), compaction=work)
 
     def _verify(self, scheduler_output) -> None:
         """No block handed out this step may lie in a granule that is not mapped."""
@@ -343,6 +376,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ElasticWorkerMetadata) and self.channel is not None:
             self.channel.on_report(meta.report)
+            if self.compactor is not None and meta.compaction_times:
+                self.compactor.on_worker_times(meta.compaction_times)
             self.write_stats()            # only steps that carried ops report: cheap
 
     def request_finished(self, request, block_ids):
@@ -362,7 +397,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 "num_granules": ch.num_granules, "num_blocks": ch.num_blocks,
                 "mapped": ch.count(MAPPED), "unmapped": ch.count(UNMAPPED),
                 "held_granules": len(self.held.blocks), "reported_mapped": ch.reported_mapped,
-                "forced_cycles": self.cycler.cycles if self.cycler else 0, **ch.stats}
+                "forced_cycles": self.cycler.cycles if self.cycler else 0, **ch.stats,
+                **({"compaction": self.compactor.stats()} if self.compactor else {})}
 
     def write_stats(self) -> None:
         path = self.options.stats_file

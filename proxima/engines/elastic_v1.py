@@ -75,6 +75,8 @@ class ElasticOptions:
     that every N steps releases up to ``granules`` free granules and maps them back ``hold``
     steps later (0: off). ``stats_file``: where the scheduler side writes its counters
     (JSON). ``verify``: check every step that no new block lies in an unmapped granule.
+    ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
+    CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
     """
 
     granule_bytes: int = 2 << 20
@@ -84,6 +86,7 @@ class ElasticOptions:
     force_cycle_granules: int = 4
     stats_file: str | None = None
     verify: bool = True
+    compaction: dict | None = None
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":
@@ -273,8 +276,14 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
     options = _Worker.options or ElasticOptions()
     sizes, where = kv_regions(kv_cache_config)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    # --- KV compaction (issue 14): its scratch granules, past the pool (compaction_v1)
+    from proxima.engines.compaction_v1 import CompactionOptions
+
+    compaction = CompactionOptions.resolve(options.compaction)
+    spare = compaction.scratch_granules if compaction is not None else 0
+    # ---
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
-                      device=index)
+                      device=index, spare_granules=spare)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}
