@@ -172,9 +172,11 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             raise ValueError("compaction needs Proxima's block pool (proxima=True)")
         from proxima.engines.compaction_v1 import DEFAULT_BUDGET_BYTES, Compactor
 
+        g = granule_blocks or DEFAULT_GRANULE_BLOCKS
+        # one granule of scratch blocks past the pool, as an elastic engine has
         compactor = Compactor(
-            pool, granule_blocks=granule_blocks or DEFAULT_GRANULE_BLOCKS,
-            bytes_per_block=bytes_per_block or LLAMA_8B_BYTES_PER_BLOCK, mode=compaction,
+            pool, granule_blocks=g, bytes_per_block=bytes_per_block or LLAMA_8B_BYTES_PER_BLOCK,
+            mode=compaction, scratch_blocks=g,
             budget_bytes=DEFAULT_BUDGET_BYTES if compaction_budget_bytes is None
             else compaction_budget_bytes)
     if granule_blocks is not None or compactor is not None:
