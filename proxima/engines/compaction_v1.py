@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -183,7 +184,9 @@ class Compactor:
         self.granule_blocks = granule_blocks
         self.bytes_per_block = bytes_per_block
         self.mode = mode
+        self.enabled = True
         self.budget_blocks = budget_bytes // bytes_per_block
+        self._auto_interval = interval
         self.interval = mode.every if mode.kind == "every" else interval
         self.max_phases = max_phases
         self.allocatable = allocatable
@@ -220,6 +223,25 @@ class Compactor:
         self.gpu_ms = _Sample()
         self.blocks_per_step = _Sample()
         pool.proxima_compaction = self
+        _compactors.add(self)
+
+    def set_mode(self, mode: activation.CompactionMode | None) -> None:
+        """Switch the policy between steps (None: off -- no placement, no plans; the
+        engine then behaves as elastic mode without compaction). For tests and the GPU
+        proof, which compare modes in one engine."""
+        self.enabled = mode is not None
+        if mode is not None:
+            self.mode = mode
+            self.interval = mode.every if mode.kind == "every" else self._auto_interval
+        self._claims.clear()
+
+    def reset_metrics(self) -> None:
+        """Zero the counters and the per-step samples (the settings stay)."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.placements.clear()
+        self.plan_ms, self.gpu_ms, self.blocks_per_step = _Sample(), _Sample(), _Sample()
+        self.steps = 0
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, kv_manager, scheduler_output) -> None:
@@ -249,7 +271,7 @@ class Compactor:
         """The policy of the mode: auto packs every ``interval`` steps; ``every:K`` empties
         one granule every K steps (the most occupied one that can be emptied, its cached
         blocks too when there is room; a test of the machinery, not a policy)."""
-        if self.budget_blocks <= 0 or self.steps % self.interval:
+        if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
             return
         t0 = time.perf_counter()
         view = self.view()
@@ -292,6 +314,8 @@ class Compactor:
         (within what is left of this step's budget). True when they now hold no block in
         use (and, with ``cached_too``, no cached KV): they can be unmapped this step."""
         granules = list(granules)
+        if not self.enabled:
+            return False
         t0 = time.perf_counter()
         self.counters["evacuations"] += 1
         plan, clear = plan_evacuate(self.view(), granules,
@@ -314,7 +338,7 @@ class Compactor:
         low ids so that high granules empty out; the rest of the window is claimed for its
         growth). Costs one block copy per cached block displaced, within the step's budget;
         the free count, the LRU order and every hash's content are unchanged."""
-        if not self.steer:
+        if not (self.steer and self.enabled):
             return new_blocks
         self._sync_step()
         pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
@@ -677,7 +701,8 @@ class Compactor:
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
         """The figures for the engine status file and ``/metrics``."""
-        return {"mode": self.mode.kind if self.mode.kind == "auto" else f"every:{self.mode.every}",
+        mode = "auto" if self.mode.kind == "auto" else f"every:{self.mode.every}"
+        return {"mode": mode if self.enabled else "off",
                 "steps": self.steps, "budget_bytes": self.budget_blocks * self.bytes_per_block,
                 "bytes_per_block": self.bytes_per_block, **self.counters,
                 "placements": dict(self.placements),
@@ -686,6 +711,15 @@ class Compactor:
 
 
 # ----------------------------------------------------------------------------- wiring
+
+_compactors: "weakref.WeakSet[Compactor]" = weakref.WeakSet()
+
+
+def compactors() -> list["Compactor"]:
+    """The compactors of this process's engines (an engine whose scheduler runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or the replay)."""
+    return list(_compactors)
+
 
 def composed_in_multiconnector(depth: int = 8) -> bool:
     """Whether vLLM's ``MultiConnector`` is constructing the caller: it hands each child a
