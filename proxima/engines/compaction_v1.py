@@ -250,7 +250,7 @@ class Compactor:
         self._sync_step()
         self.steps += 1
         self._view = None          # rebuilt: prefix hits and frees since the allocations
-        self._single = None
+        # the owners found at the first allocation stay: each use checks the block again
         pinned = set()
         for req in scheduler_output.scheduled_new_reqs:
             for ids in req.block_ids:
@@ -307,7 +307,6 @@ class Compactor:
                             movable=self._singletons())
             if plan and self._apply(plan):
                 self.counters["runs_merged"] += runs - 1
-                self._single = None
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
@@ -637,6 +636,10 @@ class Compactor:
             c["live_moved" if ref_cnt else "cached_moved"] += 1
             if ref_cnt > 1:
                 c["shared_moved"] += 1
+        if self._single is not None:            # moved blocks are no longer where they were
+            for x in moves:
+                self._single.pop(x, None)
+                self._lone.discard(x)
         new_kinds = {y: kinds[x] for x, y in moves.items()}
         for x in freed:
             kinds[x] = FREE

@@ -40,14 +40,14 @@ def _restore(monkeypatch):
     vllm_v1.deactivate()
 
 
-PAGE = 16 * 2 * 64 * 2 * 2      # the tiny Llama's page (both layers): 16 KiB
+PAGE = 16 * 2 * 64 * 2 * 2      # the tiny Llama's page of one layer: 8 KiB
 GRANULE = 16                    # granule_bytes below: 16 blocks, so a small pool has many
 
 
 def ktc(**compaction):
     from vllm.config import KVTransferConfig
 
-    extra = {"granule_bytes": GRANULE * PAGE // 2}
+    extra = {"granule_bytes": GRANULE * PAGE}
     if compaction:
         extra["compaction"] = compaction
     return KVTransferConfig(**elastic_v1.connector_config(extra))
@@ -232,6 +232,61 @@ def test_compaction_moves_live_shared_and_cached_blocks(mode):
         assert c["scratch_used"] > 0 and c["steered"] > 0 and c["live_displaced"] > 0
     else:
         assert c["shared_moved"] > 0     # a prefix block held by two requests
+
+
+# ----------------------------------------------------------------------------- elastic
+
+def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
+    """The elastic policy's hook: before a shrink, the policy asks the compactor to empty
+    a granule that requests still use, then releases it in the same step (the workers copy
+    in update_requests, before start_load_kv unmaps)."""
+    # 800 blocks: room elsewhere for what the granule holds
+    scheduler = build_scheduler(proxima=True, num_blocks=800, kv_transfer_config=ktc(mode="1"),
+                                max_num_batched_tokens=2048)
+    conn = scheduler.connector
+    compactor = conn.compactor
+    released: list[tuple[int, int]] = []
+
+    class EvacuateThenRelease:           # stands in for the elastic policy's shrink
+        cycles = 0
+
+        def tick(self, step):
+            if released or step < 10:
+                return False
+            view = compactor.view()
+            live = view.live_per_granule()
+            used = [g for g in range(1, view.num_granules - 1) if live[g]]
+            if not used:
+                return False
+            g = min(used, key=lambda g: (live[g], g))
+            if compactor.evacuate([g]) and conn.held._releasable(g):
+                conn.held.release([g])
+                released.append((g, live[g]))
+            return False
+
+    conn.cycler = EvacuateThenRelease()
+    runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
+                         + compactor.scratch_blocks)
+    seen_after = []
+    real_execute = runner.execute
+
+    def execute(out):
+        real_execute(out)
+        if released:
+            g = released[0][0]
+            seen_after.append(any(b // GRANULE == g for rid in runner.req_states.req_id_to_index
+                                  for b in runner.table(rid)))
+
+    runner.execute = execute
+    vllm_v1.activate()
+    try:
+        drive(scheduler, specs(), runner, 1)
+    finally:
+        vllm_v1.deactivate()
+    assert released and released[0][1] > 0          # it held live blocks when asked
+    assert seen_after and not any(seen_after)       # and none of it was read afterwards
+    assert compactor.counters["evacuations_done"] == 1
+    assert conn.channel.stats["granules_unmapped"] >= 1
 
 
 # ----------------------------------------------------------------------------- settings
