@@ -680,11 +680,53 @@ _USABLE = rb"[\x00\x01\x06]"             # FREE, CACHED, lone (displaceable at n
 _ANY_USABLE = re.compile(_USABLE)
 _CACHED_ONLY = bytes(1 if i == CACHED else 0 for i in range(256))
 _WINDOWS: dict[int, re.Pattern] = {}
-_CLAIMED, _LONE, _CACHED_RUN = 5, 6, 7
+
+
+class PlacementMaps:
+    """What :func:`plan_placement` reads besides the view, as byte masks over the ids, so
+    that a placement costs C-speed scans and no Python loop over the pool: ``lone`` (1: a
+    lone LIVE block, see :func:`plan_placement`), ``claimed`` (1: inside a request's claim)
+    and the claims themselves (``{owner: (start, end)}``). The caller keeps them up to
+    date; stale marks only change a preference (every use checks the block again)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.lone = bytearray(num_blocks)
+        self.claimed = bytearray(num_blocks)
+        self.claims: dict[str, tuple[int, int]] = {}
+
+    def resize(self, num_blocks: int) -> None:
+        for mask in (self.lone, self.claimed):
+            if len(mask) < num_blocks:
+                mask.extend(bytes(num_blocks - len(mask)))
+
+    def set_lone(self, ids: Iterable[int], value: bool = True) -> None:
+        lone, v = self.lone, 1 if value else 0
+        for x in ids:
+            lone[x] = v
+
+    def claim(self, owner: str, rng: tuple[int, int] | None) -> None:
+        """Set ``owner``'s claim to ``rng`` (None or empty: no claim)."""
+        old = self.claims.pop(owner, None)
+        n = len(self.claimed)
+        if old is not None:
+            lo, hi = max(old[0], 0), min(old[1], n)
+            if hi > lo:
+                self.claimed[lo:hi] = bytes(hi - lo)
+        if rng is not None and rng[1] > rng[0]:
+            self.claims[owner] = rng
+            lo, hi = max(rng[0], 0), min(rng[1], n)
+            if hi > lo:
+                self.claimed[lo:hi] = b"\x01" * (hi - lo)
+
+    def drop_except(self, owners) -> None:
+        """Forget the claims of everyone not in ``owners`` (finished requests)."""
+        for owner in [o for o in self.claims if o not in owners]:
+            self.claim(owner, None)
 
 
 def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: int, *,
-                   claims: dict[str, tuple[int, int]] | None = None, owner: str = "",
+                   maps: PlacementMaps | None = None, owner: str = "",
+                   claims: dict[str, tuple[int, int]] | None = None,
                    lone: Iterable[int] = (), movable: Iterable[int] = (),
                    claim_blocks: int = 16) -> Placement:
     """Where ``ids`` (the ``k`` blocks an allocation just handed out, in table order,
@@ -693,10 +735,10 @@ def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: i
 
     The blocks just handed out can take the place of any block holding nothing anyone
     needs where it is: FREE, CACHED (its content then goes into one of them), a *lone*
-    LIVE block of another request (``lone``: a run of one id in its owner's table; its
-    content goes into one of them and its owner's table follows: no run breaks), or, at a
-    cost, one of ``movable`` (LIVE blocks of others whose move breaks one of their runs).
-    The rules, first that applies:
+    LIVE block of another request (a run of one id in its owner's table; its content
+    goes into one of them and its owner's table follows: no run breaks), or, at a cost,
+    one of ``movable`` (LIVE blocks of others whose move breaks one of their runs). The
+    rules, first that applies:
 
     1. continue the run: the ``k`` ids after ``prev`` (none pinned, FREE/CACHED/lone);
     2. a window of ``room = min(need, k + claim_blocks)`` ids, else ``k``, the lowest one
@@ -708,22 +750,28 @@ def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: i
     4. the ``k`` lowest usable ids (scattered, but packed).
 
     The ids given are kept when they already are a run at least as low as rule 2's
-    window. The view's kinds are read as they are (the caller marks ``ids`` LIVE)."""
+    window. ``maps`` carries the lone blocks and the claims (else built from ``lone`` and
+    ``claims``). The view's kinds are read as they are (the caller marks ``ids`` LIVE)."""
     k = len(ids)
     if k == 0:
         return Placement(None, "empty")
-    claims = {} if claims is None else claims
-    others = [rng for who, rng in claims.items() if who != owner]
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    if maps is None:
+        maps = PlacementMaps(n)
+        maps.set_lone(x for x in lone if kinds[x] == LIVE)
+        for who, rng in (claims or {}).items():
+            maps.claim(who, rng)
+    maps.resize(n)
     room = min(max(need, k), k + claim_blocks)
     mine = set(ids)
-    lone = set(lone)
-    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
     if prev is not None:
         start = prev + 1
         if list(ids) == list(range(start, start + k)):
             return Placement(None, "grew_in_place", (start + k, start + room))
+        lone_mask = maps.lone
         if start + k <= n and all(x in mine or (x not in pinned and (
-                kinds[x] in (FREE, CACHED) or x in lone)) for x in range(start, start + k)):
+                kinds[x] in (FREE, CACHED) or (lone_mask[x] and kinds[x] == LIVE)))
+                for x in range(start, start + k)):
             return Placement(list(range(start, start + k)), "continued",
                              (start + k, start + room))
     passes = [(room, True, True), (k, True, True), (k, False, True), (room, True, False),
@@ -734,7 +782,7 @@ def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: i
     for m, use_claims, keep_runs in passes:
         key = (use_claims, keep_runs)
         if key not in cache:
-            cache[key] = _usable(view, mine, lone, others if use_claims else (), keep_runs)
+            cache[key] = _usable(view, mine, maps, owner, use_claims, keep_runs)
         w = _lowest_window(cache[key], m)
         if w is not None:
             target = w
@@ -746,7 +794,8 @@ def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: i
         claim = (target + k, target + room)
         return Placement(list(range(target, target + k)), "window", claim)
     if k > 1:
-        best = _cheapest_window(view, k, mine, lone, set(movable))
+        lone_ids = {i for i in range(n) if maps.lone[i]} if any(maps.lone) else set()
+        best = _cheapest_window(view, k, mine, lone_ids, set(movable))
         if best is not None and best[1] < k - 1:
             if consecutive and ids[0] == best[0]:
                 return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
@@ -755,40 +804,45 @@ def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: i
     if consecutive:
         return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
     for use_claims in (True, False):
-        usable = _usable(view, mine, lone, others if use_claims else (), False)
+        usable = _usable(view, mine, maps, owner, use_claims, False)
         out = [m.start() for m, _ in zip(_ANY_USABLE.finditer(usable), range(k))]
         if len(out) == k:
             return Placement(out, "scattered")
     return Placement(None, "no_place")
 
 
-def _usable(view: PoolView, mine: set[int], lone: set[int], claims, keep_runs: bool) -> bytearray:
-    """The view's kinds as a byte string where the usable ids are FREE (0), CACHED (1) or
-    lone (6); claimed (5), cached-in-a-run (7, with ``keep_runs``), pinned, FIXED and other
-    LIVE ids are not."""
-    usable = bytearray(view.kinds)
-    n = len(usable)
+_LIVE_ONLY = bytes(1 if i == LIVE else 0 for i in range(256))
+
+
+def _usable(view: PoolView, mine: set[int], maps: PlacementMaps, owner: str,
+            use_claims: bool, keep_runs: bool) -> bytearray:
+    """The view's kinds as a byte string whose usable ids are FREE (0), CACHED (1) or lone
+    (LIVE + 4 = 6); claimed ids (with ``use_claims``, the owner's own claim excepted),
+    cached ids next to another cached id (with ``keep_runs``), pinned, FIXED and other LIVE
+    ids are not. Whole-pool arithmetic on big ints: C speed, no per-id Python loop."""
+    kinds = view.kinds
+    n = len(kinds)
+    value = int.from_bytes(kinds, "big")
+    lone = int.from_bytes(maps.lone[:n], "big") & int.from_bytes(kinds.translate(_LIVE_ONLY), "big")
+    value += lone << 2                                   # LIVE 2 + 4 = 6
+    flags = 0
+    if use_claims and maps.claims:
+        claimed = maps.claimed[:n]
+        own = maps.claims.get(owner)
+        if own is not None:
+            lo, hi = max(own[0], 0), min(own[1], n)
+            if hi > lo:
+                claimed[lo:hi] = bytes(hi - lo)
+        flags |= int.from_bytes(claimed, "big") << 3      # | 8
     if keep_runs:
-        cached = int.from_bytes(usable.translate(_CACHED_ONLY), "big")
-        in_run = cached & ((cached << 8) | (cached >> 8))
-        if in_run:
-            mask = in_run.to_bytes(n, "big")
-            i = mask.find(1)
-            while i >= 0:
-                usable[i] = _CACHED_RUN
-                i = mask.find(1, i + 1)
-    for lo, hi in claims:
-        lo, hi = max(lo, 0), min(hi, n)
-        if hi > lo:
-            usable[lo:hi] = bytes([_CLAIMED]) * (hi - lo)
-    for x in lone:
-        if usable[x] == LIVE:
-            usable[x] = _LONE
-    for x in mine:
-        usable[x] = FREE
+        cached = int.from_bytes(kinds.translate(_CACHED_ONLY), "big")
+        flags |= (cached & ((cached << 8) | (cached >> 8))) << 4     # | 16
+    usable = bytearray((value | flags).to_bytes(n, "big"))
     for x in view.pinned:
         if x not in mine:
             usable[x] = FIXED
+    for x in mine:
+        usable[x] = FREE
     return usable
 
 

@@ -58,8 +58,8 @@ from typing import Iterable
 
 from proxima.allocator import count_runs
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       plan_evacuate, plan_pack, plan_placement, plan_run,
-                                       schedule_phases)
+                                       PlacementMaps, plan_evacuate, plan_pack,
+                                       plan_placement, plan_run, schedule_phases)
 from proxima.engines import activation
 
 logger = logging.getLogger("vllm.proxima")
@@ -68,6 +68,8 @@ DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copie
 DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
 DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
+OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
+DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
 
@@ -204,12 +206,13 @@ class Compactor:
         self.pack = pack
         self.defrag = defrag
         self._single = None
+        self._owners_step = 0
         self._lone: set[int] = set()
         self._step_new: set[int] = set()
         self.scratch_blocks = scratch_blocks
         self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
         self._step_id = None
-        self._claims: dict[str, tuple[int, int]] = {}
+        self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
@@ -233,7 +236,7 @@ class Compactor:
         if mode is not None:
             self.mode = mode
             self.interval = mode.every if mode.kind == "every" else self._auto_interval
-        self._claims.clear()
+        self._maps.drop_except(())
 
     def reset_metrics(self) -> None:
         """Zero the counters and the per-step samples (the settings stay)."""
@@ -278,7 +281,7 @@ class Compactor:
         if self.mode.kind == "every":
             self._apply(self._forced_plan(view))
         else:
-            if self.defrag:
+            if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
                 self._defrag()
             if self.pack:
                 self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
@@ -354,15 +357,19 @@ class Compactor:
             self._step_new.add(b.block_id)
             if self._single is not None:
                 self._single.pop(b.block_id, None)
+                self._lone.discard(b.block_id)
+            if b.block_id < len(self._maps.lone):
+                self._maps.lone[b.block_id] = 0
         prev = req_blocks[first - 1] if first > 0 else None
         ids = [b.block_id for b in steer]
         total = self.pool.proxima_expected_tokens.get(request_id)
         need = max(k, -(-total // mgr.block_size) - first) if total else k
-        lone = self._singletons() if self.displace else ()
+        if self.displace:
+            self._owners()                    # the lone blocks, marked in the maps
         movable = self._owners() if self.displace and k > 1 else ()
         where = plan_placement(view, ids, None if prev is None or prev.is_null else prev.block_id,
-                               need, claims=self._claims, owner=request_id, lone=lone,
-                               movable=movable, claim_blocks=self.claim_blocks)
+                               need, maps=self._maps, owner=request_id, movable=movable,
+                               claim_blocks=self.claim_blocks)
         self._count(where.reason)
         result = new_blocks
         if where.targets is not None and where.targets != ids:
@@ -373,10 +380,7 @@ class Compactor:
             else:
                 cow = [b for b in new_blocks if id(b) in pending_cow]
                 result = cow + plan
-        if where.claim is not None and where.claim[1] > where.claim[0]:
-            self._claims[request_id] = where.claim
-        else:
-            self._claims.pop(request_id, None)
+        self._maps.claim(request_id, where.claim)
         return result
 
     def _count(self, what: str) -> None:
@@ -422,6 +426,8 @@ class Compactor:
                 blk = blocks[x]
                 given = spare.pop()
                 owner_mgr, owner, idx, _ = singles.pop(x)
+                self._lone.discard(x)
+                self._maps.lone[x] = 0
                 if blk.block_hash is not None or x in pool.cached_block_hashes_by_block:
                     pool.move_block_hashes(blk, given)
                 owner_mgr.req_to_blocks[owner][idx] = given
@@ -452,12 +458,14 @@ class Compactor:
         return out
 
     def _owners(self) -> dict[int, tuple]:
-        """This step's LIVE blocks that a placement may displace: held by one request
-        (reference count 1), not allocated in this step (their ids are in the step's output
-        already) and not awaiting vLLM's copy-on-write. ``{block id: (manager, request id,
-        position, lone)}``; ``lone``: a run of one id in its owner's table (moving it
-        elsewhere breaks no run)."""
-        if self._single is None:
+        """The LIVE blocks a placement may displace: held by one request (reference count
+        1), not awaiting vLLM's copy-on-write. ``{block id: (manager, request id, position,
+        lone)}``; ``lone``: a run of one id in its owner's table (moving it elsewhere
+        breaks no run). Found by a pass over every table every ``OWNERS_EVERY`` steps (it
+        costs O(blocks in use)); each use checks the entry again (:meth:`_single_ok`: still
+        that owner's, not allocated in this step, not awaiting a copy-on-write)."""
+        if self._single is None or self.steps - self._owners_step >= OWNERS_EVERY:
+            self._owners_step = self.steps
             pinned = set(self._step_new)
             for mgr in self._managers():
                 for _, blk in getattr(mgr, "_partial_hit_reqs", {}).values():
@@ -480,6 +488,10 @@ class Compactor:
                             lone_ids.add(x)
             self._single = owners
             self._lone = lone_ids
+            self._maps.resize(len(self.view().kinds))
+            mask = self._maps.lone
+            mask[:] = bytes(len(mask))
+            self._maps.set_lone(lone_ids)
         return self._single
 
     def _singletons(self) -> set[int]:
@@ -488,11 +500,17 @@ class Compactor:
         return self._lone
 
     def _single_ok(self, entry, blk) -> bool:
-        if entry is None or blk.ref_cnt != 1:
+        if entry is None or blk.ref_cnt != 1 or blk.block_id in self._step_new:
             return False
         mgr, req_id, idx, _ = entry
         table = mgr.req_to_blocks.get(req_id)
-        return bool(table) and idx < len(table) and table[idx] is blk
+        if not (table and idx < len(table) and table[idx] is blk):
+            return False
+        for m in self._managers():
+            if any(b is blk for _, b in getattr(m, "_partial_hit_reqs", {}).values()) or \
+                    any(blk is a or blk is b for a, b in getattr(m, "_pending_cow_copies", ())):
+                return False
+        return True
 
     def _sync_step(self) -> None:
         """Start a new step's state at its first event (allocations come before
@@ -504,11 +522,9 @@ class Compactor:
             self._view = None
             self._pinned = set()
             self._plan_seconds = 0.0
-            self._single = None
             self._step_new = set()
             live = self.pool.proxima_expected_tokens
-            for req_id in [r for r in self._claims if r not in live]:
-                del self._claims[req_id]
+            self._maps.drop_except(live)
 
     def take_work(self) -> CompactionWork | None:
         """This step's copies and table changes (None when nothing moved), for the workers."""
@@ -640,6 +656,8 @@ class Compactor:
             for x in moves:
                 self._single.pop(x, None)
                 self._lone.discard(x)
+                if x < len(self._maps.lone):
+                    self._maps.lone[x] = 0
         new_kinds = {y: kinds[x] for x, y in moves.items()}
         for x in freed:
             kinds[x] = FREE

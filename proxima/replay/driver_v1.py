@@ -237,11 +237,11 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             if scheduler.has_requests():
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
-                sched_seconds += time.perf_counter() - t0
                 if compactor is not None:     # as the connector does inside schedule()
                     compactor.begin_step(kv, out)
                     compactor.step()
                     compactor.take_work()
+                sched_seconds += time.perf_counter() - t0
                 if tally is not None:
                     tally.add(managers, num_blocks)
                 # What the model runner will return for this step: a token for every
