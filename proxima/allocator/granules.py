@@ -417,6 +417,64 @@ class GranuleIndex:
         for g in touched:
             self._refile(g)
 
+    def move(self, moves: dict[int, int]) -> None:
+        """KV compaction moved contents, all at once: ``moves`` maps each id that held a
+        content (live or cached) to the id that holds it now; a destination is a free id or
+        another source (a permutation). A live id's expected end and a cached id's place in
+        the LRU order, class, age and window membership go with its content. O(moves)."""
+        if not moves:
+            return
+        G, nxt, prev = self.granule_blocks, self._next, self._prev
+        ends = self.end
+        cached = {x: y for x, y in moves.items() if prev[x] != -1}
+        live = {x: y for x, y in moves.items() if x not in cached}
+        for x in live:
+            if ends[x] < 0:
+                raise ValueError(f"move: id {x} holds no content")
+        for y in moves.values():
+            if y not in moves and (prev[y] != -1 or ends[y] >= 0):
+                raise ValueError(f"move: destination {y} is not free")
+        # cached: each destination takes its source's links (through the map: a neighbour
+        # that moves too is found at its destination), stamp, order, class and window
+        def where(i: int) -> int:
+            return cached.get(i, i)
+
+        saved = [(y, where(prev[x]), where(nxt[x]), self._stamp[x], self._seq[x],
+                  self._cls[x], self._in_win[x]) for x, y in cached.items()]
+        touched = set()
+        for x in cached:
+            if self._in_win[x]:
+                g = x // G
+                self._in_win[x] = 0
+                self._win_ids[g].discard(x)
+                self.win[g] -= 1
+            prev[x] = nxt[x] = -1
+            self.cached[x // G] -= 1
+            touched.add(x // G)
+        for c in range(CLASSES):
+            self._boundary[c] = where(self._boundary[c])
+        for y, p, q, stamp, seq, cls, in_win in saved:
+            prev[y], nxt[y] = p, q
+            nxt[p] = y
+            prev[q] = y
+            self._stamp[y], self._seq[y], self._cls[y] = stamp, seq, cls
+            g = y // G
+            self.cached[g] += 1
+            if in_win:
+                self._in_win[y] = 1
+                self._win_ids[g].add(y)
+                self.win[g] += 1
+            touched.add(g)
+        # live: off their ids, then onto the destinations with the same expected ends
+        by_end: dict[int, list[int]] = {}
+        for x, y in live.items():
+            by_end.setdefault(ends[x], []).append(y)
+        self._from_live(live)
+        for end, ys in by_end.items():
+            self._to_live(ys, end)
+        for g in touched:
+            self._refile(g)
+
     def unmap(self, g: int) -> None:
         """Granule ``g`` (no live or cached id) stops holding ids."""
         if not self.mapped[g] or self.live[g] or self.cached[g]:

@@ -24,6 +24,10 @@ naming the variable, the value and what is accepted)
                            :class:`proxima.engines.elastic_v1.ElasticOptions`); unset: defaults.
     ``PROXIMA_STATS_FILE`` a file path in a writable directory: where the engine writes its
                            status (:mod:`proxima.engines.status`); unset: no status file.
+    ``PROXIMA_COMPACTION`` ``1`` (with ``PROXIMA_ELASTIC=1``): KV compaction, live blocks
+                           moved so that granules empty out (:mod:`proxima.engines.
+                           compaction_v1`); ``every:K``: forced, a granule emptied every K
+                           steps (for tests); ``0`` / unset: off.
 
 This module imports nothing of vLLM or torch: ``proxima serve`` asks it before anything
 heavy is loaded.
@@ -46,6 +50,7 @@ ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
 STATS_ENV = "PROXIMA_STATS_FILE"
 ELASTIC_ENV = "PROXIMA_ELASTIC"
 ELASTIC_OPTIONS_ENV = "PROXIMA_ELASTIC_OPTIONS"
+COMPACTION_ENV = "PROXIMA_COMPACTION"
 LOG_LINE = "Using Proxima contiguous allocator"
 
 logger = logging.getLogger("vllm.proxima")   # a child of vLLM's logger: its handler, its format
@@ -245,6 +250,29 @@ def _stats_file(value: str) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class CompactionMode:
+    """``PROXIMA_COMPACTION``'s meaning: ``auto`` (the policy decides when and what to
+    move) or ``every`` (forced: compact every ``every`` steps)."""
+
+    kind: str                #: "auto" or "every"
+    every: int = 0
+
+
+def compaction_mode(value: str) -> CompactionMode | None:
+    """``"1"`` -> auto, ``"every:K"`` (K >= 1) -> forced, ``"0"`` -> None (off); else
+    ValueError (the reason)."""
+    value = value.strip()
+    if value == "0":
+        return None
+    if value == "1":
+        return CompactionMode("auto")
+    kind, sep, steps = value.partition(":")
+    if kind == "every" and sep and steps.isdigit() and int(steps) >= 1:
+        return CompactionMode("every", int(steps))
+    raise ValueError("")
+
+
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(ENV, "1 (Proxima on) or 0 / unset (stock vLLM)", _switch, False),
     Variable(OBSERVE_ENV, "1 (measure stock vLLM's contiguity) or 0 / unset (do not)",
@@ -257,6 +285,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "(see proxima serve --help), or unset (the defaults)", str, ""),
     Variable(STATS_ENV, "a file path in a writable directory, or unset (no status file)",
              _stats_file, None),
+    Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1), every:K (forced "
+             "compaction every K >= 1 steps, for tests) or 0 / unset (off)",
+             compaction_mode, None),
 )}
 
 
@@ -292,6 +323,11 @@ def observing(environ: Mapping[str, str] | None = None) -> bool:
 def allow_untested(environ: Mapping[str, str] | None = None) -> bool:
     """``PROXIMA_ALLOW_UNTESTED_VLLM=1``."""
     return read(ALLOW_UNTESTED_ENV, environ)
+
+
+def compaction(environ: Mapping[str, str] | None = None) -> CompactionMode | None:
+    """``PROXIMA_COMPACTION``: None (off) or the :class:`CompactionMode`."""
+    return read(COMPACTION_ENV, environ)
 
 
 def elastic(environ: Mapping[str, str] | None = None) -> bool:

@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from proxima.engines import elastic_v1
+from proxima.engines import compaction_v1, elastic_v1
 from proxima.errors import UserError
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
@@ -84,20 +84,26 @@ logger = logging.getLogger("vllm.proxima")
 
 @dataclass
 class ElasticMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, every step: the step's ops (None: nothing to do)."""
+    """Scheduler -> workers, every step: the step's ops (None: nothing to do) and KV
+    compaction's copies and block-table changes (None: none; applied by
+    :func:`proxima.engines.compaction_v1.install_worker_hook`'s hook, before the ops)."""
 
     batch: OpBatch | None = None
+    compaction: object | None = None
 
 
 @dataclass
 class ElasticWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: what was applied since the last report."""
+    """Worker -> scheduler: what was applied since the last report, and the GPU time of
+    each step's compaction measured since (``(seq, ms)``)."""
 
     report: Report
+    compaction_times: tuple = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ElasticWorkerMetadata)
-        return ElasticWorkerMetadata(merge_reports(self.report, other.report))
+        return ElasticWorkerMetadata(merge_reports(self.report, other.report),
+                                     self.compaction_times + other.compaction_times)
 
 
 def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
@@ -193,9 +199,12 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = elastic_v1.ElasticOptions.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
+        self._composed = compaction_v1.composed_in_multiconnector()
         self.channel: ElasticChannel | None = None
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
+        self.compactor = None               # compaction_v1.Compactor (scheduler)
+        self._mover = None                  # the Triton block mover (worker)
         self.cycler: ForcedCycler | None = None
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
@@ -218,6 +227,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                 "memory; use one of them (unset PROXIMA_ELASTIC or "
                                 "--enable-sleep-mode)")
             elastic_v1.install_allocation_hook(self.options, vllm_config)
+            # --- KV compaction (issue 14): the worker applies its moves before the forward
+            if compaction_v1.worker_side(vllm_config, self.options.compaction, self._composed):
+                compaction_v1.install_worker_hook()
+            # ---
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -259,10 +272,14 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._short = bool(failed)
 
     def _move(self, src: int, dst: int, count: int) -> None:
-        from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+        # --- KV compaction (issue 14): MOVE ops with the Triton mover, every layer at once,
+        # on the current (the forward's) stream
+        if self._mover is None:
+            from proxima.kernels import KVBlockMover
 
-        copy_kv_cache_blocks_inplace(list(self._kv_caches.values()), self._memory.num_blocks,
-                                     [(src + i, dst + i) for i in range(count)])
+            self._mover = KVBlockMover(self._kv_caches)
+        self._mover.apply([src], [dst], [count])
+        # ---
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -274,14 +291,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._applied:
+        times = compaction_v1.take_worker_times()
+        if not self._applied and not times:
             return None
         stats = self._memory.stats
         report = Report(tuple(self._applied), self._memory.mapped_granules,
                         self._memory.granule_blocks, stats["map_seconds"],
                         stats["unmap_seconds"])
         self._applied = []
-        return ElasticWorkerMetadata(report)
+        return ElasticWorkerMetadata(report, times)
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
@@ -307,6 +325,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if initial < startup:                    # warm-up needed more than the initial size
             queue.release(range(initial, startup))
             ch.unmap(initial, startup - initial)
+        # --- KV compaction (issue 14): None when off
+        self.compactor = compaction_v1.scheduler_side(
+            self._vllm_config, self._kv_cache_config, gpu_block_pool, ch,
+            opts.compaction, self._composed)
+        # ---
         if opts.policy == "auto":
             self.policy = GrowShrinkPolicy(
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
@@ -326,6 +349,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def _load_compactor(self):
         spec = self.options.compactor
         if not spec:
+            if self.compactor is not None:       # KV compaction empties granules on demand
+                return self.compactor.release_hook()
             return None
         import importlib
 
@@ -365,6 +390,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return ElasticMetadata()
         if self.options.verify:
             self._verify(scheduler_output)
+        # --- KV compaction (issue 14): plan and apply on the scheduler's structures now,
+        # before the step's output leaves and before the policy runs (it may ask the
+        # compactor to evacuate granules before it releases them)
+        compactor = self.compactor
+        if compactor is not None:
+            compactor.begin_step(getattr(compactor.pool, "proxima_kv_manager", None),
+                                 scheduler_output)
+            compactor.step()
+        # ---
         if self.queue is not None:
             allocated = self.queue.allocated_total
             self._step_allocs.append(allocated - self._last_allocated)
@@ -378,6 +412,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self.cycler.margin = self._step_reserve()
             self.cycler.tick(self.steps)
         batch = self.channel.build()
+        work = compactor.take_work() if compactor is not None else None
         if batch is not None and self._pool is not None:
             publish = getattr(self._pool, "publish_status", None)
             if publish is not None:
@@ -389,7 +424,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             # sleep a little per empty step instead of spinning (new requests wait at most
             # this long; vLLM's own loop sleeps 1 ms here).
             time.sleep(min(self.options.idle_sleep_s, self.policy.due_in() or 0.0))
-        return ElasticMetadata(batch)
+        return ElasticMetadata(batch, compaction=work)
 
     def _verify(self, scheduler_output) -> None:
         """No block handed out this step may lie in a granule that is not mapped."""
@@ -409,6 +444,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ElasticWorkerMetadata) and self.channel is not None:
             self.channel.on_report(meta.report)
+            if self.compactor is not None and meta.compaction_times:
+                self.compactor.on_worker_times(meta.compaction_times)
             self.write_stats()            # only steps that carried ops report: cheap
 
     def request_finished(self, request, block_ids):
@@ -479,6 +516,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             out.update(mapped_bytes=ch.count(MAPPED) * B,
                        used_bytes=None if live is None else live * B // ch.granule_blocks,
                        reclaimable_bytes=releasable * B, pool_bytes=ch.num_granules * B)
+        if self.compactor is not None:
+            out["compaction"] = self.compactor.stats()
         return out
 
     def stats(self) -> dict:

@@ -293,6 +293,22 @@ class GranuleFreeQueue(ProximaFreeQueue):
             self._walk_low = buddy.num_free
         return evicted
 
+    def relocate(self, cached_moves, freed, taken, moves=None) -> None:
+        """As :meth:`ProximaFreeQueue.relocate`; ``moves`` (every moved content, ``{old id:
+        new id}``, live ones included) keeps the granule index in step. Required here."""
+        if moves is None:
+            raise ValueError("relocate on a granule-aware pool needs every move (moves=)")
+        super().relocate(cached_moves, freed, taken)
+        self.granules.move(moves)
+
+    def exchange(self, free, taken) -> None:
+        """As :meth:`ProximaFreeQueue.exchange`: ``free`` becomes the request's (live, with
+        ``taken``'s expected end), ``taken`` takes ``free``'s place (cached or free)."""
+        cached = free.next_free_block is not None
+        fid, tid = free.block_id, taken.block_id
+        super().exchange(free, taken)
+        self.granules.move({fid: tid, tid: fid} if cached else {tid: fid})
+
     def on_mapped(self, granules: Iterable[int]) -> None:
         """The memory of ``granules`` is backed again (confirmed): their blocks are free."""
         gi, buddy = self.granules, self.buddy

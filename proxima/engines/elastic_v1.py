@@ -102,6 +102,8 @@ class ElasticOptions:
     scheduling decision changes. ``stats_file``: where the scheduler side writes its
     counters (JSON). ``verify``: check every step that no new block lies in an unmapped
     granule.
+    ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
+    CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
     """
 
     policy: str = "auto"
@@ -125,6 +127,7 @@ class ElasticOptions:
     force_cycle_safe: bool = True
     stats_file: str | None = None
     verify: bool = True
+    compaction: dict | None = None
 
     _SIZES = ("min_bytes", "max_bytes", "initial_bytes", "granule_bytes")
 
@@ -509,8 +512,15 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
         g = granule_blocks(strides, options.granule_bytes)
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
+    # --- KV compaction (issue 14): its scratch granules, past the pool (compaction_v1)
+    from proxima.engines.compaction_v1 import CompactionOptions
+
+    compaction = CompactionOptions.resolve(options.compaction)
+    spare = compaction.scratch_granules if compaction is not None else 0
+    # ---
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
-                      device=index, mapped=mapped, zero_on_map=options.zero_on_map)
+                      device=index, mapped=mapped, zero_on_map=options.zero_on_map,
+                      spare_granules=spare)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}

@@ -5,7 +5,8 @@ It checks every ``PROXIMA_*`` variable, then does nothing unless ``PROXIMA_ALLOC
 then it activates the adapter that :func:`proxima.engines.activation.engine_for` names for
 the installed vLLM (the adapter asks the version policy first), and with ``PROXIMA_ELASTIC=1``
 as well (V1 only) routes the engine through Proxima's elastic-KV connector
-(:mod:`proxima.engines.elastic_v1`). With Proxima off,
+(:mod:`proxima.engines.elastic_v1`), which also carries KV compaction's moves with
+``PROXIMA_COMPACTION`` (:mod:`proxima.engines.compaction_v1`). With Proxima off,
 ``PROXIMA_OBSERVE=1`` installs the read-only observer of stock contiguity instead (V1 only).
 
 A bad value of any variable or an untested vLLM must stop vLLM's start: the refusal is
@@ -37,6 +38,11 @@ def _register() -> None:
         raise activation.ActivationError(
             f"{activation.ELASTIC_ENV}=1 needs {activation.ENV}=1 (elastic KV memory is a "
             f"mode of Proxima's allocator); set both, or unset {activation.ELASTIC_ENV}")
+    if activation.compaction() is not None and not elastic:
+        raise activation.ActivationError(
+            f"{activation.COMPACTION_ENV} needs {activation.ELASTIC_ENV}=1 and "
+            f"{activation.ENV}=1 (block moves travel on the elastic KV connector); set them, "
+            f"or unset {activation.COMPACTION_ENV}")
     if not proxima_on and not activation.observing():
         return
     import vllm

@@ -231,6 +231,64 @@ class ProximaFreeQueue:
             self.buddy.free([b.block_id for b in blocks])
             self.num_free_blocks += len(blocks)
 
+    def relocate(self, cached_moves, freed, taken, moves=None) -> None:
+        """KV compaction moved block contents (between steps, all at once): for each
+        ``(old, new)`` of ``cached_moves`` (block objects; a ``new`` may be another pair's
+        ``old``) ``new`` takes ``old``'s place in the LRU tier, so the eviction order is
+        unchanged; the ids ``freed`` are free blocks without a hash now (the buddy takes
+        them back), the ids ``taken`` hold content now (they leave the buddy). The caller
+        keeps the free count equal (``len(freed) == len(taken)``) and moves the hashes.
+        O(moves) plus the buddy's take and free; nothing changes if an id of ``taken`` is
+        not free. ``moves`` (every moved content, ``{old id: new id}``) is for a subclass
+        that tracks more than the tiers."""
+        if len(freed) != len(taken):
+            raise ValueError(f"relocate: {len(freed)} ids freed but {len(taken)} taken; "
+                             "the free count must not change")
+        buddy = self.buddy
+        bad = next((i for i in taken if not buddy.is_free(i)), None)
+        if bad is not None:
+            raise ValueError(f"relocate: block {bad} is not a free block of the buddy tier")
+        replaced = {id(old): new for old, new in cached_moves}
+        links = []
+        for old, new in cached_moves:
+            prev, nxt = old.prev_free_block, old.next_free_block
+            if prev is None or nxt is None:
+                raise ValueError(f"relocate: block {old.block_id} is not in the LRU tier")
+            links.append((new, replaced.get(id(prev), prev), replaced.get(id(nxt), nxt)))
+        for old, _ in cached_moves:
+            old.prev_free_block = old.next_free_block = None
+        for new, prev, nxt in links:
+            new.prev_free_block, new.next_free_block = prev, nxt
+            prev.next_free_block = new
+            nxt.prev_free_block = new
+            if self._walk_held is not None and id(self._walk_held) in replaced:
+                self._walk_held = replaced[id(self._walk_held)]
+        for i in taken:
+            buddy.take(i)
+        if freed:
+            buddy.free(list(freed))
+
+    def exchange(self, free, taken) -> None:
+        """KV compaction gives a request the free block ``free`` (either tier) instead of
+        ``taken``, a block this queue just handed out (no hash, not in the queue):
+        ``taken`` takes ``free``'s place -- its slot in the LRU tier (the caller moves the
+        cached content and its hash to ``taken``), or its id in the buddy -- so the free
+        count and the eviction order are unchanged. O(1) plus the buddy's take and free."""
+        if taken.next_free_block is not None or taken.block_hash is not None:
+            raise ValueError(f"exchange({free.block_id}, {taken.block_id}): the second must "
+                             "be a block handed out, without a hash")
+        if free.next_free_block is not None:
+            prev, nxt = free.prev_free_block, free.next_free_block
+            taken.prev_free_block, taken.next_free_block = prev, nxt
+            prev.next_free_block = taken
+            nxt.prev_free_block = taken
+            free.prev_free_block = free.next_free_block = None
+            if self._walk_held is free:
+                self._walk_held = taken
+        else:
+            self.buddy.take(free.block_id)      # checks that ``free`` is free
+            self.buddy.free([taken.block_id])
+
     def get_all_free_blocks(self) -> list:
         """Every free block, in eviction order (see the class doc)."""
         blocks = self._blocks
@@ -340,6 +398,7 @@ def _block_pool_class():
             self.proxima_tick = None           # elastic mode: the queue's clock
             self.proxima_finished = FinishedTally()
             self.proxima_status = StatusWriter(STATUS_INTERVAL_S)
+            self.proxima_compaction = None      # a compaction_v1.Compactor, when one is on
             import vllm
 
             logger.info("%s: %d blocks of %d tokens (vLLM %s, V1 engine)", activation.LOG_LINE,
@@ -405,6 +464,8 @@ def _block_pool_class():
                 "running_blocks_per_run": per_request,
                 "finished_blocks_per_run": self.proxima_finished.as_status(),
                 "alloc_seconds_total": queue.alloc_seconds, "steps": self.proxima_steps,
+                **({"compaction": self.proxima_compaction.stats()}
+                   if self.proxima_compaction is not None else {}),
             }
             granule_stats = getattr(queue, "granule_stats", None)
             if granule_stats is not None:
@@ -462,13 +523,18 @@ def _wrap_allocate_new_blocks(original):
         # otherwise pack them (see BuddyAllocator.allocate).
         queue.spread = 2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks
         try:
-            return original(self, request_id, num_tokens, *args, **kwargs)
+            new_blocks = original(self, request_id, num_tokens, *args, **kwargs)
         finally:
             queue.after = queue.room = None
             if pool.proxima_status.path is not None:
                 if self not in pool.proxima_managers:
                     pool.proxima_managers.append(self)
                 pool.publish_status()
+        compaction = pool.proxima_compaction
+        if compaction is not None and new_blocks:
+            # KV compaction may place the new blocks elsewhere (proxima.engines.compaction_v1)
+            return compaction.on_allocate(self, request_id, new_blocks)
+        return new_blocks
 
     allocate_new_blocks.__wrapped__ = original
     allocate_new_blocks.__doc__ = original.__doc__
@@ -527,6 +593,7 @@ def _wrap_new_step_starts(original):
             pool.proxima_steps += 1        # the metrics' "allocator seconds per step"
             if pool.proxima_tick is not None:
                 pool.proxima_tick(pool.proxima_steps)
+            pool.proxima_kv_manager = self  # the managers' block lists, for KV compaction
         return original(self)
 
     new_step_starts.__wrapped__ = original

@@ -40,21 +40,30 @@ class KvMemory:
 
     ``mapped``: granules backed at creation (default all of them, as a stock engine would
     allocate; granule 0 always). ``zero_on_map``: zero-fill newly mapped memory (default;
-    vLLM does not zero its own KV memory unless its KV cache config asks for it). Raises :class:`CannotGrow` if even those cannot be
-    backed -- at start-up that is the same failure as stock vLLM running out of memory.
+    vLLM does not zero its own KV memory unless its KV cache config asks for it). Raises
+    :class:`CannotGrow` if even those cannot be backed -- at start-up that is the same
+    failure as stock vLLM running out of memory.
+
+    ``spare_granules`` (KV compaction's scratch, :mod:`proxima.engines.compaction_v1`):
+    granules reserved and mapped after the pool's last one, block ids from
+    ``pool_granules * granule_blocks`` on in every region. They lie past the end of the
+    tensors (:meth:`tensors` covers ``num_blocks`` blocks, what vLLM sees) and no op maps
+    or unmaps them: only a block mover writing by address reaches them.
     """
 
     def __init__(self, region_sizes: Sequence[int], num_blocks: int, *,
                  granule_bytes: int = GRANULE_BYTES, device: int = 0, driver=None,
-                 mapped: int | None = None, zero_on_map: bool = True) -> None:
+                 mapped: int | None = None, zero_on_map: bool = True,
+                 spare_granules: int = 0) -> None:
         self.region_sizes = tuple(int(s) for s in region_sizes)
         self.num_blocks = num_blocks
         self.block_strides = region_block_strides(self.region_sizes, num_blocks)
         self.granule_blocks = granule_blocks(self.block_strides, granule_bytes)
         self.num_granules = -(-num_blocks // self.granule_blocks)
+        self.spare_granules = spare_granules
         self.arena = VmmArena([self.granule_blocks * s for s in self.block_strides],
-                              self.num_granules, device=device, driver=driver,
-                              zero_on_map=zero_on_map)
+                              self.num_granules + spare_granules, device=device,
+                              driver=driver, zero_on_map=zero_on_map)
         if granule_bytes % self.arena.granularity:
             self.arena.close()
             raise ValueError(f"granule_bytes={granule_bytes} is not a multiple of the GPU's "
@@ -65,6 +74,9 @@ class KvMemory:
                       "unmap_seconds": 0.0}
         want = self.num_granules if mapped is None else max(1, min(mapped, self.num_granules))
         result = self.arena.map(0, want)
+        if result.ok and spare_granules:
+            spare = self.arena.map(self.num_granules, self.num_granules + spare_granules)
+            result = result if spare.ok else spare
         if not result.ok:
             self.arena.close()
             raise CannotGrow("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY",
@@ -75,7 +87,14 @@ class KvMemory:
 
     @property
     def mapped_granules(self) -> int:
-        return self.arena.mapped_units
+        """Mapped granules of the pool (the spare ones not counted)."""
+        return self.arena.mapped_units - self.spare_granules
+
+    @property
+    def spare_blocks(self) -> range:
+        """The block ids of the spare granules (empty without them)."""
+        first = self.num_granules * self.granule_blocks
+        return range(first, first + self.spare_granules * self.granule_blocks)
 
     @property
     def bytes_per_granule(self) -> int:

@@ -280,9 +280,9 @@ class GrowShrinkPolicy:
         candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
         if len(candidates) < count and self.compactor is not None:
             self.stats.compactor_calls += 1
-            if self.compactor(pool, count - len(candidates)):
-                candidates = [g for g, _ in pool.releasable()
-                              if self.channel.state[g] == MAPPED]
+            self.compactor(pool, count - len(candidates))
+            # asked again even when it emptied none: its moves may have filled a candidate
+            candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
         chosen = sorted(candidates[:count])
         if not chosen:
             return

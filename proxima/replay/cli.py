@@ -128,6 +128,13 @@ def add_arguments(p) -> None:
                    help="with --elastic: room the simulated GPU has for this engine's KV (maps "
                         "beyond it fail, as when another process holds the memory; default: "
                         "the pool)")
+    p.add_argument("--compaction", metavar="MODE",
+                   help="Proxima's runs with KV compaction planned after every schedule() "
+                        "(copies counted, not made): 1 (the policy) or every:K (forced; V1 "
+                        "only; default: off)")
+    p.add_argument("--compaction-budget-mib", type=int, metavar="M",
+                   help="compaction's budget per step, MiB of Llama-3.1-8B blocks (2 MiB "
+                        "each over 32 layers; default 256)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"),
                    help="how vLLM's V0 engine preempts (V0 only; default: vLLM's choice, "
                         "recompute for single sequences)")
@@ -152,6 +159,21 @@ def _validate(args) -> None:
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UserError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     check_sizes(args.requests, args.max_model_len)
+    if args.compaction_budget_mib is not None and args.compaction_budget_mib < 1:
+        raise UserError(f"--compaction-budget-mib must be >= 1, got "
+                        f"{args.compaction_budget_mib}")
+    if args.compaction_budget_mib is not None and args.compaction is None:
+        raise UserError("--compaction-budget-mib needs --compaction")
+    if args.compaction is not None:
+        from proxima.engines.activation import compaction_mode
+
+        try:
+            args.compaction = compaction_mode(args.compaction)
+        except ValueError:
+            raise UserError(f"--compaction must be 1 or every:K (K >= 1), got "
+                            f"{args.compaction!r}") from None
+        if args.compaction is None:
+            raise UserError("--compaction 0 is no compaction: drop --compaction")
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= "
                         f"--max-num-seqs ({args.max_num_seqs}), as vLLM requires")
@@ -293,10 +315,12 @@ def run(args) -> int:
             for label in ("stock", "proxima"):
                 bar = _progress(f"{label} {rep + 1}/{args.repeat}", len(workload.requests),
                                 disabled=args.no_progress)
+                mine = settings if label == "proxima" else {
+                    k: v for k, v in settings.items() if not k.startswith("compaction")}
                 try:
                     result = driver.run_replay(workload, proxima=label == "proxima",
                                                progress=bar.update_to if bar else None,
-                                               **settings, **extra, **elastic)
+                                               **mine, **extra, **elastic)
                 except ValueError as exc:
                     refused = _config_refusal(exc)
                     if refused is None or done or label != "stock":
@@ -388,7 +412,9 @@ def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
 
 #: options only one engine generation's driver has: flag -> run_replay parameter
 ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "vLLM's V1 engine"),
-                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine")}
+                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine"),
+                  "compaction": ("--compaction", "vLLM's V1 engine"),
+                  "compaction_budget_mib": ("--compaction-budget-mib", "vLLM's V1 engine")}
 
 
 def _engine_settings(args, driver, version: str) -> dict:
@@ -403,6 +429,9 @@ def _engine_settings(args, driver, version: str) -> dict:
             raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
                             f"drop {flag}")
         settings[name] = value
+    mib = settings.pop("compaction_budget_mib", None)
+    if mib is not None:
+        settings["compaction_budget_bytes"] = mib << 20
     return settings
 
 
@@ -446,6 +475,14 @@ def format_table(report: dict) -> str:
                      f"{elastic.get('failed_grows', 0)} failed, "
                      f"{format_bytes(elastic.get('bytes_returned', 0))} returned, "
                      f"{elastic.get('evicted_cached', 0)} cached blocks evicted by releases")
+    c = p.get("compaction")
+    if c:
+        lines.append(f"compaction ({c['mode']}): {c['relocations']} block copies, "
+                     f"{c['bytes_moved'] / 2**30:.1f} GiB of Llama-3.1-8B KV over "
+                     f"{c['steps_with_moves']} of {c['steps']} steps; per moving step "
+                     f"{c['blocks_per_moving_step']['p50']} blocks p50, "
+                     f"{c['blocks_per_moving_step']['p99']} p99; planning "
+                     f"{c['plan_ms']['p50'] or 0:.2f} ms p50")
     checks = report["checks"]
     ok = all(v for k, v in checks.items() if k != "scheduler_time_ratio")
     lines.append(f"parity checks: {'all passed' if ok else 'FAILED'} "

@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from proxima.replay.reclaim import ReclaimTally
+from proxima.replay.reclaim import LLAMA_8B_BYTES_PER_BLOCK, ReclaimTally
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
@@ -103,7 +103,9 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                enable_prefix_caching: bool = True, max_model_len: int = 8192,
                progress: Callable[[int, int], None] | None = None,
                timeline_every: int = 0, async_scheduling: bool = False,
-               granule_blocks: int = 32, elastic=None) -> ReplayResult:
+               granule_blocks: int = 32, elastic=None, compaction=None,
+               compaction_budget_bytes: int | None = None,
+               bytes_per_block: int | None = None) -> ReplayResult:
     """Replay ``workload`` once through one allocator (:class:`ReplayResult`).
 
     ``timeline_every``: every that many steps, record (step, free or evictable blocks,
@@ -111,7 +113,15 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     ``async_scheduling``: vLLM's AsyncScheduler with its engine loop's batch queue of two
     (a step is scheduled before the previous one's output is processed), as vLLM 0.26
-    runs by default on a GPU; otherwise the synchronous scheduler, one step at a time."""
+    runs by default on a GPU; otherwise the synchronous scheduler, one step at a time.
+
+    ``granule_blocks``: sample granule occupancy every step (:mod:`proxima.replay.reclaim`:
+    reclaimable fraction and packed ideal, in ``details``). ``compaction``: a
+    :class:`proxima.engines.activation.CompactionMode` (Proxima only): KV compaction is
+    planned and applied to the scheduler's structures after every ``schedule()``, as the
+    engine does; the copies are not made (no KV on CPU) but counted, in blocks and in
+    bytes of ``bytes_per_block`` (default: Llama-3.1-8B's 2 MiB over 32 layers), within
+    ``compaction_budget_bytes`` per step."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -123,9 +133,14 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     if elastic is not None and proxima:
         from proxima.replay.elastic import kv_cache_groups, kv_transfer_config
 
+        comp = None
+        if compaction is not None:     # the connector's compactor, as in an elastic engine
+            comp = {"mode": "1" if compaction.kind == "auto" else f"every:{compaction.every}"}
+            if compaction_budget_bytes is not None:
+                comp["budget_mib"] = max(1, compaction_budget_bytes >> 20)
         elastic_kw = dict(kv_cache_groups=kv_cache_groups(block_size),
                           kv_transfer_config=kv_transfer_config(elastic, granule_blocks,
-                                                                block_size))
+                                                                block_size, comp))
     scheduler = build_scheduler(
         proxima=proxima, num_blocks=num_blocks, block_size=block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -166,6 +181,24 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         return original_free(request)
 
     kv.free = free
+
+    compactor = None
+    if compaction is not None and elastic_run is not None:
+        compactor = pool.proxima_compaction     # built by the connector: it plans in schedule()
+        own_compactor = False
+    elif compaction is not None:
+        own_compactor = True
+        if not proxima:
+            raise ValueError("compaction needs Proxima's block pool (proxima=True)")
+        from proxima.engines.compaction_v1 import DEFAULT_BUDGET_BYTES, Compactor
+
+        # one granule of scratch blocks past the pool, as an elastic engine has
+        compactor = Compactor(
+            pool, granule_blocks=granule_blocks,
+            bytes_per_block=bytes_per_block or LLAMA_8B_BYTES_PER_BLOCK,
+            mode=compaction, scratch_blocks=granule_blocks,
+            budget_bytes=DEFAULT_BUDGET_BYTES if compaction_budget_bytes is None
+            else compaction_budget_bytes)
 
     # Requests that follow another (a conversation's next turn) wait for it to finish.
     waiting_on: dict[str, object] = {r.follows: r for r in workload.requests if r.follows}
@@ -224,6 +257,10 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                     elastic_run.before_step(step)
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
+                if compactor is not None and own_compactor:   # as the connector does
+                    compactor.begin_step(kv, out)
+                    compactor.step()
+                    compactor.take_work()
                 sched_seconds += time.perf_counter() - t0
                 # What the model runner will return for this step: a token for every
                 # request whose prefill completes in it (vLLM's own flag, set by schedule()).
@@ -285,7 +322,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         largest_free_run_timeline=free_run_timeline,
         details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
                  **tally.means(), "reclaim_timeline": tally.timeline(),
-                 **(elastic_run.report() if elastic_run is not None else {})},
+                 **(elastic_run.report() if elastic_run is not None else {}),
+                 **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )
 

@@ -66,13 +66,17 @@ def kv_cache_groups(block_size: int):
     return [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)]
 
 
-def kv_transfer_config(spec: ElasticReplay, granule_blocks: int, block_size: int):
+def kv_transfer_config(spec: ElasticReplay, granule_blocks: int, block_size: int,
+                       compaction: dict | None = None):
+    """The elastic connector's config for the replay; ``compaction``: its KV compaction
+    settings (:class:`proxima.engines.compaction_v1.CompactionOptions`), None: off."""
     from vllm.config import KVTransferConfig
 
     from proxima.engines import elastic_v1
 
-    return KVTransferConfig(**elastic_v1.connector_config(
-        spec.connector_extra(granule_blocks, block_size)))
+    extra = spec.connector_extra(granule_blocks, block_size)
+    extra["compaction"] = compaction or {"mode": "0"}
+    return KVTransferConfig(**elastic_v1.connector_config(extra))
 
 
 class ReplayWorker:

@@ -20,6 +20,11 @@ from __future__ import annotations
 from operator import attrgetter
 
 TIMELINE_POINTS = 400
+#: 2 MiB of one layer's KV for Llama-3.1-8B (16 tokens x 8 KV heads x (K, V) x 128 x bf16
+#: = 64 KiB pages): the H200's VMM granularity, the granule of elastic KV memory.
+DEFAULT_GRANULE_BLOCKS = 32
+#: one 16-token block of Llama-3.1-8B over all 32 layers: what a moved block costs to copy
+LLAMA_8B_BYTES_PER_BLOCK = 32 * 64 * 1024
 _REF = attrgetter("ref_cnt")
 
 

@@ -96,6 +96,7 @@ class ProximaCollector(Collector):
                          "rate(proxima_scheduler_steps_total) for a recent window)",
                          float(seconds) / float(steps))
         yield from _elastic_metrics(status.get("elastic"))
+        yield from compaction_metrics(status.get("compaction"))
         if "invariants_ok" in status:
             yield _gauge("proxima_invariants_ok",
                          "1 when the engine's last allocator invariant check passed",
@@ -138,6 +139,35 @@ def _elastic_metrics(elastic) -> Iterator[Metric]:
             yield CounterMetricFamily(name, doc, value=float(value))
         else:
             yield _gauge(name, doc, float(value))
+def compaction_metrics(c: dict | None) -> Iterator[Metric]:
+    """KV compaction's figures (``"compaction"`` in the status, when it is on): block
+    copies, bytes, moving steps, and the stall it adds per moving step (p50/p99 of the
+    workers' GPU time and of the scheduler's planning time, over recent steps)."""
+    if not c:
+        return
+    for key, name, doc in (
+            ("relocations", "proxima_compaction_block_copies",
+             "KV blocks copied by compaction (every layer)"),
+            ("bytes_moved", "proxima_compaction_bytes", "bytes of KV copied by compaction"),
+            ("steps_with_moves", "proxima_compaction_moving_steps",
+             "scheduler steps whose forward was preceded by compaction copies"),
+            ("live_moved", "proxima_compaction_live_blocks_moved",
+             "blocks in use moved (their requests' block tables rewritten)"),
+            ("cached_moved", "proxima_compaction_cached_blocks_moved",
+             "cached free blocks moved with their prefix-cache entries")):
+        if c.get(key) is not None:
+            yield CounterMetricFamily(name, doc, value=float(c[key]))
+    for key, name, doc in (
+            ("gpu_ms", "proxima_compaction_stall_gpu_ms",
+             "GPU time of a moving step's compaction (copies and table writes), ms"),
+            ("plan_ms", "proxima_compaction_plan_ms",
+             "scheduler time of a step's compaction planning, ms")):
+        sample = c.get(key) or {}
+        if sample.get("p50") is not None:
+            family = GaugeMetricFamily(name, doc, labels=["quantile"])
+            family.add_metric(["0.5"], float(sample["p50"]))
+            family.add_metric(["0.99"], float(sample["p99"]))
+            yield family
 
 
 def blocks_per_run_histogram(values: list[float]) -> GaugeHistogramMetricFamily:

@@ -89,3 +89,25 @@ def test_status_age(tmp_path):
     got = scrape(path)
     assert got[("proxima_active", ())] == 0
     assert got[("proxima_status_age_seconds", ())] == 10.0
+
+
+def test_compaction_figures_appear_when_the_engine_compacts(tmp_path):
+    path = tmp_path / "s.json"
+    write_status({"active": True, "allocator": BuddyAllocator(64).stats()}, path)
+    assert not any(name.startswith("proxima_compaction") for name, _ in scrape(path))
+    compaction = {"mode": "auto", "relocations": 120, "bytes_moved": 120 * 2 << 20,
+                  "steps_with_moves": 7, "live_moved": 50, "cached_moved": 60,
+                  "gpu_ms": {"p50": 0.05, "p99": 0.4, "max": 0.5},
+                  "plan_ms": {"p50": None, "p99": None, "max": None}}
+    write_status({"active": True, "allocator": BuddyAllocator(64).stats(),
+                  "compaction": compaction}, path)
+    got = scrape(path)
+    g = lambda name, **labels: got[(name, tuple(sorted(labels.items())))]
+    assert g("proxima_compaction_block_copies_total") == 120
+    assert g("proxima_compaction_bytes_total") == 120 * 2 << 20
+    assert g("proxima_compaction_moving_steps_total") == 7
+    assert g("proxima_compaction_live_blocks_moved_total") == 50
+    assert g("proxima_compaction_cached_blocks_moved_total") == 60
+    assert g("proxima_compaction_stall_gpu_ms", quantile="0.5") == 0.05
+    assert g("proxima_compaction_stall_gpu_ms", quantile="0.99") == 0.4
+    assert not any(name == "proxima_compaction_plan_ms" for name, _ in got)   # no samples

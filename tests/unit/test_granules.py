@@ -138,3 +138,41 @@ def test_reuse_horizon_warms_up_then_follows_the_ages_and_the_ghosts():
     r2 = ReuseHorizon(quantile=0.99, margin=1.25, warmup=0)
     r2.on_hit(40)
     assert r2.horizon(0) == 51
+
+
+def test_move_carries_each_content_with_its_state_through_a_permutation():
+    """KV compaction's moves (GranuleIndex.move): live ids keep their ends, cached ids
+    their place in the LRU order, class, age and window; a cycle among contents works."""
+    gi = index()
+    gi.free_to_live([8, 9, 10, 11, 12], end=50)
+    gi.tick(0, (2, 2))
+    gi.live_to_cached([9, 10], FINISHED)
+    gi.live_to_cached([11], PREEMPTED)
+    gi.tick(4, (2, 2))                       # 9, 10, 11 old enough: in the window
+    gi.free_to_live([16], end=70)
+    gi.live_to_cached([16], FINISHED)        # younger: outside the window
+    before = list(gi.cached_ids())
+    assert before == [9, 10, 11, 16] and gi.in_window(9) and not gi.in_window(16)
+    # live 8 -> free 40; cached 9 -> cached 10's id, 10 -> live 12's id, 12 -> 9 (a cycle);
+    # cached 16 -> free 17
+    gi.move({8: 40, 9: 10, 10: 12, 12: 9, 16: 17})
+    assert list(gi.cached_ids()) == [10, 12, 11, 17]
+    assert gi.in_window(10) and gi.in_window(12) and not gi.in_window(9)
+    assert not gi.in_window(17) and gi.class_of(11) == PREEMPTED
+    assert gi.end[40] == 50 and gi.end[9] == 50 and gi.end[8] == -1
+    assert gi.live[1] == 1 and gi.live[5] == 1 and gi.cached[1] == 3 and gi.cached[2] == 1
+    gi.check(live_ids=[9, 40], cached_order=[10, 12, 11, 17])
+    gi.tick(5, (2, 2))                       # the window still follows the moved ids
+    gi.check(live_ids=[9, 40], cached_order=[10, 12, 11, 17])
+    gi.cached_to_live([12], end=60)
+    gi.check(live_ids=[9, 12, 40], cached_order=[10, 11, 17])
+
+
+def test_move_refuses_a_destination_that_holds_a_content():
+    gi = index()
+    gi.free_to_live([8, 9], end=5)
+    with pytest.raises(ValueError, match="destination 9 is not free"):
+        gi.move({8: 9})
+    with pytest.raises(ValueError, match="id 20 holds no content"):
+        gi.move({20: 21})
+    gi.check(live_ids=[8, 9])

@@ -173,6 +173,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             if not static:
                 engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
                                   VLLM_PORT=str(21000 + 100 * (port - args.port)))
+                if name == "compacted":         # issue 14: KV compaction on as well
+                    engine_env["PROXIMA_COMPACTION"] = "1"
+                else:
+                    engine_env.pop("PROXIMA_COMPACTION", None)
             else:
                 engine_env.update(VLLM_PORT=str(23000 + 100 * (port - args.port)))
             t0 = time.monotonic()
@@ -239,7 +243,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result[f"elastic_{k}"] = {x: e.get(x) for x in (
                     "grows", "shrinks", "failed_grows", "bytes_returned", "evicted_cached",
                     "mapped_bytes", "pool_bytes", "worker_map_seconds", "worker_unmap_seconds",
-                    "compactor_calls")}
+                    "compactor_calls", "compaction")}
         return result
     finally:
         for key in list(procs):
@@ -278,7 +282,8 @@ def main() -> int:
     ap.add_argument("--compactor", default=None, metavar="MODULE:FACTORY",
                     help="issue 14's compaction hook for the elastic servers (default: none)")
     ap.add_argument("--only", default="static,elastic",
-                    help="setups to run (default: %(default)s)")
+                    help="setups to run: static, elastic, compacted (elastic with KV "
+                         "compaction, issue 14) (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU stand-in servers (fake_server.py): checks the orchestration, "
                          "proves nothing (default: off)")
@@ -291,7 +296,7 @@ def main() -> int:
             f"{args.max_gib} GiB, compactor {args.compactor}")
     out.results["settings"] = vars(args)
     results = {}
-    for name in ("static", "elastic"):
+    for name in ("static", "elastic", "compacted"):
         if name not in args.only.split(","):
             continue
         if budget.left() < (20 if args.dry_run else 120):
@@ -321,6 +326,23 @@ def main() -> int:
                    "ttft_p99_s": [s["ttft_p99_s"], e["ttft_p99_s"]]}
     else:
         summary = {"why": "a setup did not finish: see two_engines.json"}
+    c = results.get("compacted")
+    if c and c.get("aggregate_output_tokens_per_s"):
+        # issue 14: what the idle engine had given back at the end of the other's burst
+        def idle_mapped(r):
+            return [b.get(f"mapped_{'B' if b['engine'] == 'A' else 'A'}_bytes")
+                    for b in r["bursts"]]
+        summary["compacted"] = {
+            "tok_s": c["aggregate_output_tokens_per_s"], "errors": c["errors"],
+            "preemptions": c["preemptions"],
+            "ratio_to_static": round(c["aggregate_output_tokens_per_s"]
+                                     / s["aggregate_output_tokens_per_s"], 3)
+            if s and s.get("aggregate_output_tokens_per_s") else None,
+            "idle_engine_mapped_bytes_per_burst": idle_mapped(c),
+            "idle_engine_mapped_bytes_per_burst_without": idle_mapped(e) if e else None,
+            "bytes_returned": [c.get(f"elastic_{k}", {}).get("bytes_returned") for k in "AB"],
+            "bytes_returned_without": [e.get(f"elastic_{k}", {}).get("bytes_returned")
+                                       for k in "AB"] if e else None}
     out.record("c", passed=passed, summary=summary)
     line = f"(c) {'PASS' if passed else 'FAIL'}: {json.dumps(summary)}"
     out.log(line)

@@ -1,0 +1,889 @@
+"""Migration planner: which KV blocks to move where, so that granules empty out or a
+request's blocks form one run. Pure Python, standard library only (no torch, no vLLM).
+
+The model
+---------
+A pool of block ids ``0 .. num_blocks - 1`` split into *granules* of ``granule_blocks``
+ids (granule ``g`` = ids ``[g * G, (g + 1) * G)``). Each id has a *kind* (:class:`PoolView`):
+
+``FREE``    no content anyone reads: may be written (a destination);
+``CACHED``  free, but holds a prefix-cache entry: its content must survive a move;
+``LIVE``    held by one or more requests: its content must survive, and every owner's
+            block table is rewritten to the new id;
+``FIXED``   never read or written by a plan (the null block, blocks of unmapped
+            granules or withheld from the pool).
+
+and a set of *pinned* ids (of any kind) that a plan neither reads nor writes: the caller
+names there the blocks written in the same step before the copy point (new blocks, vLLM's
+copy-on-write endpoints, ...), see :mod:`proxima.engines.compaction_v1`. *Scratch* ids
+are FIXED ids whose content nobody reads (vLLM's null block): a plan may park a content
+there for a while, and leaves them empty.
+
+A *relocation* ``(a, b)``: the content at ``a`` (LIVE or CACHED, not pinned, or a scratch
+id holding a content) goes to ``b`` (FREE and not pinned, or an empty scratch id);
+afterwards ``b`` has ``a``'s kind and ``a`` is FREE (a scratch id: empty again). A :class:`Plan` is
+a sequence of relocations, applied in order: that is its meaning (the *sequential
+semantics*), and it is how the engine applies it to the scheduler's structures.
+
+The copies are the plan's *phases*: batches of runs ``(src, dst, n)`` (blocks ``src + k``
+to ``dst + k``), applied one after the other, every copy of a batch reading what the
+blocks held before the batch (the rule :class:`proxima.kernels.KVBlockMover` applies per
+call). :func:`schedule_phases` derives them from the sequence: a relocation goes in the
+first phase after the last write of its source and the last read and write of its
+destination, so within a phase the destinations are distinct and disjoint from the
+sources, and applying the phases in order gives the sequential result. A permutation
+(a cycle of blocks that all hold content) is only possible through a FREE block: a plan
+breaks each cycle with one spare block (first relocation into the spare, last one out of
+it), a FREE block or a scratch id -- with no FREE block in the pool (at mid load with
+prefix caching every free block is a cached one) the scratch id is the only spare, and the
+exchanges through it run one after the other. A plan never changes how many blocks are
+FREE, CACHED or LIVE.
+
+Invariants of every plan a goal returns (:func:`check_plan` verifies them, raising
+:class:`PlanError`; the hypothesis tests check them against an independent model):
+
+1. each relocation's source holds content (LIVE or CACHED) and its destination is FREE (or
+   an empty scratch id) at that point of the sequence; neither is pinned, FIXED (scratch
+   aside) or outside the pool; the scratch ids are empty at the end;
+2. the kinds' counts are unchanged by the whole plan (a relocation swaps two kinds);
+3. the phases are valid batches (destinations distinct, disjoint from the phase's sources)
+   and applying them in order moves every content exactly where the sequence moves it;
+4. the plan moves at most ``budget`` blocks (every relocation copies one block).
+
+Goals (each returns a :class:`Plan`, possibly empty, never raising for a full pool):
+
+* :func:`plan_evacuate` -- empty the given granules (elastic mode: a granule pinned by a
+  long request is emptied so that it can be unmapped);
+* :func:`plan_pack` -- move the live blocks of the sparsest granules into the densest,
+  so that as many granules as possible hold no live block (the reclaimable fraction);
+* :func:`plan_run` -- make one request's blocks one run of consecutive ids.
+
+Cost: building a view is O(num_blocks) (C-speed scans of a bytearray); the goals are
+O(granules log granules + ids examined), bounded by the budget.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+FREE, CACHED, LIVE, FIXED = 0, 1, 2, 3
+KIND_NAMES = {FREE: "free", CACHED: "cached", LIVE: "live", FIXED: "fixed"}
+_CONTENT = (CACHED, LIVE)
+
+
+class PlanError(ValueError):
+    """A plan (or a view) that breaks one of the module's invariants; the message names it."""
+
+
+# ----------------------------------------------------------------------------- the view
+
+class PoolView:
+    """What a goal reads: the kind of every block id, the pinned ids, the granule size.
+
+    Args:
+        kinds: one byte per block id (FREE, CACHED, LIVE or FIXED); copied.
+        granule_blocks: ids per granule, ``>= 1``.
+        pinned: ids no plan may read or write.
+        scratch: FIXED ids no one reads, that a plan may use as a transient spare.
+    """
+
+    __slots__ = ("num_blocks", "granule_blocks", "num_granules", "kinds", "pinned", "scratch")
+
+    def __init__(self, kinds: bytes | bytearray | Sequence[int], granule_blocks: int,
+                 pinned: Iterable[int] = (), scratch: Iterable[int] = ()) -> None:
+        if type(granule_blocks) is not int or granule_blocks < 1:
+            raise PlanError(f"granule_blocks must be an integer >= 1, got {granule_blocks!r}")
+        self.kinds = bytearray(kinds)
+        if not self.kinds:
+            raise PlanError("a pool view needs at least one block")
+        if self.kinds.translate(None, b"\x00\x01\x02\x03"):
+            bad = next(k for k in self.kinds if k > FIXED)
+            raise PlanError(f"block kind {bad} is not FREE (0), CACHED (1), LIVE (2) or FIXED (3)")
+        self.num_blocks = len(self.kinds)
+        self.granule_blocks = granule_blocks
+        self.num_granules = -(-self.num_blocks // granule_blocks)
+        self.pinned = frozenset(pinned)
+        for b in self.pinned:
+            if type(b) is not int or not 0 <= b < self.num_blocks:
+                raise PlanError(f"pinned id {b!r} is outside the pool 0..{self.num_blocks - 1}")
+        self.scratch = tuple(sorted(set(scratch)))
+        for b in self.scratch:
+            if type(b) is not int or not 0 <= b < self.num_blocks or self.kinds[b] != FIXED \
+                    or b in self.pinned:
+                raise PlanError(f"scratch id {b!r} must be a FIXED, unpinned id of the pool")
+
+    def granule_range(self, g: int) -> range:
+        G = self.granule_blocks
+        return range(g * G, min((g + 1) * G, self.num_blocks))
+
+    def counts(self) -> dict[int, int]:
+        """``{kind: number of ids}``."""
+        return {k: self.kinds.count(k) for k in (FREE, CACHED, LIVE, FIXED)}
+
+    def live_per_granule(self) -> list[int]:
+        G, kinds = self.granule_blocks, self.kinds
+        return [kinds.count(LIVE, g * G, (g + 1) * G) for g in range(self.num_granules)]
+
+    def reclaimable_fraction(self) -> float:
+        """Granules holding no LIVE block / all granules."""
+        return self.live_per_granule().count(0) / self.num_granules
+
+    def packed_ideal_fraction(self) -> float:
+        """``1 - ceil(live / G) / granules``: the fraction a perfectly packed pool reaches."""
+        live = self.kinds.count(LIVE)
+        return 1.0 - -(-live // self.granule_blocks) / self.num_granules
+
+
+# ----------------------------------------------------------------------------- plans
+
+@dataclass
+class Plan:
+    """A sequence of relocations ``(src, dst)`` (see the module doc) and its phases."""
+
+    relocations: list[tuple[int, int]] = field(default_factory=list)
+    phases: list[list[tuple[int, int, int]]] = field(default_factory=list)
+
+    @property
+    def blocks_moved(self) -> int:
+        return len(self.relocations)
+
+    def __bool__(self) -> bool:
+        return bool(self.relocations)
+
+    def final_positions(self) -> dict[int, int]:
+        """``{original id: id where that content ends}`` for every content the plan moves
+        (a content moved twice, e.g. through a spare, appears once)."""
+        where: dict[int, int] = {}          # current position -> original position
+        for a, b in self.relocations:
+            origin = where.pop(a, a)
+            where[b] = origin
+        return {origin: pos for pos, origin in where.items() if origin != pos}
+
+
+def schedule_phases(relocations: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+    """The phases of a relocation sequence (module doc), each as runs ``(src, dst, n)``
+    sorted by source, merged where both sides continue."""
+    last_write: dict[int, int] = {}
+    last_read: dict[int, int] = {}
+    by_phase: list[list[tuple[int, int]]] = []
+    for a, b in relocations:
+        p = 1 + max(last_write.get(a, -1), last_read.get(b, -1), last_write.get(b, -1))
+        if last_read.get(a, -1) < p:
+            last_read[a] = p
+        last_write[b] = p
+        while len(by_phase) <= p:
+            by_phase.append([])
+        by_phase[p].append((a, b))
+    return [_runs(sorted(pairs)) for pairs in by_phase]
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def check_plan(view: PoolView, plan: Plan, budget: int | None = None) -> None:
+    """Verify the module's invariants for ``plan`` on ``view``; raise :class:`PlanError`
+    naming the first one broken. O(num_blocks + moved blocks)."""
+    kinds = bytearray(view.kinds)
+    n = view.num_blocks
+    scratch = set(view.scratch)
+    content = {}                                  # id -> label of what it holds
+    for i, k in enumerate(kinds):
+        if k in _CONTENT:
+            content[i] = i
+    for step, (a, b) in enumerate(plan.relocations):
+        where = f"relocation {step} ({a} -> {b})"
+        for x in (a, b):
+            if type(x) is not int or not 0 <= x < n:
+                raise PlanError(f"{where}: id {x!r} is outside the pool 0..{n - 1}")
+            if x in view.pinned:
+                raise PlanError(f"{where}: block {x} is pinned")
+        if kinds[a] not in _CONTENT:
+            raise PlanError(f"{where}: the source is {KIND_NAMES[kinds[a]]}, it holds no content")
+        if kinds[b] != FREE and not (b in scratch and kinds[b] == FIXED):
+            raise PlanError(f"{where}: the destination is {KIND_NAMES[kinds[b]]}, not free")
+        kinds[b], kinds[a] = kinds[a], (FIXED if a in scratch else FREE)
+        content[b] = content.pop(a)
+    for x in scratch:
+        if kinds[x] != FIXED:
+            raise PlanError(f"scratch id {x} still holds a content at the end of the plan")
+    if {k: kinds.count(k) for k in range(4)} != view.counts():
+        raise PlanError("the plan changes how many blocks are free, cached or live")
+    if budget is not None and plan.blocks_moved > budget:
+        raise PlanError(f"the plan moves {plan.blocks_moved} blocks, over its budget of {budget}")
+    # The phases, applied as the mover applies batches, must give the sequential result.
+    state = {i: i for i, k in enumerate(view.kinds) if k in _CONTENT}
+    for p, phase in enumerate(plan.phases):
+        reads, writes = [], set()
+        for s, d, k in phase:
+            if k < 1 or s < 0 or d < 0 or s + k > n or d + k > n:
+                raise PlanError(f"phase {p}: run ({s}, {d}, {k}) is outside the pool")
+            for j in range(k):
+                if d + j in writes:
+                    raise PlanError(f"phase {p}: block {d + j} is written twice")
+                writes.add(d + j)
+                reads.append((s + j, d + j))
+        if writes & {s for s, _ in reads}:
+            bad = min(writes & {s for s, _ in reads})
+            raise PlanError(f"phase {p}: block {bad} is both a source and a destination")
+        moved = [(d, state.get(s)) for s, d in reads]
+        for d, label in moved:
+            state[d] = label
+    for i, label in content.items():
+        if state.get(i) != label:
+            raise PlanError(f"after the phases block {i} holds {state.get(i)!r}, the sequence "
+                            f"puts {label!r} there")
+    if sum(k for phase in plan.phases for _, _, k in phase) != plan.blocks_moved:
+        raise PlanError("the phases copy a different number of blocks than the relocations")
+
+
+# ----------------------------------------------------------------------------- building
+
+class _Builder:
+    """A plan under construction over a private copy of the view's kinds."""
+
+    def __init__(self, view: PoolView, budget: int, max_phases: int | None) -> None:
+        if type(budget) is not int or budget < 0:
+            raise PlanError(f"budget must be an integer >= 0 (blocks), got {budget!r}")
+        if max_phases is not None and (type(max_phases) is not int or max_phases < 1):
+            raise PlanError(f"max_phases must be None or an integer >= 1, got {max_phases!r}")
+        self.view = view
+        self.kinds = bytearray(view.kinds)
+        self.pinned = view.pinned
+        self.scratch = set(view.scratch)
+        self.budget = budget
+        self.max_phases = max_phases
+        self.relocations: list[tuple[int, int]] = []
+        self._last_write: dict[int, int] = {}
+        self._last_read: dict[int, int] = {}
+        G = view.granule_blocks
+        self.live = [self.kinds.count(LIVE, g * G, (g + 1) * G) for g in range(view.num_granules)]
+
+    @property
+    def left(self) -> int:
+        return self.budget - len(self.relocations)
+
+    def phase_of(self, a: int, b: int) -> int:
+        return 1 + max(self._last_write.get(a, -1), self._last_read.get(b, -1),
+                       self._last_write.get(b, -1))
+
+    def fits(self, pairs: Sequence[tuple[int, int]]) -> bool:
+        """Whether relocating ``pairs`` (in order) stays within the budget and phase cap."""
+        if len(pairs) > self.left:
+            return False
+        if self.max_phases is None:
+            return True
+        lw, lr = dict(), dict()
+        for a, b in pairs:
+            p = 1 + max(lw.get(a, self._last_write.get(a, -1)), lr.get(b, self._last_read.get(b, -1)),
+                        lw.get(b, self._last_write.get(b, -1)))
+            if p >= self.max_phases:
+                return False
+            lr[a] = max(lr.get(a, self._last_read.get(a, -1)), p)
+            lw[b] = p
+        return True
+
+    def relocate(self, a: int, b: int) -> None:
+        kinds = self.kinds
+        # The builder's own preconditions (check_plan verifies them again independently).
+        if kinds[a] not in _CONTENT or a in self.pinned or b in self.pinned or (
+                kinds[b] != FREE and not (b in self.scratch and kinds[b] == FIXED)):
+            raise PlanError(f"internal: cannot relocate {a} ({KIND_NAMES[kinds[a]]}) -> "
+                            f"{b} ({KIND_NAMES[kinds[b]]})")
+        p = self.phase_of(a, b)
+        if self._last_read.get(a, -1) < p:
+            self._last_read[a] = p
+        self._last_write[b] = p
+        if kinds[a] == LIVE:
+            G = self.view.granule_blocks
+            self.live[a // G] -= 1
+            self.live[b // G] += 1
+        kinds[b], kinds[a] = kinds[a], (FIXED if a in self.scratch else FREE)
+        self.relocations.append((a, b))
+
+    def plan(self) -> Plan:
+        return Plan(self.relocations, schedule_phases(self.relocations))
+
+    def free_scratch(self) -> int | None:
+        """An empty scratch id, or None."""
+        return next((x for x in self.scratch if self.kinds[x] == FIXED), None)
+
+    # -- finding ids
+    def find(self, kind: int, granules: Iterable[int], exclude: set[int] | None = None):
+        """The ids of ``kind``, not pinned, in ``granules`` (in the order given), read live."""
+        kinds, pinned = self.kinds, self.pinned
+        G, n = self.view.granule_blocks, self.view.num_blocks
+        for g in granules:
+            i, end = g * G, min((g + 1) * G, n)
+            while True:
+                i = kinds.find(kind, i, end)
+                if i < 0:
+                    break
+                if i not in pinned and (exclude is None or i not in exclude):
+                    yield i
+                i += 1
+
+
+def _first(it):
+    return next(it, None)
+
+
+def plan_evacuate(view: PoolView, granules: Iterable[int], budget: int, *,
+                  cached_too: bool = True, max_phases: int | None = None) -> tuple[Plan, bool]:
+    """Move the content out of ``granules`` into FREE blocks of other granules.
+
+    LIVE blocks always go; CACHED ones too with ``cached_too`` (so the granules hold
+    nothing and can be unmapped without evicting). Destinations: FREE blocks outside the
+    evacuated granules, in the granules with the most LIVE blocks first (so that what moves
+    packs). Without ``cached_too``, a LIVE block may also take a CACHED block's place,
+    that block's content moving to a FREE block of the evacuated granules (an exchange).
+
+    Returns the plan and whether every given granule is now free of what it had to give
+    up (False when a pinned block stays, space or the budget ran out).
+    """
+    targets = sorted({int(g) for g in granules})
+    for g in targets:
+        if not 0 <= g < view.num_granules:
+            raise PlanError(f"granule {g} is outside the pool's {view.num_granules} granules")
+    b = _Builder(view, budget, max_phases)
+    out = set(targets)
+    order = sorted((g for g in range(view.num_granules) if g not in out),
+                   key=lambda g: (-b.live[g], g))
+    kinds_to_move = _CONTENT if cached_too else (LIVE,)
+    done = True
+    for g in targets:
+        for kind in (LIVE, CACHED) if cached_too else (LIVE,):
+            for src in list(b.find(kind, (g,))):
+                dst = _first(b.find(FREE, order))
+                pairs = [(src, dst)] if dst is not None else None
+                if pairs is None and kind == LIVE and not cached_too:
+                    cached = _first(b.find(CACHED, order))
+                    spare = _first(b.find(FREE, targets))
+                    if cached is not None and spare is not None:
+                        pairs = [(cached, spare), (src, cached)]
+                if pairs is None or not b.fits(pairs):
+                    done = False
+                    break
+                for a, d in pairs:
+                    b.relocate(a, d)
+            if not done:
+                break
+        if not done:
+            break
+    kinds = b.kinds
+    G = view.granule_blocks
+    clear = done and all(kinds[i] not in kinds_to_move
+                         for g in targets for i in range(g * G, min((g + 1) * G, view.num_blocks)))
+    return b.plan(), clear
+
+
+def plan_pack(view: PoolView, budget: int, *, max_phases: int | None = None) -> Plan:
+    """Empty the sparsest granules of LIVE blocks into the densest ones.
+
+    Repeatedly: the granule with the fewest LIVE blocks (all movable) is emptied into
+    granules that hold more LIVE blocks than it (ties: the lower granule wins), if those
+    have room for all of them: a FREE block, else a CACHED block whose content moves to a
+    FREE block outside the receiving granules or through the scratch id (an exchange: no
+    cache entry is lost). A granule is only started when it can be emptied within the
+    budget and the phase cap, so every block moved empties a granule. Stops when no sparser
+    granule can be emptied into denser ones (or after a few that could not).
+    """
+    b = _Builder(view, budget, max_phases)
+    kinds, pinned = b.kinds, view.pinned
+    G, n = view.granule_blocks, view.num_blocks
+    blocked = {i // G for i in pinned if kinds[i] == LIVE}          # cannot be emptied
+    granules = [g for g in range(view.num_granules)
+                if kinds.count(FIXED, g * G, min((g + 1) * G, n)) < min(G, n - g * G)]
+    room = [0] * view.num_granules          # FREE or CACHED ids, not pinned
+    free = [0] * view.num_granules
+    for g in granules:
+        lo, hi = g * G, min((g + 1) * G, n)
+        free[g] = kinds.count(FREE, lo, hi)
+        room[g] = free[g] + kinds.count(CACHED, lo, hi)
+    for i in pinned:
+        if kinds[i] in (FREE, CACHED):
+            room[i // G] -= 1
+            free[i // G] -= kinds[i] == FREE
+    failures = 0
+    while b.left > 0 and failures < 8:
+        by_density = sorted(granules, key=lambda g: (-b.live[g], g))
+        progress = False
+        room_before = 0                      # room of the granules denser than src_g
+        free_before = 0
+        prefix = []
+        for g in by_density:
+            prefix.append((room_before, free_before))
+            room_before += room[g]
+            free_before += free[g]
+        for r in range(len(by_density) - 1, 0, -1):      # the sparsest first
+            src_g = by_density[r]
+            need = b.live[src_g]
+            if need == 0 or src_g in blocked or need > b.left:
+                continue
+            room_denser, free_denser = prefix[r]
+            if room_denser < need:
+                continue
+            if max_phases is not None and \
+                    2 * (need - free_denser - len(view.scratch)) + 1 > max_phases:
+                continue                     # the exchanges beyond the scratch ids chain
+            denser = [g for g in by_density[:r] if room[g]]
+            spares_from = [src_g] + by_density[:r:-1]
+            pairs = _empty_into(b, src_g, denser, spares_from)
+            if pairs is None:
+                failures += 1
+                if failures >= 8:
+                    break
+                continue
+            for x, d in pairs:
+                if kinds[x] == LIVE and x not in b.scratch:
+                    room[x // G] += 1
+                if kinds[d] == FREE and d not in b.scratch:
+                    free[d // G] -= 1
+                if kinds[x] == LIVE and d not in b.scratch:
+                    room[d // G] -= 1
+                b.relocate(x, d)
+                if x not in b.scratch:
+                    free[x // G] += 1
+            progress = True
+            break
+        if not progress:
+            break
+    return b.plan()
+
+
+def _empty_into(b: _Builder, src_g: int, denser: list[int],
+                spares_from: list[int]) -> list[tuple[int, int]] | None:
+    """The relocations that move every LIVE block of ``src_g`` into ``denser`` granules,
+    or None if they do not all fit (space, spares, budget or phase cap).
+
+    A LIVE block goes to a FREE block of a denser granule, else to a CACHED one whose
+    content first moves to a spare outside the denser granules: a FREE block of a sparser
+    granule (the content stays there), else an empty scratch id (emptied at the end into a
+    block this granule's moves vacated; scratch ids in parallel), else a vacated block
+    (one exchange after the other)."""
+    sources = list(b.find(LIVE, (src_g,)))
+    if len(sources) != b.live[src_g]:
+        return None                                  # a pinned LIVE block stays
+    free_dst = b.find(FREE, denser)
+    cached_dst = b.find(CACHED, denser)
+    pairs: list[tuple[int, int]] = []
+    used: set[int] = set()
+    vacated: list[int] = []
+    spare_iter = b.find(FREE, spares_from)
+    # empty scratch ids, the least recently written last (popped first): parallel phases
+    scratch = sorted((x for x in b.view.scratch if b.kinds[x] == FIXED),
+                     key=lambda x: -max(b._last_write.get(x, -1), b._last_read.get(x, -1)))
+    parked: list[int] = []                           # scratch ids holding a content
+    for src in sources:
+        dst = next(free_dst, None)
+        while dst is not None and dst in used:
+            dst = next(free_dst, None)
+        if dst is not None:
+            pairs.append((src, dst))
+            used.add(dst)
+        else:
+            cached = next(cached_dst, None)
+            if cached is None:
+                return None
+            spare = next(spare_iter, None)
+            while spare is not None and spare in used:
+                spare = next(spare_iter, None)
+            if spare is None and scratch:
+                spare = scratch.pop()
+                parked.append(spare)
+            elif spare is None and vacated:
+                spare = vacated.pop()
+            if spare is None:
+                return None
+            used.add(spare)
+            pairs += [(cached, spare), (src, cached)]
+        vacated.append(src)
+    for x in parked:
+        pairs.append((x, vacated.pop()))
+    return pairs if b.fits(pairs) else None
+
+
+def plan_run(view: PoolView, blocks: Sequence[int], budget: int, *,
+             max_phases: int | None = None, movable: Iterable[int] = ()) -> Plan:
+    """Make ``blocks`` (one request's table, in order) one run of consecutive ids.
+
+    Windows ``[w, w + len(blocks))`` are tried where one of the request's blocks is
+    already in place (``w = blocks[i] - i``), the cheapest first (fewest blocks to copy).
+    A window's ids must be FREE, CACHED, one of the request's own blocks or in
+    ``movable`` (LIVE blocks of other requests the caller lets go elsewhere, e.g. the lone
+    blocks that break no run); none pinned. What the window held moves out first, to the
+    scratch ids (in parallel; emptied at the end into blocks the request vacated) or FREE
+    blocks outside the window, else to blocks the request vacated (one after the other);
+    the request's own blocks at a wrong offset inside the window form chains (moved in
+    order) and cycles (broken with a spare). Every one of ``blocks`` must be LIVE. Empty
+    when no window fits the budget and the phase cap.
+    """
+    k = len(blocks)
+    if k <= 1:
+        return Plan()
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    mine = set(blocks)
+    movable = set(movable) - mine
+    if len(mine) != k or any(type(x) is not int or not 0 <= x < n or kinds[x] != LIVE
+                             for x in blocks):
+        raise PlanError(f"plan_run needs distinct LIVE block ids, got {list(blocks)[:8]}")
+    costs = {}
+    best = budget + 1
+    for i, blk in enumerate(blocks):
+        w = blk - i
+        if w < 0 or w + k > n or w in costs:
+            continue
+        cost = 0
+        for j in range(k):
+            if cost >= best:
+                cost = None
+                break
+            x = w + j
+            if x == blocks[j]:
+                continue
+            if x in pinned or blocks[j] in pinned or not (
+                    kinds[x] in (FREE, CACHED) or x in mine or
+                    (kinds[x] == LIVE and x in movable)):
+                cost = None
+                break
+            cost += 1 + (kinds[x] != FREE and x not in mine)
+        if cost is not None and cost < best:
+            costs[w] = cost
+            best = cost
+    for w in sorted(costs, key=lambda w: (costs[w], w)):
+        if costs[w] > budget:
+            break
+        plan = _run_into(view, blocks, w, budget, max_phases)
+        if plan is not None:
+            return plan
+    return Plan()
+
+
+def _run_into(view: PoolView, blocks: Sequence[int], w: int, budget: int,
+              max_phases: int | None) -> Plan | None:
+    """The relocations that put ``blocks[j]`` at ``w + j`` (the window's other contents
+    out first), or None if they do not fit."""
+    b = _Builder(view, budget, max_phases)
+    kinds = b.kinds
+    k = len(blocks)
+    lo, hi = w, w + k
+    pos = {blk: blk for blk in blocks}              # original id -> where it is now
+    occupant = {blk: blk for blk in blocks}         # position -> the request's original id
+    vacated: list[int] = []                         # FREE ids outside the window
+    outside = (x for x in b.find(FREE, range(view.num_granules)) if not lo <= x < hi)
+    scratch = [x for x in view.scratch if kinds[x] == FIXED]
+    parked: list[int] = []
+
+    def move(a: int, d: int) -> bool:
+        if not b.fits([(a, d)]):
+            return False
+        b.relocate(a, d)
+        orig = occupant.pop(a, None)
+        if orig is not None:
+            occupant[d] = orig
+            pos[orig] = d
+        if not lo <= a < hi and a not in b.scratch:
+            vacated.append(a)
+        return True
+
+    def spare(parallel: bool) -> int | None:
+        """Scratch, then FREE outside the window (parallel), else a vacated block."""
+        if parallel:
+            if scratch:
+                x = scratch.pop()
+                parked.append(x)
+                return x
+            for x in outside:
+                if kinds[x] == FREE:
+                    return x
+        while vacated:
+            x = vacated.pop()
+            if kinds[x] == FREE:
+                return x
+        return None
+
+    # 1. what the window holds besides the request's blocks goes out, in parallel
+    waiting = []
+    for x in range(lo, hi):
+        if x not in occupant and kinds[x] != FREE:
+            s = spare(parallel=True)
+            if s is None:
+                waiting.append(x)
+            elif not move(x, s):
+                return None
+    waiting = set(waiting)
+    # 2. the request's blocks into place
+    pending = [j for j in range(k) if blocks[j] != w + j]
+    while pending:
+        deferred = []
+        progressed = False
+        for j in pending:
+            target = w + j
+            if occupant.get(target) == blocks[j]:
+                continue
+            if target in occupant:
+                deferred.append(j)                  # another of its blocks sits there
+                continue
+            if target in waiting:
+                s = spare(parallel=False)
+                if s is None:
+                    deferred.append(j)
+                    continue
+                if not move(target, s):
+                    return None
+                waiting.discard(target)
+            if not move(pos[blocks[j]], target):
+                return None
+            progressed = True
+        if deferred and not progressed:
+            # a cycle among its own blocks: park the first occupant in a spare
+            j = next((j for j in deferred if w + j in occupant), None)
+            s = spare(parallel=True) if j is not None else None
+            if s is None or not move(w + j, s):
+                return None
+        pending = deferred
+    # 3. the scratch ids give their content to blocks the request vacated
+    for x in parked:
+        if kinds[x] == FIXED:
+            continue                                # already emptied (a parked own block)
+        d = spare(parallel=False)
+        if d is None or not move(x, d):
+            return None
+    return b.plan()
+
+
+# ----------------------------------------------------------------------------- placement
+
+@dataclass
+class Placement:
+    """Where a fresh allocation's blocks should go (:func:`plan_placement`).
+
+    ``targets``: the ids the request should hold instead of the ones it was given, in
+    table order (None: keep them); ``reason``: which rule decided (for metrics);
+    ``claim``: ``(start, end)`` ids the request's run now claims for its growth (None:
+    none)."""
+
+    targets: list[int] | None
+    reason: str
+    claim: tuple[int, int] | None = None
+
+
+_USABLE = rb"[\x00\x01\x06]"             # FREE, CACHED, lone (displaceable at no run cost)
+_ANY_USABLE = re.compile(_USABLE)
+_CACHED_ONLY = bytes(1 if i == CACHED else 0 for i in range(256))
+_WINDOWS: dict[int, re.Pattern] = {}
+
+
+class PlacementMaps:
+    """What :func:`plan_placement` reads besides the view, as byte masks over the ids, so
+    that a placement costs C-speed scans and no Python loop over the pool: ``lone`` (1: a
+    lone LIVE block, see :func:`plan_placement`), ``claimed`` (1: inside a request's claim)
+    and the claims themselves (``{owner: (start, end)}``). The caller keeps them up to
+    date; stale marks only change a preference (every use checks the block again)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.lone = bytearray(num_blocks)
+        self.claimed = bytearray(num_blocks)
+        self.claims: dict[str, tuple[int, int]] = {}
+
+    def resize(self, num_blocks: int) -> None:
+        for mask in (self.lone, self.claimed):
+            if len(mask) < num_blocks:
+                mask.extend(bytes(num_blocks - len(mask)))
+
+    def set_lone(self, ids: Iterable[int], value: bool = True) -> None:
+        lone, v = self.lone, 1 if value else 0
+        for x in ids:
+            lone[x] = v
+
+    def claim(self, owner: str, rng: tuple[int, int] | None) -> None:
+        """Set ``owner``'s claim to ``rng`` (None or empty: no claim)."""
+        old = self.claims.pop(owner, None)
+        n = len(self.claimed)
+        if old is not None:
+            lo, hi = max(old[0], 0), min(old[1], n)
+            if hi > lo:
+                self.claimed[lo:hi] = bytes(hi - lo)
+        if rng is not None and rng[1] > rng[0]:
+            self.claims[owner] = rng
+            lo, hi = max(rng[0], 0), min(rng[1], n)
+            if hi > lo:
+                self.claimed[lo:hi] = b"\x01" * (hi - lo)
+
+    def drop_except(self, owners) -> None:
+        """Forget the claims of everyone not in ``owners`` (finished requests)."""
+        for owner in [o for o in self.claims if o not in owners]:
+            self.claim(owner, None)
+
+
+def plan_placement(view: PoolView, ids: Sequence[int], prev: int | None, need: int, *,
+                   maps: PlacementMaps | None = None, owner: str = "",
+                   claims: dict[str, tuple[int, int]] | None = None,
+                   lone: Iterable[int] = (), movable: Iterable[int] = (),
+                   claim_blocks: int = 16) -> Placement:
+    """Where ``ids`` (the ``k`` blocks an allocation just handed out, in table order,
+    holding nothing yet) should be, for a request whose previous block is ``prev`` (None:
+    its first blocks) and which expects ``need`` blocks from here (``>= k``).
+
+    The blocks just handed out can take the place of any block holding nothing anyone
+    needs where it is: FREE, CACHED (its content then goes into one of them), a *lone*
+    LIVE block of another request (a run of one id in its owner's table; its content
+    goes into one of them and its owner's table follows: no run breaks), or, at a cost,
+    one of ``movable`` (LIVE blocks of others whose move breaks one of their runs). The
+    rules, first that applies:
+
+    1. continue the run: the ``k`` ids after ``prev`` (none pinned, FREE/CACHED/lone);
+    2. a window of ``room = min(need, k + claim_blocks)`` ids, else ``k``, the lowest one
+       (packs live blocks towards low ids, so high granules empty out), first avoiding
+       others' claims and runs of cached blocks (one request's KV, kept together), then
+       not; a window of ``room`` claims its tail for the request's growth;
+    3. the window of ``k`` that displaces the fewest ``movable`` blocks, if fewer than
+       ``k - 1`` (one run broken elsewhere for ``k - 1`` runs saved);
+    4. the ``k`` lowest usable ids (scattered, but packed).
+
+    The ids given are kept when they already are a run at least as low as rule 2's
+    window. ``maps`` carries the lone blocks and the claims (else built from ``lone`` and
+    ``claims``). The view's kinds are read as they are (the caller marks ``ids`` LIVE)."""
+    k = len(ids)
+    if k == 0:
+        return Placement(None, "empty")
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    if maps is None:
+        maps = PlacementMaps(n)
+        maps.set_lone(x for x in lone if kinds[x] == LIVE)
+        for who, rng in (claims or {}).items():
+            maps.claim(who, rng)
+    maps.resize(n)
+    room = min(max(need, k), k + claim_blocks)
+    mine = set(ids)
+    if prev is not None:
+        start = prev + 1
+        if list(ids) == list(range(start, start + k)):
+            return Placement(None, "grew_in_place", (start + k, start + room))
+        lone_mask = maps.lone
+        if start + k <= n and all(x in mine or (x not in pinned and (
+                kinds[x] in (FREE, CACHED) or (lone_mask[x] and kinds[x] == LIVE)))
+                for x in range(start, start + k)):
+            return Placement(list(range(start, start + k)), "continued",
+                             (start + k, start + room))
+    passes = [(room, True, True), (k, True, True), (k, False, True), (room, True, False),
+              (k, True, False), (k, False, False)] if k > 1 else \
+        [(room, True, False), (k, True, False), (k, False, False)]
+    cache: dict[tuple[bool, bool], bytearray] = {}
+    target = None
+    for m, use_claims, keep_runs in passes:
+        key = (use_claims, keep_runs)
+        if key not in cache:
+            cache[key] = _usable(view, mine, maps, owner, use_claims, keep_runs)
+        w = _lowest_window(cache[key], m)
+        if w is not None:
+            target = w
+            break
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    if target is not None:
+        if consecutive and ids[0] <= target:
+            return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+        claim = (target + k, target + room)
+        return Placement(list(range(target, target + k)), "window", claim)
+    if k > 1:
+        lone_ids = {i for i in range(n) if maps.lone[i]} if any(maps.lone) else set()
+        best = _cheapest_window(view, k, mine, lone_ids, set(movable))
+        if best is not None and best[1] < k - 1:
+            if consecutive and ids[0] == best[0]:
+                return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+            return Placement(list(range(best[0], best[0] + k)), "window_displacing",
+                             (best[0] + k, best[0] + room))
+    if consecutive:
+        return Placement(None, "kept_run", (ids[-1] + 1, ids[0] + room))
+    for use_claims in (True, False):
+        usable = _usable(view, mine, maps, owner, use_claims, False)
+        out = [m.start() for m, _ in zip(_ANY_USABLE.finditer(usable), range(k))]
+        if len(out) == k:
+            return Placement(out, "scattered")
+    return Placement(None, "no_place")
+
+
+_LIVE_ONLY = bytes(1 if i == LIVE else 0 for i in range(256))
+
+
+def _usable(view: PoolView, mine: set[int], maps: PlacementMaps, owner: str,
+            use_claims: bool, keep_runs: bool) -> bytearray:
+    """The view's kinds as a byte string whose usable ids are FREE (0), CACHED (1) or lone
+    (LIVE + 4 = 6); claimed ids (with ``use_claims``, the owner's own claim excepted),
+    cached ids next to another cached id (with ``keep_runs``), pinned, FIXED and other LIVE
+    ids are not. Whole-pool arithmetic on big ints: C speed, no per-id Python loop."""
+    kinds = view.kinds
+    n = len(kinds)
+    value = int.from_bytes(kinds, "big")
+    lone = int.from_bytes(maps.lone[:n], "big") & int.from_bytes(kinds.translate(_LIVE_ONLY), "big")
+    value += lone << 2                                   # LIVE 2 + 4 = 6
+    flags = 0
+    if use_claims and maps.claims:
+        claimed = maps.claimed[:n]
+        own = maps.claims.get(owner)
+        if own is not None:
+            lo, hi = max(own[0], 0), min(own[1], n)
+            if hi > lo:
+                claimed[lo:hi] = bytes(hi - lo)
+        flags |= int.from_bytes(claimed, "big") << 3      # | 8
+    if keep_runs:
+        cached = int.from_bytes(kinds.translate(_CACHED_ONLY), "big")
+        flags |= (cached & ((cached << 8) | (cached >> 8))) << 4     # | 16
+    usable = bytearray((value | flags).to_bytes(n, "big"))
+    for x in view.pinned:
+        if x not in mine:
+            usable[x] = FIXED
+    for x in mine:
+        usable[x] = FREE
+    return usable
+
+
+def _lowest_window(usable: bytearray, m: int) -> int | None:
+    pattern = _WINDOWS.get(m)
+    if pattern is None:
+        pattern = _WINDOWS[m] = re.compile(_USABLE + b"{%d}" % m)
+    found = pattern.search(usable)
+    return found.start() if found else None
+
+
+def _cheapest_window(view: PoolView, k: int, mine: set[int], lone: set[int],
+                     movable: set[int]) -> tuple[int, int] | None:
+    """``(start, cost)`` of the lowest window of ``k`` ids that displaces the fewest
+    ``movable`` blocks (FREE, CACHED, lone and own ids cost nothing; anything else cannot
+    be displaced), or None."""
+    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
+    big = k + 1
+    cost = [big] * n
+    for i in range(n):
+        kind = kinds[i]
+        if kind == FREE or kind == CACHED:
+            cost[i] = 0
+        elif kind == LIVE:
+            if i in lone:
+                cost[i] = 0
+            elif i in movable:
+                cost[i] = 1
+    for x in pinned:
+        cost[x] = big
+    for x in mine:
+        cost[x] = 0
+    if n < k:
+        return None
+    best = None
+    window = sum(cost[:k])
+    for start in range(0, n - k + 1):
+        if start:
+            window += cost[start + k - 1] - cost[start - 1]
+        if window < big and (best is None or window < best[1]):
+            best = (start, window)
+            if window == 0:
+                break
+    return best

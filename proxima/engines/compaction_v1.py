@@ -1,0 +1,965 @@
+"""KV compaction inside vLLM 0.26 (V1 engine, V2 model runner): the thin part.
+
+The planner (:mod:`proxima.allocator.planner`, pure Python) says which block contents go
+where; this module reads vLLM's state into its view, applies the plan to vLLM's scheduler
+structures, and carries the copies and the block-table changes to the workers.
+
+Scheduler side (:class:`Compactor`, one per engine, owned by the elastic KV connector):
+at the end of ``Scheduler.schedule`` (``build_connector_meta``: after the step's
+allocations, before the output leaves) it plans within a byte budget and applies each
+relocation ``a -> b`` to vLLM's structures, in the plan's order:
+
+* a LIVE block: ``b`` (a free, hash-less block) leaves the free queue, takes ``a``'s
+  reference count and prefix-cache entries (vLLM's own ``BlockPool.move_block_hashes``),
+  replaces ``a`` in every ``req_to_blocks`` list that holds it (all owners of a shared
+  prefix block); ``a`` goes back to the free queue without a hash. Reference counts and
+  the free count do not change.
+* a CACHED block (free, with a prefix-cache entry): ``b`` takes ``a``'s place in the LRU
+  tier (``ProximaFreeQueue.relocate``, same eviction order) and its entries;
+  ``a`` becomes a plain free block.
+
+So every hash maps to the block that holds its content, and what the scheduler decides
+next (admissions, prefix hits, evictions by hash) is what it would have decided without
+the move: compaction changes block ids, never a decision.
+
+Worker side (:func:`install_worker_hook`): vLLM 0.26's V2 runner keeps per-request block
+tables on the GPU (``vllm/v1/worker/gpu/block_table.py``: one ``[max_num_reqs,
+max_blocks]`` int32 table per KV-cache group, written through staged writes) and changes
+them only from the scheduler output, in ``GPUModelRunner.update_requests`` (appended ids
+of running requests) and ``add_requests`` (full ids of new and resumed requests). It has
+no supported way to rewrite a running request's ids: the resumed-request path re-creates
+the request's whole state (sampler, token buffers) from the scheduler's copy, which under
+async scheduling lags the GPU by a token. So the hook wraps ``update_requests``: after
+vLLM's own per-step block work (appends, KV zeroing, copy-on-write copies), it applies the
+step's :class:`CompactionWork` from the connector metadata -- the copies with the Triton
+mover (:class:`proxima.kernels.KVBlockMover`, every layer, on the forward's stream) and the
+moved ids written into the persistent block tables -- before ``apply_staged_writes`` and
+``prepare_attn`` read them. The step's forward then reads and writes the new ids. The
+blocks a plan must not touch (pinned) are those vLLM itself writes or names in this step
+before that point: new blocks (their ids are in the output), copy-on-write endpoints,
+the blocks of requests (re)added this step, partial-hit blocks awaiting their copy.
+With async scheduling the next step may already be scheduled on the new ids; its work
+runs after this step's on the same stream.
+
+Refused (at start-up, one clear error): another KV connector beside Proxima's (it may
+track block ids), vLLM's KV-cache metrics collector (it tracks blocks by object),
+Mamba layers (their blocks are zeroed before the copy point), pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from proxima.allocator import count_runs
+from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
+                                       PlacementMaps, plan_evacuate, plan_pack,
+                                       plan_placement, plan_run, schedule_phases)
+from proxima.engines import activation
+
+logger = logging.getLogger("vllm.proxima")
+
+DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copies on an H200
+DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
+DEFAULT_MAX_PHASES = 8               # mover launches per step
+DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
+OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
+DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
+SAMPLES = 4096                       # recent per-step figures kept for percentiles
+
+
+def scratch_first(num_blocks: int, granule_blocks: int) -> int:
+    """The first scratch block id: the pool rounded up to whole granules."""
+    return -(-num_blocks // granule_blocks) * granule_blocks
+
+
+@dataclass(frozen=True)
+class CompactionOptions:
+    """KV compaction's settings: the ``"compaction"`` dict of the elastic connector's
+    ``kv_connector_extra_config`` (same on the scheduler and the workers), over
+    ``PROXIMA_COMPACTION`` for the mode.
+
+    ``mode``: ``"1"`` (auto) or ``"every:K"`` (forced, tests); ``budget_mib``: block bytes
+    copied per step at most; ``max_phases``: mover launches per step at most;
+    ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
+    of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
+    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself."""
+
+    mode: activation.CompactionMode
+    budget_mib: int = DEFAULT_BUDGET_BYTES >> 20
+    max_phases: int = DEFAULT_MAX_PHASES
+    interval: int = DEFAULT_INTERVAL
+    scratch_granules: int = 1
+    claim_blocks: int = DEFAULT_CLAIM_BLOCKS
+
+    @classmethod
+    def resolve(cls, extra: dict | None = None, environ=None) -> "CompactionOptions | None":
+        """The settings in force (None: compaction is off); a bad value is one
+        :class:`proxima.errors.UserError` naming it."""
+        from proxima.errors import UserError
+
+        extra = dict(extra or {})
+        names = {f for f in cls.__dataclass_fields__ if f != "mode"} | {"mode"}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise UserError(f"compaction: unknown option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(names))}")
+        value = extra.pop("mode", None)
+        if value is None:
+            mode = activation.compaction(environ)
+        else:
+            try:
+                mode = activation.compaction_mode(str(value))
+            except ValueError:
+                raise UserError(f"compaction: mode must be 1, every:K (K >= 1) or 0, got "
+                                f"{value!r}") from None
+        if mode is None:
+            return None
+        for name, v in extra.items():
+            low = 0 if name == "scratch_granules" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise UserError(f"compaction: {name} must be an integer >= {low}, got {v!r}")
+        return cls(mode, **extra)
+
+
+@dataclass(frozen=True)
+class CompactionWork:
+    """What one step's workers do: the copies (phases of runs ``(src, dst, n)``) and the
+    block-table changes ``(req_id, group, positions, new ids)``."""
+
+    seq: int
+    phases: tuple[tuple[tuple[int, int, int], ...], ...]
+    tables: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...]], ...]
+    blocks: int
+
+
+@dataclass
+class _Sample:
+    steps: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+    def add(self, value: float) -> None:
+        self.steps.append(value)
+
+    def percentiles(self) -> dict:
+        if not self.steps:
+            return {"p50": None, "p99": None, "max": None}
+        ordered = sorted(self.steps)
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]   # noqa: E731
+        return {"p50": pick(0.50), "p99": pick(0.99), "max": ordered[-1]}
+
+
+class Compactor:
+    """The scheduler side of KV compaction for one vLLM block pool (see the module doc).
+
+    ``granule_blocks``: the granule of the reclaimable measure (and of elastic mapping);
+    ``bytes_per_block``: one block's bytes over all layers (the budget's unit);
+    ``mode``: :class:`proxima.engines.activation.CompactionMode`; ``allocatable``: a
+    ``granule -> bool`` (the elastic channel's mapped state), None: all mapped.
+    """
+
+    def __init__(self, pool, *, granule_blocks: int, bytes_per_block: int,
+                 mode: activation.CompactionMode, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 interval: int = DEFAULT_INTERVAL, max_phases: int = DEFAULT_MAX_PHASES,
+                 allocatable=None, steer: bool = True,
+                 claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
+                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True,
+                 defrag: bool = True) -> None:
+        queue = pool.free_block_queue
+        if not hasattr(queue, "relocate"):
+            raise activation.ActivationError(
+                f"{activation.COMPACTION_ENV} needs Proxima's block pool "
+                f"({activation.ENV}=1): vLLM's own free queue cannot relocate a cached block")
+        if getattr(pool, "metrics_collector", None) is not None:
+            raise activation.ActivationError(
+                f"{activation.COMPACTION_ENV} cannot run with vLLM's KV-cache metrics "
+                "(--kv-cache-metrics: it tracks blocks by object); switch one of them off")
+        if bytes_per_block < 1 or granule_blocks < 1 or budget_bytes < 0 or interval < 1:
+            raise ValueError(f"bad compaction settings: {bytes_per_block} bytes per block, "
+                             f"granule {granule_blocks}, budget {budget_bytes}, interval "
+                             f"{interval}")
+        self.pool = pool
+        self.granule_blocks = granule_blocks
+        self.bytes_per_block = bytes_per_block
+        self.mode = mode
+        self.enabled = True
+        self.budget_blocks = budget_bytes // bytes_per_block
+        self._auto_interval = interval
+        self.interval = mode.every if mode.kind == "every" else interval
+        self.max_phases = max_phases
+        self.allocatable = allocatable
+        self.kv_manager = None
+        self.steps = 0
+        self._pinned: set[int] = set()
+        self._view: PoolView | None = None
+        self._relocations: list[tuple[int, int]] = []
+        self._tables: dict[tuple[str, int, int], int] = {}
+        self._seq = 0
+        self.steer = steer
+        self.claim_blocks = claim_blocks
+        self.scratch_null = scratch_null
+        self.displace = displace
+        self.pack = pack
+        self.defrag = defrag
+        self._single = None
+        self._owners_step = 0
+        self._lone: set[int] = set()
+        self._step_new: set[int] = set()
+        self.scratch_blocks = scratch_blocks
+        self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
+        self._step_id = None
+        self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
+        self._forced_next = 1
+        self._plan_seconds = 0.0
+        self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
+                         "cached_moved": 0, "bytes_moved": 0, "phases": 0,
+                         "evacuations": 0, "evacuations_done": 0, "replans": 0,
+                         "skipped_steps": 0, "steered": 0,
+                         "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
+                         "scratch_used": 0}
+        self.placements: dict[str, int] = {}
+        self.plan_ms = _Sample()
+        self.gpu_ms = _Sample()
+        self.blocks_per_step = _Sample()
+        pool.proxima_compaction = self
+        _compactors.add(self)
+
+    def set_mode(self, mode: activation.CompactionMode | None) -> None:
+        """Switch the policy between steps (None: off -- no placement, no plans; the
+        engine then behaves as elastic mode without compaction). For tests and the GPU
+        proof, which compare modes in one engine."""
+        self.enabled = mode is not None
+        if mode is not None:
+            self.mode = mode
+            self.interval = mode.every if mode.kind == "every" else self._auto_interval
+        self._maps.drop_except(())
+
+    def reset_metrics(self) -> None:
+        """Zero the counters and the per-step samples (the settings stay)."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.placements.clear()
+        self.plan_ms, self.gpu_ms, self.blocks_per_step = _Sample(), _Sample(), _Sample()
+        self.steps = 0
+
+    # ------------------------------------------------------------------ the step
+    def begin_step(self, kv_manager, scheduler_output) -> None:
+        """Read what this step's output pins (see the module doc)."""
+        self.kv_manager = kv_manager
+        self._sync_step()
+        self.steps += 1
+        self._view = None          # rebuilt: prefix hits and frees since the allocations
+        # the owners found at the first allocation stay: each use checks the block again
+        pinned = set()
+        for req in scheduler_output.scheduled_new_reqs:
+            for ids in req.block_ids:
+                pinned.update(ids)
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if ids:
+                for group in ids:
+                    pinned.update(group)
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            pinned.add(copy.src_block_id)
+            pinned.add(copy.dst_block_id)
+        for mgr in self._managers():
+            for _, block in getattr(mgr, "_partial_hit_reqs", {}).values():
+                pinned.add(block.block_id)
+        self._pinned |= pinned
+
+    def step(self) -> None:
+        """The policy of the mode: auto packs every ``interval`` steps; ``every:K`` empties
+        one granule every K steps (the most occupied one that can be emptied, its cached
+        blocks too when there is room; a test of the machinery, not a policy)."""
+        if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
+            return
+        t0 = time.perf_counter()
+        view = self.view()
+        if self.mode.kind == "every":
+            self._apply(self._forced_plan(view))
+        else:
+            if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
+                self._defrag()
+            if self.pack:
+                self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
+                                      max_phases=self.max_phases))
+        self._plan_seconds += time.perf_counter() - t0
+
+    def _defrag(self, attempts: int = 1) -> None:
+        """Make the most fragmented running requests one run each (plan_run), displacing
+        only free, cached and lone blocks of others, within what is left of the budget."""
+        left = self.budget_blocks - len(self._relocations)
+        tables = []
+        for mgr in self._managers():
+            for req_id, table in mgr.req_to_blocks.items():
+                if len(table) < 2 or len(table) > 2 * left:
+                    continue
+                ids = [b.block_id for b in table if not b.is_null]
+                runs = count_runs(ids)
+                if runs > 1:
+                    tables.append((runs, req_id, ids))
+        tables.sort(key=lambda t: (-t[0], t[1]))
+        for runs, req_id, ids in tables[:attempts]:
+            left = self.budget_blocks - len(self._relocations)
+            if left <= 0:
+                break
+            plan = plan_run(self.view(), ids, left, max_phases=self.max_phases,
+                            movable=self._singletons())
+            if plan and self._apply(plan):
+                self.counters["runs_merged"] += runs - 1
+
+    def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
+        """The elastic policy's hook before a shrink: move the content out of ``granules``
+        (within what is left of this step's budget). True when they now hold no block in
+        use (and, with ``cached_too``, no cached KV): they can be unmapped this step."""
+        granules = list(granules)
+        if not self.enabled:
+            return False
+        t0 = time.perf_counter()
+        self.counters["evacuations"] += 1
+        plan, clear = plan_evacuate(self.view(), granules,
+                                    max(0, self.budget_blocks - len(self._relocations)),
+                                    cached_too=cached_too, max_phases=self.max_phases)
+        applied = self._apply(plan)
+        self._plan_seconds += time.perf_counter() - t0
+        if clear and applied:
+            self.counters["evacuations_done"] += 1
+        return clear and applied
+
+    def release_hook(self):
+        """The elastic policy's compactor (:class:`proxima.memory.policy.GrowShrinkPolicy`):
+        ``fn(queue, wanted)`` empties up to ``wanted`` mapped granules that still hold live
+        blocks -- the fewest live blocks first, as far as this step's budget goes -- and
+        returns how many it emptied (0: none; the shrink then takes what is free)."""
+        def empty(queue, wanted: int) -> int:
+            if not self.enabled or wanted < 1:
+                return 0
+            view = self.view()
+            live = view.live_per_granule()
+            null_g = self.pool.null_block.block_id // self.granule_blocks
+            order = sorted((g for g in range(view.num_granules)
+                            if live[g] and g != null_g
+                            and (self.allocatable is None or self.allocatable(g))),
+                           key=lambda g: (live[g], -g))
+            emptied = 0
+            for g in order[:wanted]:
+                if self.budget_blocks - len(self._relocations) < live[g]:
+                    break
+                if self.evacuate([g]):
+                    emptied += 1
+            return emptied
+        return empty
+
+    # ------------------------------------------------------------------ placement
+    def on_allocate(self, mgr, request_id: str, new_blocks: list) -> list:
+        """Where a fresh allocation's blocks go (called by the Proxima pool's manager
+        wrapper right after vLLM's ``allocate_new_blocks``, before the step's output is
+        built). The blocks just handed out hold nothing yet, so they can take the place of
+        any free block, cached or not, whose content (if cached) is copied into them: the
+        request continues its run (the ids after its last block), else takes the lowest
+        window of non-live ids that holds its expected length (a new run, packed towards
+        low ids so that high granules empty out; the rest of the window is claimed for its
+        growth). Costs one block copy per cached block displaced, within the step's budget;
+        the free count, the LRU order and every hash's content are unchanged."""
+        if not (self.steer and self.enabled):
+            return new_blocks
+        self._sync_step()
+        pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
+        steer = [b for b in new_blocks if id(b) not in pending_cow]
+        k = len(steer)
+        req_blocks = mgr.req_to_blocks[request_id]
+        first = len(req_blocks) - k
+        if k == 0 or req_blocks[first:] != steer:
+            return new_blocks
+        view = self.view()
+        kinds = view.kinds
+        for b in steer:
+            kinds[b.block_id] = LIVE
+            self._step_new.add(b.block_id)
+            if self._single is not None:
+                self._single.pop(b.block_id, None)
+                self._lone.discard(b.block_id)
+            if b.block_id < len(self._maps.lone):
+                self._maps.lone[b.block_id] = 0
+        prev = req_blocks[first - 1] if first > 0 else None
+        ids = [b.block_id for b in steer]
+        total = self.pool.proxima_expected_tokens.get(request_id)
+        need = max(k, -(-total // mgr.block_size) - first) if total else k
+        if self.displace:
+            self._owners()                    # the lone blocks, marked in the maps
+        movable = self._owners() if self.displace and k > 1 else ()
+        where = plan_placement(view, ids, None if prev is None or prev.is_null else prev.block_id,
+                               need, maps=self._maps, owner=request_id, movable=movable,
+                               claim_blocks=self.claim_blocks)
+        self._count(where.reason)
+        result = new_blocks
+        if where.targets is not None and where.targets != ids:
+            plan = self._exchange(mgr, request_id, first, steer, where.targets)
+            if plan is None:
+                self._count("exchange_failed")
+                where.claim = None
+            else:
+                cow = [b for b in new_blocks if id(b) in pending_cow]
+                result = cow + plan
+        self._maps.claim(request_id, where.claim)
+        return result
+
+    def _count(self, what: str) -> None:
+        self.placements[what] = self.placements.get(what, 0) + 1
+
+    def _exchange(self, mgr, request_id: str, first: int, steer: list, window: list[int]):
+        """Give the request the blocks of ``window`` instead of ``steer`` (module doc);
+        None, nothing changed, when a block is not what the view said or over budget."""
+        pool = self.pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        mine = {b.block_id: b for b in steer}
+        spare = [b for b in steer if b.block_id not in window]
+        copies = 0
+        singles = self._owners() if self.displace else {}
+        for x in window:
+            if x in mine:
+                continue
+            blk = blocks[x]
+            if blk.ref_cnt and self._single_ok(singles.get(x), blk):
+                copies += 1
+                continue
+            if blk.ref_cnt or blk.is_null or (
+                    blk.next_free_block is None and not queue.buddy.is_free(x)):
+                self._view.kinds[x] = LIVE          # the view was stale: a hit or a hold
+                return None
+            if self.allocatable is not None and not self.allocatable(x // self.granule_blocks):
+                return None
+            copies += blk.next_free_block is not None
+        if len(self._relocations) + copies > self.budget_blocks:
+            self.counters["skipped_steps"] += 1
+            return None
+        if any(b.ref_cnt != 1 or b.block_hash is not None for b in spare):
+            return None
+        kinds = self._view.kinds
+        req_blocks = mgr.req_to_blocks[request_id]
+        out = []
+        for i, x in enumerate(window):
+            blk = mine.get(x)
+            if blk is None and x in singles and blocks[x].ref_cnt:
+                # a lone block of another request: its content goes to a block just
+                # handed out, its owner's table (and the worker's) to that block
+                blk = blocks[x]
+                given = spare.pop()
+                owner_mgr, owner, idx, _ = singles.pop(x)
+                self._lone.discard(x)
+                self._maps.lone[x] = 0
+                if blk.block_hash is not None or x in pool.cached_block_hashes_by_block:
+                    pool.move_block_hashes(blk, given)
+                owner_mgr.req_to_blocks[owner][idx] = given
+                self._tables[(owner, owner_mgr.kv_cache_group_id, idx)] = given.block_id
+                self._relocations.append((x, given.block_id))
+                self._step_new.add(given.block_id)
+                kinds[given.block_id] = LIVE
+                self.counters["live_displaced"] += 1
+            elif blk is None:
+                blk = blocks[x]
+                given = spare.pop()
+                cached = blk.next_free_block is not None
+                queue.exchange(blk, given)
+                if cached:
+                    pool.move_block_hashes(blk, given)
+                    self._relocations.append((x, given.block_id))
+                    kinds[given.block_id] = CACHED
+                    self.counters["cached_moved"] += 1
+                else:
+                    kinds[given.block_id] = FREE
+                blk.ref_cnt, given.ref_cnt = given.ref_cnt, 0
+                kinds[x] = LIVE
+            req_blocks[first + i] = blk
+            out.append(blk)
+        self.counters["steered"] += 1
+        self.counters["relocations"] += copies
+        self.counters["bytes_moved"] += copies * self.bytes_per_block
+        return out
+
+    def _owners(self) -> dict[int, tuple]:
+        """The LIVE blocks a placement may displace: held by one request (reference count
+        1), not awaiting vLLM's copy-on-write. ``{block id: (manager, request id, position,
+        lone)}``; ``lone``: a run of one id in its owner's table (moving it elsewhere
+        breaks no run). Found by a pass over every table every ``OWNERS_EVERY`` steps (it
+        costs O(blocks in use)); each use checks the entry again (:meth:`_single_ok`: still
+        that owner's, not allocated in this step, not awaiting a copy-on-write)."""
+        if self._single is None or self.steps - self._owners_step >= OWNERS_EVERY:
+            self._owners_step = self.steps
+            pinned = set(self._step_new)
+            for mgr in self._managers():
+                for _, blk in getattr(mgr, "_partial_hit_reqs", {}).values():
+                    pinned.add(blk.block_id)
+                for a, b in getattr(mgr, "_pending_cow_copies", ()):
+                    pinned.update((a.block_id, b.block_id))
+            owners = {}
+            lone_ids = set()
+            for mgr in self._managers():
+                for req_id, table in mgr.req_to_blocks.items():
+                    last = len(table) - 1
+                    for i, blk in enumerate(table):
+                        x = blk.block_id
+                        if blk.is_null or blk.ref_cnt != 1 or x in pinned:
+                            continue
+                        lone = not ((i > 0 and table[i - 1].block_id == x - 1) or
+                                    (i < last and table[i + 1].block_id == x + 1))
+                        owners[x] = (mgr, req_id, i, lone)
+                        if lone:
+                            lone_ids.add(x)
+            self._single = owners
+            self._lone = lone_ids
+            self._maps.resize(len(self.view().kinds))
+            mask = self._maps.lone
+            mask[:] = bytes(len(mask))
+            self._maps.set_lone(lone_ids)
+        return self._single
+
+    def _singletons(self) -> set[int]:
+        """The lone blocks of :meth:`_owners`."""
+        self._owners()
+        return self._lone
+
+    def _single_ok(self, entry, blk) -> bool:
+        if entry is None or blk.ref_cnt != 1 or blk.block_id in self._step_new:
+            return False
+        mgr, req_id, idx, _ = entry
+        table = mgr.req_to_blocks.get(req_id)
+        if not (table and idx < len(table) and table[idx] is blk):
+            return False
+        for m in self._managers():
+            if any(b is blk for _, b in getattr(m, "_partial_hit_reqs", {}).values()) or \
+                    any(blk is a or blk is b for a, b in getattr(m, "_pending_cow_copies", ())):
+                return False
+        return True
+
+    def _sync_step(self) -> None:
+        """Start a new step's state at its first event (allocations come before
+        :meth:`begin_step`, both inside one ``Scheduler.schedule``)."""
+        step = getattr(self.pool, "proxima_steps", None)
+        self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
+        if step != self._step_id:
+            self._step_id = step
+            self._view = None
+            self._pinned = set()
+            self._plan_seconds = 0.0
+            self._step_new = set()
+            live = self.pool.proxima_expected_tokens
+            self._maps.drop_except(live)
+
+    def take_work(self) -> CompactionWork | None:
+        """This step's copies and table changes (None when nothing moved), for the workers."""
+        if self._plan_seconds:
+            self.plan_ms.add(self._plan_seconds * 1000)
+        if not self._relocations:
+            return None
+        relocations, self._relocations = self._relocations, []
+        tables, self._tables = self._tables, {}
+        phases = schedule_phases(relocations)
+        by_row: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        # a request preempted later in the same schedule() holds no blocks any more (its
+        # row goes on the worker); its moved blocks went back to the pool with it
+        holding = {(mgr.kv_cache_group_id, r) for mgr in self._managers()
+                   for r, blocks in mgr.req_to_blocks.items() if blocks}
+        for (req_id, group, idx), new_id in sorted(tables.items()):
+            if (group, req_id) not in holding:
+                continue
+            cols, ids = by_row.setdefault((req_id, group), ([], []))
+            cols.append(idx)
+            ids.append(new_id)
+        self._seq += 1
+        c = self.counters
+        c["steps_with_moves"] += 1
+        c["phases"] += len(phases)
+        self.blocks_per_step.add(len(relocations))
+        return CompactionWork(self._seq, tuple(tuple(p) for p in phases),
+                              tuple((rid, g, tuple(cols), tuple(ids))
+                                    for (rid, g), (cols, ids) in by_row.items()),
+                              len(relocations))
+
+    def on_worker_times(self, times: Iterable[tuple[int, float]]) -> None:
+        """GPU milliseconds of each step's compaction as the workers measured them."""
+        for _, ms in times:
+            self.gpu_ms.add(ms)
+
+    # ------------------------------------------------------------------ reading vLLM
+    def _managers(self):
+        kv = self.kv_manager
+        return kv.coordinator.single_type_managers if kv is not None else ()
+
+    def view(self) -> PoolView:
+        """The pool as the planner sees it now (built once per step, kept up to date as
+        plans are applied). O(num_blocks) in C plus O(blocks held by requests)."""
+        if self._view is not None:
+            return self._view
+        pool = self.pool
+        n = pool.num_gpu_blocks
+        kinds = bytearray([CACHED]) * n          # free blocks outside the buddy: the LRU tier
+        for start, end in pool.free_block_queue.buddy.free_runs():
+            kinds[start:end] = bytes(end - start)
+        for mgr in self._managers():
+            for blocks in mgr.req_to_blocks.values():
+                for block in blocks:
+                    if not block.is_null:
+                        kinds[block.block_id] = LIVE
+        kinds[pool.null_block.block_id] = FIXED
+        if self.allocatable is not None:
+            G = self.granule_blocks
+            for g in range(-(-n // G)):
+                if not self.allocatable(g):
+                    kinds[g * G:(g + 1) * G] = bytes([FIXED]) * len(range(g * G, min(n, (g + 1) * G)))
+        null = pool.null_block.block_id
+        self._pinned.discard(null)
+        scratch = [null] if self.scratch_null else []
+        if self.scratch_blocks:
+            first = self.scratch_first
+            kinds += bytes([FIXED]) * (first + self.scratch_blocks - n)
+            scratch += range(first, first + self.scratch_blocks)
+        self._view = PoolView(kinds, self.granule_blocks, self._pinned, scratch=scratch)
+        return self._view
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, plan: Plan) -> bool:
+        """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
+        content from its first to its last id; a stay in the scratch id leaves no trace),
+        after checking that every block involved is what the view said: a mismatch pins
+        that block, drops the plan (the view is rebuilt next time) and returns False."""
+        if not plan:
+            return True
+        moves = plan.final_positions()                 # original id -> final id
+        holders = self._holders(set(moves))
+        bad = self._mismatch(moves, holders)
+        if bad is not None:
+            self.counters["replans"] += 1
+            self._pinned.add(bad)
+            self._view = None
+            return False
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        pool = self.pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        kinds = self._view.kinds
+        c = self.counters
+        # Take every moved content off its block: reference counts, owners, and the
+        # prefix-cache entries (parked on stand-in blocks, vLLM's own move_block_hashes).
+        parked = {}
+        cached_moves = []
+        for i, (x, y) in enumerate(moves.items()):
+            src = blocks[x]
+            stand_in = None
+            if src.block_hash is not None or x in pool.cached_block_hashes_by_block:
+                stand_in = KVCacheBlock(block_id=-2 - i)
+                pool.move_block_hashes(src, stand_in)
+            parked[x] = (src.ref_cnt, stand_in)
+            if src.ref_cnt == 0:
+                cached_moves.append((src, blocks[y]))
+        final = set(moves.values())
+        taken = [y for y in final if y not in moves]          # were free, hold content now
+        freed = [x for x in moves if x not in final]          # held content, free now
+        queue.relocate(cached_moves, freed, taken, moves=moves)
+        for x, y in moves.items():
+            ref_cnt, stand_in = parked[x]
+            blocks[x].ref_cnt = 0
+        for x, y in moves.items():
+            ref_cnt, stand_in = parked[x]
+            dst = blocks[y]
+            dst.ref_cnt = ref_cnt
+            if stand_in is not None:
+                pool.move_block_hashes(stand_in, dst)
+            for mgr, req_id, idx in holders.get(x, ()):
+                mgr.req_to_blocks[req_id][idx] = dst
+                self._tables[(req_id, mgr.kv_cache_group_id, idx)] = y
+            c["live_moved" if ref_cnt else "cached_moved"] += 1
+            if ref_cnt > 1:
+                c["shared_moved"] += 1
+        if self._single is not None:            # moved blocks are no longer where they were
+            for x in moves:
+                self._single.pop(x, None)
+                self._lone.discard(x)
+                if x < len(self._maps.lone):
+                    self._maps.lone[x] = 0
+        new_kinds = {y: kinds[x] for x, y in moves.items()}
+        for x in freed:
+            kinds[x] = FREE
+        for y, k in new_kinds.items():
+            kinds[y] = k
+        self._relocations += plan.relocations
+        scratch = self._view.scratch
+        c["scratch_used"] += sum(1 for _, d in plan.relocations if d in scratch)
+        c["relocations"] += plan.blocks_moved
+        c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
+        return True
+
+    def _holders(self, ids: set[int]) -> dict[int, list]:
+        """``{block id: [(manager, request id, position), ...]}`` for the given ids."""
+        out: dict[int, list] = {}
+        for mgr in self._managers():
+            for req_id, blocks in mgr.req_to_blocks.items():
+                for idx, block in enumerate(blocks):
+                    if block.block_id in ids and not block.is_null:
+                        out.setdefault(block.block_id, []).append((mgr, req_id, idx))
+        return out
+
+    def _mismatch(self, moves: dict[int, int], holders: dict[int, list]) -> int | None:
+        """The first block whose real state differs from what the plan assumed, or None:
+        a moved LIVE block must be held exactly by the owners found (its reference count),
+        a moved CACHED block must be in the LRU tier with a hash, a block that receives a
+        content and held none must be a free block of the buddy tier."""
+        blocks = self.pool.blocks
+        queue = self.pool.free_block_queue
+        kinds = self._view.kinds
+        for x in moves:
+            blk = blocks[x]
+            if kinds[x] == LIVE:
+                if blk.ref_cnt < 1 or blk.ref_cnt != len(holders.get(x, ())):
+                    return x
+            elif kinds[x] == CACHED:
+                if blk.ref_cnt or blk.block_hash is None or blk.next_free_block is None:
+                    return x
+            else:
+                return x
+        for y in moves.values():
+            if y not in moves:
+                blk = blocks[y]
+                if blk.ref_cnt or blk.block_hash is not None or not queue.buddy.is_free(y):
+                    return y
+        return None
+
+    def _forced_plan(self, view: PoolView) -> Plan:
+        budget = self.budget_blocks - len(self._relocations)
+        live = view.live_per_granule()
+        order = sorted(range(view.num_granules), key=lambda g: (-live[g], g))
+        for g in order:
+            if not live[g]:
+                break
+            for cached_too in (True, False):
+                plan, _ = plan_evacuate(view, [g], budget, cached_too=cached_too,
+                                        max_phases=self.max_phases)
+                if plan:
+                    return plan
+        return Plan()
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict:
+        """The figures for the engine status file and ``/metrics``."""
+        mode = "auto" if self.mode.kind == "auto" else f"every:{self.mode.every}"
+        return {"mode": mode if self.enabled else "off",
+                "steps": self.steps, "budget_bytes": self.budget_blocks * self.bytes_per_block,
+                "bytes_per_block": self.bytes_per_block, **self.counters,
+                "placements": dict(self.placements),
+                "plan_ms": self.plan_ms.percentiles(), "gpu_ms": self.gpu_ms.percentiles(),
+                "blocks_per_moving_step": self.blocks_per_step.percentiles()}
+
+
+# ----------------------------------------------------------------------------- wiring
+
+_compactors: "weakref.WeakSet[Compactor]" = weakref.WeakSet()
+
+
+def compactors() -> list["Compactor"]:
+    """The compactors of this process's engines (an engine whose scheduler runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or the replay)."""
+    return list(_compactors)
+
+
+def composed_in_multiconnector(depth: int = 8) -> bool:
+    """Whether vLLM's ``MultiConnector`` is constructing the caller: it hands each child a
+    copy of the config holding only the child's own ``kv_transfer_config``, so the config
+    cannot say; the constructing frame can (looked up a few frames, once per engine)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if type(frame.f_locals.get("self")).__name__ == "MultiConnector":
+            return True
+    return False
+
+
+def _refusal(vllm_config, composed: bool) -> str | None:
+    """Why this engine cannot compact (None: it can): see the module doc."""
+    ktc = vllm_config.kv_transfer_config
+    if composed or (ktc is not None and ktc.kv_connector == "MultiConnector"):
+        return ("another KV connector is configured beside Proxima's (it may track block "
+                "ids that compaction changes)")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return (f"pipeline parallelism (pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}) keeps several steps in flight on "
+                "different stages")
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding is configured (its drafter's KV is not covered)"
+    return None
+
+
+def _options(vllm_config, extra, composed: bool) -> "CompactionOptions | None":
+    options = CompactionOptions.resolve(extra)
+    if options is None:
+        return None
+    why = _refusal(vllm_config, composed)
+    if why:
+        from proxima.errors import UserError
+
+        raise UserError(f"{activation.COMPACTION_ENV}: KV compaction cannot run here: {why}; "
+                        f"unset {activation.COMPACTION_ENV}")
+    return options
+
+
+def worker_side(vllm_config, extra, composed: bool = False) -> bool:
+    """Whether this worker applies compaction's work (the settings checked here too)."""
+    return _options(vllm_config, extra, composed) is not None
+
+
+def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
+                   composed: bool = False) -> "Compactor | None":
+    """The :class:`Compactor` of an elastic engine's scheduler (None when off)."""
+    options = _options(vllm_config, extra, composed)
+    if options is None:
+        return None
+    if kv_cache_config.needs_kv_cache_zeroing:
+        from proxima.errors import UserError
+
+        raise UserError(f"{activation.COMPACTION_ENV}: KV compaction does not support Mamba "
+                        "layers (vLLM zeroes their new blocks before the copy point); unset "
+                        f"{activation.COMPACTION_ENV}")
+    from proxima.engines import elastic_v1
+    from proxima.memory.channel import MAPPED
+
+    sizes, _ = elastic_v1.kv_regions(kv_cache_config)
+    bytes_per_block = sum(sizes) // kv_cache_config.num_blocks
+    state = channel.state
+    compactor = Compactor(
+        pool, granule_blocks=channel.granule_blocks, bytes_per_block=bytes_per_block,
+        mode=options.mode, budget_bytes=options.budget_mib << 20, interval=options.interval,
+        max_phases=options.max_phases, allocatable=lambda g: state[g] == MAPPED,
+        claim_blocks=options.claim_blocks,
+        scratch_blocks=options.scratch_granules * channel.granule_blocks)
+    logger.info("Proxima KV compaction: %s, budget %d MiB (%d blocks of %d KiB) and %d "
+                "mover launches per step, %d scratch blocks", compactor.stats()["mode"],
+                options.budget_mib, compactor.budget_blocks, bytes_per_block >> 10,
+                options.max_phases, compactor.scratch_blocks)
+    return compactor
+
+
+# ----------------------------------------------------------------------------- worker side
+
+_saved: list[tuple[object, str, object]] = []
+_worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
+
+
+def install_worker_hook(cls=None) -> None:
+    """Wrap the V2 runner's ``update_requests`` (``cls``: ``GPUModelRunner``; idempotent):
+    see the module doc."""
+    if cls is None:
+        import vllm.v1.worker.gpu.model_runner as model_runner
+
+        cls = model_runner.GPUModelRunner
+    if any(owner is cls for owner, _, _ in _saved):
+        return
+    original = cls.update_requests
+
+    def update_requests(self, scheduler_output) -> None:
+        original(self, scheduler_output)
+        meta = scheduler_output.kv_connector_metadata
+        work = getattr(meta, "compaction", None)
+        if work is not None:
+            apply_on_worker(self, work)
+        elif any(getattr(m, "compaction", None) is not None
+                 for m in getattr(meta, "metadata", ()) or ()):
+            raise RuntimeError("KV compaction's work arrived inside another connector's "
+                               "metadata: compaction does not run beside other connectors")
+
+    update_requests.__wrapped__ = original
+    update_requests.__doc__ = original.__doc__
+    _saved.append((cls, "update_requests", original))
+    cls.update_requests = update_requests
+
+
+def uninstall_worker_hook() -> None:
+    while _saved:
+        owner, name, value = _saved.pop()
+        setattr(owner, name, value)
+
+
+class _WorkerState:
+    """Per model runner: the mover over its KV tensors and the pending timings."""
+
+    def __init__(self, runner) -> None:
+        from proxima.kernels import KVBlockMover
+
+        bpk = set(runner.block_tables.blocks_per_kv_block)
+        if len(bpk) != 1:
+            raise RuntimeError(f"{activation.COMPACTION_ENV}: KV-cache groups with different "
+                               f"kernel block sizes ({sorted(bpk)}) are not supported")
+        self.bpk = bpk.pop()
+        self.mover = KVBlockMover(runner.kv_caches)
+        self.pending: deque = deque()
+        from proxima.engines import elastic_v1
+
+        memory = elastic_v1.kv_memory()
+        spare = memory.spare_blocks if memory is not None else range(0)
+        self.limit = spare.stop if len(spare) else self.mover.num_blocks
+
+
+def apply_on_worker(runner, work: CompactionWork) -> None:
+    """Copy the moved blocks (every layer, current stream) and write their new ids into the
+    runner's persistent block tables, before the step's forward reads either."""
+    import torch
+
+    state = runner.__dict__.get("_proxima_compaction")
+    if state is None:
+        state = runner._proxima_compaction = _WorkerState(runner)
+    cuda = state.mover.device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    k = state.bpk
+    limit = state.limit
+    for phase in work.phases:
+        for s, d, n in phase:
+            if s < 0 or d < 0 or max(s, d) + n > limit:
+                raise RuntimeError(f"compaction: move ({s}, {d}, {n}) lies outside this "
+                                   f"worker's KV blocks and scratch (0..{limit - 1}): the "
+                                   "scheduler and the workers disagree on the settings")
+    for phase in work.phases:
+        state.mover.apply([s * k for s, _, _ in phase], [d * k for _, d, _ in phase],
+                          [n * k for _, _, n in phase], validate=False)
+    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    index = runner.req_states.req_id_to_index
+    for req_id, group, cols, ids in work.tables:
+        row = index.get(req_id)
+        if row is None:
+            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
+                               "worker does not hold: its block table cannot be updated")
+        r, c, v = rows.setdefault(group, ([], [], []))
+        for col, new in zip(cols, ids):
+            for j in range(k):
+                r.append(row)
+                c.append(col * k + j)
+                v.append(new * k + j)
+    for group, (r, c, v) in rows.items():
+        table = runner.block_tables.block_tables[group].gpu
+        dev = table.device
+        idx = torch.tensor([r, c], dtype=torch.int64)
+        vals = torch.tensor(v, dtype=table.dtype)
+        if dev.type == "cuda":
+            idx, vals = idx.pin_memory().to(dev, non_blocking=True), \
+                vals.pin_memory().to(dev, non_blocking=True)
+        table[idx[0], idx[1]] = vals
+    if cuda:
+        end.record()
+        state.pending.append((work.seq, start, end))
+        while state.pending and state.pending[0][2].query():
+            seq, s, e = state.pending.popleft()
+            _worker_times.append((seq, s.elapsed_time(e)))
+
+
+def take_worker_times() -> tuple[tuple[int, float], ...]:
+    """The GPU times measured since the last call (the connector's worker report)."""
+    out = tuple(_worker_times)
+    _worker_times.clear()
+    return out
