@@ -194,7 +194,9 @@ def generate(llm, prompts, max_tokens):
 def mode_of(text):
     from proxima.engines.activation import compaction_mode
 
-    return None if text == "off" else compaction_mode(text)
+    if text == "off":
+        return None
+    return compaction_mode("1" if text == "auto" else text)     # "1" is the policy, auto
 
 
 # ----------------------------------------------------------------------------- sub-proofs

@@ -54,7 +54,7 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
            "--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--port", str(port),
            "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "2048"]
+           "--max-model-len", "2048"] + (["--enforce-eager"] if args.enforce_eager else [])
     if static:
         return cmd + ["--gpu-memory-utilization", "0.45"]
     options = {"policy": "auto", "min_bytes": 2 * GiB, "max_bytes": int(args.max_gib * GiB),
@@ -284,6 +284,9 @@ def main() -> int:
     ap.add_argument("--only", default="static,elastic",
                     help="setups to run: static, elastic, compacted (elastic with KV "
                          "compaction, issue 14) (default: %(default)s)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="every server without torch.compile and CUDA graphs (both setups "
+                         "alike): each start takes seconds instead of a minute (default: off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU stand-in servers (fake_server.py): checks the orchestration, "
                          "proves nothing (default: off)")
