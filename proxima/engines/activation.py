@@ -258,6 +258,10 @@ class CompactionMode:
     kind: str                #: "auto" or "every"
     every: int = 0
 
+    def __str__(self) -> str:
+        """The spelling :func:`compaction_mode` reads back: ``1`` or ``every:K``."""
+        return "1" if self.kind == "auto" else f"every:{self.every}"
+
 
 def compaction_mode(value: str) -> CompactionMode | None:
     """``"1"`` -> auto, ``"every:K"`` (K >= 1) -> forced, ``"0"`` -> None (off); else

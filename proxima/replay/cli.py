@@ -379,7 +379,10 @@ def _report(workload, args, version: str, settings: dict, runs: dict, done: int)
     kept = {label: rs[:done] for label, rs in runs.items()}
     results = {label: combine(rs) for label, rs in kept.items()}
     report = {"workload": workload.name, "requests": len(workload.requests), "seed": args.seed,
-              "vllm_version": version, "settings": settings, "repeat": args.repeat,
+              "vllm_version": version,
+              "settings": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                           for k, v in settings.items()},      # a compaction mode as spelt
+              "repeat": args.repeat,
               "results": results, "checks": _checks(results)}
     if getattr(args, "elastic_spec", None) is not None:
         report["elastic"] = dataclasses.asdict(args.elastic_spec)

@@ -135,7 +135,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
         comp = None
         if compaction is not None:     # the connector's compactor, as in an elastic engine
-            comp = {"mode": "1" if compaction.kind == "auto" else f"every:{compaction.every}"}
+            comp = {"mode": str(compaction)}
             if compaction_budget_bytes is not None:
                 comp["budget_mib"] = max(1, compaction_budget_bytes >> 20)
         elastic_kw = dict(kv_cache_groups=kv_cache_groups(block_size),

@@ -169,3 +169,36 @@ def test_elastic_replay_is_one_line_where_this_vllm_allocates_kv_differently(cap
               if line.startswith("proxima replay: error")]     # (vLLM's import warnings above)
     assert len(errors) == 1 and "--elastic: PROXIMA_ELASTIC=1 needs the KV allocation of " \
         "vLLM 0.26" in errors[0]
+
+
+def test_compaction_replay_reports_its_copies_and_keeps_parity(tmp_path, capsys):
+    """--compaction: Proxima's runs plan KV compaction every step (copies counted), every
+    scheduling decision stays stock's, the JSON carries the mode as spelt and the counts."""
+    out = tmp_path / "c.json"
+    assert main(["replay", "--workload", "pressure", "--requests", "60", "--num-blocks", "300",
+                 "--compaction", "1", "--no-progress", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "compaction (auto):" in table and "parity checks: all passed" in table
+    report = json.loads(out.read_text())
+    assert report["settings"]["compaction"] == "1"
+    s, p = report["results"]["stock"], report["results"]["proxima"]
+    assert (p["completed"], p["preemptions"], p["steps"]) == \
+        (s["completed"], s["preemptions"], s["steps"])
+    assert p["compaction"]["relocations"] > 0 and "compaction" not in s
+    assert p["reclaimable_granule_fraction"] > s["reclaimable_granule_fraction"]
+
+
+def test_elastic_replay_with_compaction_runs_the_connectors_compactor(tmp_path, capsys):
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
+    out = tmp_path / "e.json"
+    assert main(["replay", "--workload", "multiturn", "--requests", "80", "--num-blocks",
+                 "1500", "--elastic", "--compaction", "every:2", "--no-progress",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    p = report["results"]["proxima"]
+    assert report["settings"]["compaction"] == "every:2"
+    assert p["compaction"]["mode"].startswith("every") and p["compaction"]["relocations"] > 0
+    assert p["blocks_leaked"] == 0 and p["completed"] == report["results"]["stock"]["completed"]
