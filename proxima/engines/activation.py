@@ -314,6 +314,22 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         read(name, environ)
 
 
+def check_combination(environ: Mapping[str, str] | None = None) -> None:
+    """The switches agree: ``PROXIMA_ELASTIC=1`` needs ``PROXIMA_ALLOCATOR=1``, and
+    ``PROXIMA_COMPACTION`` needs ``PROXIMA_ELASTIC=1`` (else ActivationError, one line). The
+    plugin asks in every vLLM process; a command that starts vLLM asks first, so the user
+    reads this line and not vLLM's report of a child process that exited."""
+    elastic_on = elastic(environ)
+    if elastic_on and not enabled(environ):
+        raise ActivationError(
+            f"{ELASTIC_ENV}=1 needs {ENV}=1 (elastic KV memory is a mode of Proxima's "
+            f"allocator); set both, or unset {ELASTIC_ENV}")
+    if compaction(environ) is not None and not elastic_on:
+        raise ActivationError(
+            f"{COMPACTION_ENV} needs {ELASTIC_ENV}=1 and {ENV}=1 (block moves travel on the "
+            f"elastic KV connector); set them, or unset {COMPACTION_ENV}")
+
+
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """``PROXIMA_ALLOCATOR=1``."""
     return read(ENV, environ)

@@ -32,17 +32,9 @@ def register() -> None:
 
 def _register() -> None:
     activation.check_environment()
+    activation.check_combination()
     proxima_on = activation.enabled()
     elastic = activation.elastic()
-    if elastic and not proxima_on:
-        raise activation.ActivationError(
-            f"{activation.ELASTIC_ENV}=1 needs {activation.ENV}=1 (elastic KV memory is a "
-            f"mode of Proxima's allocator); set both, or unset {activation.ELASTIC_ENV}")
-    if activation.compaction() is not None and not elastic:
-        raise activation.ActivationError(
-            f"{activation.COMPACTION_ENV} needs {activation.ELASTIC_ENV}=1 and "
-            f"{activation.ENV}=1 (block moves travel on the elastic KV connector); set them, "
-            f"or unset {activation.COMPACTION_ENV}")
     if not proxima_on and not activation.observing():
         return
     import vllm

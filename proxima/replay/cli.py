@@ -244,6 +244,7 @@ def _engine():
     from proxima.engines import activation
 
     activation.check_environment()
+    activation.check_combination()      # vLLM's child processes load the plugin with this env
     version = activation.installed_version("vllm")
     if version is None:
         raise UserError("vLLM is not installed: run ./dev proxima replay ..., or "

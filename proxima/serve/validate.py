@@ -188,6 +188,8 @@ def validate_environment(environ=os.environ) -> str:
     """Environment and installation checks that need no GPU; returns the vLLM version."""
     activation.check_environment(environ)       # every PROXIMA_* value, as the engine does
     check_allocator_env(environ)
+    # the switches agree, with the allocator on as serve runs the engine
+    activation.check_combination({**environ, activation.ENV: "1"})
     return check_vllm_installed(environ)
 
 
