@@ -185,9 +185,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     compactor = None
     if compaction is not None and elastic_run is not None:
         compactor = pool.proxima_compaction     # built by the connector: it plans in schedule()
-        own_compactor = False
     elif compaction is not None:
-        own_compactor = True
         if not proxima:
             raise ValueError("compaction needs Proxima's block pool (proxima=True)")
         from proxima.engines.compaction_v1 import DEFAULT_BUDGET_BYTES, Compactor
@@ -257,7 +255,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                     elastic_run.before_step(step)
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
-                if compactor is not None and own_compactor:   # as the connector does
+                if compactor is not None and elastic_run is None:   # as the connector does
                     compactor.begin_step(kv, out)
                     compactor.step()
                     compactor.take_work()
