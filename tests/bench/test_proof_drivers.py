@@ -24,14 +24,27 @@ def run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_driver_a_dry_run_writes_three_files_and_a_line_per_subproof(tmp_path):
-    done = run("elastic_proof.py", tmp_path, "--budget", "120")
+    done = run("elastic_proof.py", tmp_path, "--budget", "120", "--only", "a,b,d,a2",
+               "--a-modes", "elastic,proxima")
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "elastic_proof-logs.tgz", "elastic_proof.json", "elastic_proof.log"]
     data = json.loads((tmp_path / "elastic_proof.json").read_text())
-    assert [line.split(" ")[1].rstrip(":") for line in data["summary_lines"]] == [
-        "PASS", "PASS", "PASS", "INFO"]
+    assert [line.split(" ")[0] + line.split(" ")[1] for line in data["summary_lines"]] == [
+        "(a)PASS:", "(b)PASS:", "(d)PASS:", "(a2)INFO:"]
     assert set(data["subproofs"]) == {"a", "b", "d", "a2"}
+    assert set(data["subproofs"]["a"]["compare"]) == {"elastic", "proxima"}
+    # (b) ran on (d)'s elastic engine: one child log for both, no separate burst engine
+    logs = subprocess.run(["tar", "tzf", str(tmp_path / "elastic_proof-logs.tgz")],
+                          capture_output=True, text=True).stdout
+    assert "d-elastic.log" in logs and "b-engine" not in logs, logs
+
+
+def test_driver_a_runs_b_alone_on_its_own_engine(tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "60", "--only", "b")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "elastic_proof.json").read_text())
+    assert set(data["subproofs"]) == {"b"} and data["subproofs"]["b"]["passed"]
 
 
 def test_driver_b_dry_run(tmp_path):

@@ -2,7 +2,7 @@
 
     python3 tests/gpu/proof/elastic_child.py identity --mode stock|proxima|elastic|elastic-auto --out F
     python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
-    python3 tests/gpu/proof/elastic_child.py throughput --out F
+    python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--release --progress F --go F]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
@@ -131,6 +131,8 @@ def job_identity(args, result: dict) -> None:
     extra = {}
     if args.mode == "elastic-auto":
         extra["elastic_options"] = {"release_delay_s": 2.0}
+    if args.gpu_memory_utilization:     # engines started side by side: each checks its share
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
     t0 = time.time()
     llm = build(args.mode, stats, kv_cache_memory_bytes=KV_30K, max_model_len=4096,
                 max_num_seqs=128, **extra)
@@ -152,11 +154,75 @@ def job_identity(args, result: dict) -> None:
     result["status_active"] = bool(status and status.get("active"))
 
 
+class Release:
+    """The release protocol of sub-proof (b), on an elastic engine that has just served load:
+    say "peak" (the driver's taker measures the GPU's free memory now); idle until the
+    workers report the mapped KV at the minimum and say "released" (the taker measures again
+    and allocates what came back); when the taker is done ("go"), load again: the mapped KV
+    must regrow. A sampler thread follows the workers' mapped bytes from the stats file."""
+
+    def __init__(self, elastic_file: Path, progress: Path, go: Path, t0: float) -> None:
+        self.file, self.progress, self.go, self.t0 = elastic_file, progress, go, t0
+        self.samples: list = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def reported(self):
+        e = read(self.file) or {}
+        return (e.get("reported_mapped") or 0) * (e.get("bytes_per_granule") or 0), e
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            got, e = self.reported()
+            if e:
+                self.samples.append((round(time.time() - self.t0, 2), e.get("mapped_bytes"), got))
+            time.sleep(0.25)
+
+    def wait(self, pred, timeout):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got, e = self.reported()
+            if pred(got):
+                return got, e
+            time.sleep(0.2)
+        return self.reported()
+
+    def say(self, **fields) -> None:
+        self.progress.write_text(json.dumps(fields))
+
+    def peak_since(self, first: int = 0) -> int:
+        return max([s[2] for s in self.samples[first:]] + [self.reported()[0]])
+
+    def run(self, result: dict, delay: float, floor: int, t_end: float, load) -> None:
+        """After a load that ended at ``t_end``: release, hand over to the taker, regrow
+        with ``load()`` (returns (outputs, elapsed))."""
+        peak = self.peak_since()
+        result["burst1"] = {**result.get("burst1", {}), "peak_mapped_bytes": peak}
+        self.say(phase="peak", mapped=peak)
+        low, e = self.wait(lambda m: 0 < m <= floor, delay + 30)
+        result["released"] = {
+            "mapped_bytes": low, "seconds_after_burst": round(time.monotonic() - t_end, 2),
+            "delay_s": delay, "bytes_returned": e.get("bytes_returned"),
+            "shrinks": e.get("shrinks"), "worker_unmap_seconds": e.get("worker_unmap_seconds"),
+            "worker_map_seconds": e.get("worker_map_seconds")}
+        self.say(phase="released", released=max(0, peak - low), mapped=low)
+        end = time.monotonic() + 90
+        while not self.go.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        result["taker_done"] = self.go.exists()
+        first = len(self.samples)
+        outs, elapsed = load()
+        time.sleep(0.6)
+        _, e = self.reported()
+        result["burst2"] = {"elapsed_s": round(elapsed, 2), "peak_mapped_bytes": self.peak_since(first),
+                            "grows": e.get("grows"), "failed_grows": e.get("failed_grows"),
+                            "worker_map_seconds": e.get("worker_map_seconds")}
+        self.stop.set()
+        result["timeline"] = self.samples[::max(1, len(self.samples) // 200)]
+
+
 def job_burst(args, result: dict) -> None:
-    """Burst; say "peak" (the driver's taker measures the GPU's free memory now); idle until
-    the workers report the mapped KV at the minimum and say "released" (the taker measures
-    again and allocates what came back); when the taker is done ("go"), burst again: the
-    mapped KV must regrow."""
+    """A 16 GiB elastic pool with a 1 GiB minimum: a burst, then :class:`Release`."""
     stats = Path(tempfile.mkdtemp(prefix="proxima-proof-"))
     delay = float(args.delay)
     options = {"policy": "auto", "min_bytes": GiB, "release_delay_s": delay,
@@ -165,92 +231,54 @@ def job_burst(args, result: dict) -> None:
     llm = build("elastic-burst", stats, kv_cache_memory_bytes=16 * GiB, max_model_len=2048,
                 max_num_seqs=256, gpu_memory_utilization=0.5, elastic_options=options)
     result["start_s"] = round(time.time() - t0, 1)
-    elastic_file = stats / "elastic.json"
-    progress = Path(args.progress)
-    samples: list = []
-    stop = threading.Event()
-
-    def reported():
-        e = read(elastic_file) or {}
-        return (e.get("reported_mapped") or 0) * (e.get("bytes_per_granule") or 0), e
-
-    def sample():
-        while not stop.is_set():
-            got, e = reported()
-            if e:
-                samples.append((round(time.time() - t0, 2), e.get("mapped_bytes"), got))
-            time.sleep(0.25)
-
-    threading.Thread(target=sample, daemon=True).start()
-
-    def wait(pred, timeout):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            got, e = reported()
-            if pred(got):
-                return got, e
-            time.sleep(0.2)
-        return reported()
-
-    def say(**fields):
-        progress.write_text(json.dumps(fields))
-
+    rel = Release(stats / "elastic.json", Path(args.progress), Path(args.go), t0)
     rng = random.Random(5)
-    start_mapped, e = wait(lambda m: 0 < m <= 2 * GiB, 30)
+    start_mapped, e = rel.wait(lambda m: 0 < m <= 2 * GiB, 30)
     result["mapped_at_start_bytes"] = start_mapped
     floor = e.get("min_bytes") or GiB
     result["min_bytes"] = floor
-    outs, elapsed = generate(llm, [(tokens(rng, 512), 256) for _ in range(256)], held=False)
-    t_end = time.monotonic()
-    peak = max((s[2] for s in samples), default=0)
-    peak = max(peak, reported()[0])
-    result["burst1"] = {"elapsed_s": round(elapsed, 2), "peak_mapped_bytes": peak,
+
+    def load():
+        return generate(llm, [(tokens(rng, 512), 256) for _ in range(256)], held=False)
+
+    outs, elapsed = load()
+    result["burst1"] = {"elapsed_s": round(elapsed, 2),
                         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-    say(phase="peak", mapped=peak)
-    low, e = wait(lambda m: 0 < m <= floor, delay + 30)
-    result["released"] = {
-        "mapped_bytes": low, "seconds_after_burst": round(time.monotonic() - t_end, 2),
-        "delay_s": delay, "bytes_returned": e.get("bytes_returned"),
-        "shrinks": e.get("shrinks"), "worker_unmap_seconds": e.get("worker_unmap_seconds"),
-        "worker_map_seconds": e.get("worker_map_seconds")}
-    say(phase="released", released=max(0, peak - low), mapped=low)
-    go = Path(args.go)
-    end = time.monotonic() + 90
-    while not go.exists() and time.monotonic() < end:
-        time.sleep(0.2)
-    result["taker_done"] = go.exists()
-    samples_before = len(samples)
-    outs, elapsed = generate(llm, [(tokens(rng, 512), 256) for _ in range(256)], held=False)
-    time.sleep(0.6)
-    peak2 = max([s[2] for s in samples[samples_before:]] + [reported()[0]])
-    _, e = reported()
-    result["burst2"] = {"elapsed_s": round(elapsed, 2), "peak_mapped_bytes": peak2,
-                        "grows": e.get("grows"), "failed_grows": e.get("failed_grows"),
-                        "worker_map_seconds": e.get("worker_map_seconds")}
-    stop.set()
-    result["timeline"] = samples[::max(1, len(samples) // 200)]
+    rel.run(result, delay, floor, time.monotonic(), load)
     shutdown(llm)
 
 
 def job_throughput(args, result: dict) -> None:
-    """Steady load: stock, then elastic (default policy), each engine running the same
-    requests twice (prefix cache reset between): the two stock passes are stock's spread
-    against itself."""
+    """Steady load: each engine of ``--modes`` (default stock, then elastic with its default
+    policy) runs the same requests twice (prefix cache reset between): two passes of one
+    engine are its spread against itself. With ``--release`` (sub-proof (b) on the same
+    engine), the elastic engine (1 GiB minimum, ``--delay`` s) then gives its memory back
+    and regrows (:class:`Release`)."""
     from proxima.workloads import make_workload
 
     specs = make_workload("sharegpt", int(args.requests), seed=3).requests
     requests = [(list(s.prompt_token_ids), s.max_tokens) for s in specs]
     stats = Path(tempfile.mkdtemp(prefix="proxima-proof-"))
-    for mode in ("stock", "elastic-auto"):
+    for mode in args.modes.split(","):
         t0 = time.time()
-        llm = build(mode, stats, max_model_len=8192, gpu_memory_utilization=0.85)
+        kw = {}
+        if args.release and mode != "stock":
+            kw["elastic_options"] = {"min_bytes": GiB, "release_delay_s": float(args.delay)}
+        llm = build(mode, stats, max_model_len=8192, gpu_memory_utilization=0.85, **kw)
         entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1), "passes": []})
+        rel = (Release(stats / f"{mode}-elastic.json", Path(args.progress), Path(args.go), t0)
+               if args.release and mode != "stock" else None)
         for _ in range(2):
             outs, elapsed = generate(llm, requests)
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             entry["passes"].append({"elapsed_s": round(elapsed, 3),
                                     "output_tokens_per_s": round(out_tokens / elapsed, 1)})
             llm.reset_prefix_cache()
+        if rel is not None:
+            e = read(stats / f"{mode}-elastic.json") or {}
+            result["min_bytes"] = e.get("min_bytes") or GiB
+            rel.run(result, float(args.delay), result["min_bytes"], time.monotonic(),
+                    lambda: generate(llm, requests, held=False))
         shutdown(llm)
         time.sleep(1.0)
         if mode != "stock":
@@ -266,6 +294,9 @@ def main() -> int:
     ap.add_argument("--go", default=None)
     ap.add_argument("--delay", default="3")
     ap.add_argument("--requests", default="400")
+    ap.add_argument("--modes", default="stock,elastic-auto")
+    ap.add_argument("--release", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = ap.parse_args()
     result: dict = {"job": args.job, "mode": args.mode}
     code = 0

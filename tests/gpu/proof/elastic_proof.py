@@ -1,33 +1,36 @@
 """Issue 13's GPU proof, driver A: elastic KV memory in one vLLM 0.26 engine on one H200.
 
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
-        [--budget 350] [--only a,b,d]
+        [--budget 450] [--only a,b,d] [--a-modes elastic[,proxima]]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
 (and in $OUT/elastic_proof.log); the engines' logs go into $OUT/elastic_proof-logs.tgz.
 Three files in $OUT. The driver never touches CUDA; every engine runs in a child process
-that is killed when its time is up or when the driver exits.
+that is killed when its time is up or when the driver exits. Engine start-ups (55-130 s
+each for the dummy 8B) are what a device session runs out of, so the driver starts as few
+as it can: (a)'s engines start side by side, and (b) runs on (d)'s elastic engine.
 
 (a) identity: greedy token ids of a light phase (16 requests, shared prefixes: forced
     cycles unmap and remap granules mid-run) and a pressure phase (200 requests, shared
-    prefixes, 30,720-token KV: preemptions, prefix hits), identical for stock vLLM,
-    PROXIMA_ALLOCATOR=1, and PROXIMA_ELASTIC=1 with forced safe cycles and strict LRU
-    (the schedule is stock's by construction, so any difference would be corrupted KV).
-    Then, if time is left, (a2) the default elastic policy (informational: its eviction
-    and its memory differ from stock's, the schedule may differ, and with dummy weights
-    a different batch shape can flip a near-tied greedy token).
-(b) release and regrow: a 16 GiB elastic pool with a 1 GiB minimum runs a burst; after it
-    the workers' mapped KV must fall to the minimum within the release delay (12 s) plus
-    10 s, a separate process must see that memory come back free and allocate it, and a
-    second burst must map memory again.
-(d) steady-load throughput: stock then the default elastic policy, each engine running the
-    same 300 ShareGPT-like requests twice (prefix cache reset between); ratio per pass, and
-    stock's own spread between its passes.
+    prefixes, 30,720-token KV: preemptions, prefix hits), identical for stock vLLM and
+    PROXIMA_ELASTIC=1 with forced safe cycles and strict LRU (the schedule is stock's by
+    construction, so any difference would be corrupted KV); ``--a-modes elastic,proxima``
+    adds PROXIMA_ALLOCATOR=1 alone. The engines run side by side, each with a fixed KV.
+(a2) (``--only ...,a2``) the default elastic policy (informational: its eviction and its
+    memory differ from stock's, the schedule may differ, and with dummy weights a different
+    batch shape can flip a near-tied greedy token).
+(d) steady-load throughput: stock then the default elastic policy (1 GiB minimum, 12 s
+    release delay), each engine running the same 300 ShareGPT-like requests twice (prefix
+    cache reset between); ratio per pass, and stock's own spread between its passes.
+(b) release and regrow, on (d)'s elastic engine after its passes (alone, without d: a
+    16 GiB pool and one burst): the workers' mapped KV must fall to the minimum within the
+    release delay plus 10 s, a separate process must see that memory come back free and
+    allocate it, and more load must map memory again.
 
 Needs: vLLM 0.26.0 importable (PYTHONPATH=$PWD:/tmp/site as staged by run.sh c1/c2), the
 Llama-3.1-8B-shaped config at /tmp/vllm-kit/dummy-llama (PROXIMA_PROOF_MODEL overrides).
-About 5-6 minutes.
+About 6-7 minutes (four engine start-ups).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "elastic_child.py")
 GiB = 1 << 30
 _STOCK: dict = {}          # stock's identity run, for the informational (a2) comparison
+A_MODES = ["elastic"]      # (a)'s engines beside stock (--a-modes)
 DRY = False
+WANTED: set = set()
 
 TAKER = r"""
 import json, sys, time
@@ -84,12 +89,7 @@ json.dump(result, open(out, "w"))
 """
 
 
-def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -> dict:
-    path = out.dir / f".{name}.json"
-    path.unlink(missing_ok=True)
-    started = time.monotonic()
-    rc = kit.run([sys.executable, CHILD, *args, "--out", str(path)], env,
-                 out.child_log(name), timeout)
+def _collect(out: kit.Out, name: str, path: Path, rc: int, started: float) -> dict:
     result = kit.read_json(path) or {}
     path.unlink(missing_ok=True)
     result["rc"] = rc
@@ -100,6 +100,36 @@ def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -
     out.log(f"  {name}: rc={rc} wall={result['wall_s']}s"
             + (f" error: {result.get('error')}" if rc else ""))
     return result
+
+
+def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -> dict:
+    path = out.dir / f".{name}.json"
+    path.unlink(missing_ok=True)
+    started = time.monotonic()
+    rc = kit.run([sys.executable, CHILD, *args, "--out", str(path)], env,
+                 out.child_log(name), timeout)
+    return _collect(out, name, path, rc, started)
+
+
+def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float) -> dict:
+    """Several children side by side (their engines share the GPU), each killed when
+    ``timeout`` s have passed; name -> result as :func:`child`'s."""
+    started = time.monotonic()
+    procs = {}
+    for name, args in jobs.items():
+        path = out.dir / f".{name}.json"
+        path.unlink(missing_ok=True)
+        procs[name] = (kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
+                                 out.child_log(name)), path)
+    results = {}
+    for name, (proc, path) in procs.items():
+        try:
+            rc = proc.wait(timeout=max(0.1, started + timeout - time.monotonic()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: out of time
+            kit.stop(proc)
+            rc = 124
+        results[name] = _collect(out, name, path, rc, started)
+    return results
 
 
 def compare(ref: dict, other: dict) -> dict:
@@ -125,20 +155,21 @@ def compare(ref: dict, other: dict) -> dict:
 # ----------------------------------------------------------------------------- sub-proofs
 
 def proof_a(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
-    out.log(f"(a) identity: stock, proxima, elastic (forced safe cycles); budget {share:.0f}s")
-    deadline = time.monotonic() + share
-    runs = {}
-    for mode in ("stock", "proxima", "elastic"):
-        left = min(deadline - time.monotonic(), budget.left() - 10)
-        runs[mode] = child(out, f"a-{mode}", ["identity", "--mode", mode], env,
-                           min(left, 150 if mode == "stock" else 110))
-        out.record("a", **{f"{mode}_rc": runs[mode]["rc"], f"{mode}_start_s":
-                           runs[mode].get("start_s"), f"{mode}_error": runs[mode].get("error")})
-        if runs[mode]["rc"] != 0 and mode == "stock":
-            break
+    modes = ["stock"] + [m for m in A_MODES if m != "stock"]
+    out.log(f"(a) identity: {', '.join(modes)} side by side (elastic: forced safe cycles); "
+            f"budget {share:.0f}s")
+    # Side by side on one GPU: each engine's KV is fixed (30,720 tokens), arrivals are held
+    # and the policy is step-driven, so the schedule does not depend on timing; each engine
+    # checks only its own 0.3 share of the GPU at start-up.
+    found = children(out, {f"a-{m}": ["identity", "--mode", m, "--gpu-memory-utilization", "0.3"]
+                           for m in modes}, env, min(share, budget.left() - 10, 200))
+    runs = {m: found[f"a-{m}"] for m in modes}
+    for mode, run in runs.items():
+        out.record("a", **{f"{mode}_rc": run["rc"], f"{mode}_start_s": run.get("start_s"),
+                           f"{mode}_error": run.get("error")})
     stock = runs.get("stock", {})
     _STOCK.update(stock)
-    checks = {m: compare(stock, runs[m]) for m in ("proxima", "elastic") if m in runs}
+    checks = {m: compare(stock, runs[m]) for m in modes if m != "stock"}
     e = (runs.get("elastic") or {}).get("elastic") or {}
     pressure = (stock.get("pressure") or {})
     evidence = {"forced_cycles": e.get("forced_cycles"),
@@ -148,7 +179,7 @@ def proof_a(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
                 "worker_map_seconds": e.get("worker_map_seconds"),
                 "stock_pressure_preemptions": pressure.get("preemptions"),
                 "stock_pressure_cached_tokens": sum(pressure.get("cached_tokens") or [])}
-    ok = (all(r.get("rc") == 0 for r in runs.values()) and len(runs) == 3
+    ok = (all(r.get("rc") == 0 for r in runs.values()) and "elastic" in runs
           and all(c.get(p, {}).get("ok") for c in checks.values() for p in ("light", "pressure"))
           and (e.get("forced_cycles") or 0) >= 1 and (e.get("granules_unmapped") or 0) >= 1
           and e.get("map_failures") == 0 and (pressure.get("preemptions") or 0) > 0
@@ -173,44 +204,52 @@ def proof_a2(out: kit.Out, budget: kit.Budget, env: dict) -> None:
                     "the schedule may differ; with dummy weights greedy near-ties may flip")
 
 
-def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
-    out.log(f"(b) release after a burst, another process takes it, regrow; budget {share:.0f}s")
-    progress = out.dir / ".b-progress.json"
-    go = out.dir / ".b-go"
-    taken = out.dir / ".b-taker.json"
-    for p in (progress, go, taken):
-        p.unlink(missing_ok=True)
-    delay = 12.0
-    path = out.dir / ".b.json"
-    proc = kit.start([sys.executable, CHILD, "burst", "--out", str(path), "--progress",
+def with_taker(out: kit.Out, name: str, args: list[str], env: dict, share: float,
+               delay: float):
+    """Run an engine child that follows :class:`elastic_child.Release` (it says "peak",
+    then "released"); when it says so, a taker process measures the GPU's free memory and
+    allocates what came back; then "go" lets the child regrow. (result, taker's result)."""
+    progress = out.dir / f".{name}-progress.json"
+    go = out.dir / f".{name}-go"
+    taken = out.dir / f".{name}-taker.json"
+    path = out.dir / f".{name}.json"
+    for f in (progress, go, taken, path):
+        f.unlink(missing_ok=True)
+    started = time.monotonic()
+    proc = kit.start([sys.executable, CHILD, *args, "--out", str(path), "--progress",
                       str(progress), "--go", str(go), "--delay", str(delay)], env,
-                     out.child_log("b-engine"))
-    deadline = time.monotonic() + share
+                     out.child_log(name))
+    deadline = started + share
     taker = None
+    rc = 124
     try:
         peak = kit.wait_for(lambda: (kit.read_json(progress) or {}).get("phase") in
-                            ("peak", "released"), max(1, deadline - time.monotonic() - 30))
-        if peak:
+                            ("peak", "released") or proc.poll() is not None,
+                            max(1, deadline - time.monotonic() - 30))
+        if peak and proc.poll() is None:
             cmd = ([sys.executable, CHILD, "taker"] if DRY else [sys.executable, "-c", TAKER])
-            taker = kit.start([*cmd, str(progress), str(taken)], env, out.child_log("b-taker"))
+            taker = kit.start([*cmd, str(progress), str(taken)], env, out.child_log(f"{name}-taker"))
             try:
                 taker.wait(timeout=max(1, min(90, deadline - time.monotonic() - 15)))
-            except Exception:
+            except Exception:  # noqa: BLE001 - out of time
                 kit.stop(taker)
         go.write_text("go")
         try:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-        except Exception:
+            rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - out of time
             kit.stop(proc)
     finally:
         kit.stop(proc)
         if taker is not None:
             kit.stop(taker)
-    result = kit.read_json(path) or {"error": "the engine child wrote no result",
-                                     "log_tail": kit.tail(out.child_log("b-engine"))}
     take = kit.read_json(taken) or {}
-    for p in (progress, go, taken, path):
-        p.unlink(missing_ok=True)
+    result = _collect(out, name, path, rc, started)
+    for f in (progress, go, taken):
+        f.unlink(missing_ok=True)
+    return result, take
+
+
+def judge_b(out: kit.Out, result: dict, take: dict, delay: float) -> None:
     released = result.get("released") or {}
     b1, b2 = result.get("burst1") or {}, result.get("burst2") or {}
     floor = result.get("min_bytes") or GiB
@@ -219,10 +258,12 @@ def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
     came_back = (take.get("free_after_release", 0) - take.get("free_at_peak", 0))
     took = take.get("allocated", 0)
     want = max(0, (b1.get("peak_mapped_bytes") or 0) - (released.get("mapped_bytes") or 0))
-    ok = (fell and want >= 4 * GiB and came_back >= 0.9 * want and took >= 0.85 * want
+    ok = (result.get("rc") == 0 and fell and want >= 4 * GiB and came_back >= 0.9 * want
+          and took >= 0.85 * want
           and (b2.get("peak_mapped_bytes") or 0) >= floor + 4 * GiB
           and not result.get("error"))
-    out.record("b", passed=ok, engine=result, taker=take,
+    out.record("b", passed=ok, engine={k: v for k, v in result.items() if k not in (
+                   "stock", "elastic-auto")}, taker=take,
                summary={"peak_bytes": b1.get("peak_mapped_bytes"),
                         "min_bytes": floor, "mapped_after_bytes": released.get("mapped_bytes"),
                         "seconds_to_min": released.get("seconds_after_burst"),
@@ -231,13 +272,18 @@ def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
                         "regrow_peak_bytes": b2.get("peak_mapped_bytes")})
 
 
-def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
-    out.log(f"(d) steady-load throughput, stock vs elastic default; budget {share:.0f}s")
-    run = child(out, "d-throughput", ["throughput", "--requests", "300"], env,
-                min(share, budget.left() - 10))
-    stock = [p["output_tokens_per_s"] for p in (run.get("stock") or {}).get("passes", [])]
+def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
+    """(b) alone: a 16 GiB elastic pool with a 1 GiB minimum, one burst."""
+    out.log(f"(b) release after a burst, another process takes it, regrow; budget {share:.0f}s")
+    delay = 12.0
+    result, take = with_taker(out, "b-engine", ["burst"], env, share, delay)
+    judge_b(out, result, take, delay)
+
+
+def judge_d(out: kit.Out, stock_run: dict, elastic_run: dict) -> None:
+    stock = [p["output_tokens_per_s"] for p in (stock_run.get("stock") or {}).get("passes", [])]
     elastic = [p["output_tokens_per_s"] for p in
-               (run.get("elastic-auto") or {}).get("passes", [])]
+               (elastic_run.get("elastic-auto") or {}).get("passes", [])]
     summary = {"stock_tok_s": stock, "elastic_tok_s": elastic}
     if len(stock) == 2 and len(elastic) == 2:
         mean = sum(stock) / 2
@@ -245,40 +291,79 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
                        ratio_pass1=round(elastic[0] / stock[0], 4),
                        ratio_pass2=round(elastic[1] / stock[1], 4),
                        ratio_mean=round(sum(elastic) / sum(stock), 4))
-    e = (run.get("elastic-auto") or {}).get("elastic") or {}
+    e = (elastic_run.get("elastic-auto") or {}).get("elastic") or {}
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")})
-    ok = run.get("rc") == 0 and "ratio_mean" in summary and (
-        summary["ratio_mean"] >= 0.99 or
-        summary["ratio_mean"] >= 1 - summary["stock_spread_pct"] / 100)
-    out.record("d", passed=ok, summary=summary, error=run.get("error"),
-               log_tail=run.get("log_tail"))
+    ok = (stock_run.get("rc") == 0 and elastic_run.get("rc") == 0 and "ratio_mean" in summary
+          and (summary["ratio_mean"] >= 0.99 or
+               summary["ratio_mean"] >= 1 - summary["stock_spread_pct"] / 100))
+    out.record("d", passed=ok, summary=summary,
+               error=stock_run.get("error") or elastic_run.get("error"),
+               log_tail=stock_run.get("log_tail") or elastic_run.get("log_tail"))
+
+
+def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
+    """(d): stock's engine, then the default elastic policy's, each two passes of the same
+    300 requests. With (b) asked too, (b) runs on the elastic engine right after its passes
+    (one engine start fewer): it gives its memory back, a taker allocates it, it regrows."""
+    with_b = "b" in WANTED
+    out.log(f"(d) steady-load throughput, stock vs elastic default"
+            + (" then (b) on the elastic engine" if with_b else "") + f"; budget {share:.0f}s")
+    deadline = time.monotonic() + share
+    stock = child(out, "d-stock", ["throughput", "--requests", "300", "--modes", "stock"], env,
+                  min(deadline - time.monotonic(), 130))
+    left = min(deadline, budget.end - 10) - time.monotonic()
+    if with_b:
+        delay = 12.0
+        elastic, take = with_taker(out, "d-elastic", ["throughput", "--requests", "300",
+                                                      "--modes", "elastic-auto", "--release"],
+                                   env, left, delay)
+        judge_b(out, elastic, take, delay)
+    else:
+        elastic = child(out, "d-elastic", ["throughput", "--requests", "300", "--modes",
+                                           "elastic-auto"], env, left)
+    judge_d(out, stock, elastic)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
-    ap.add_argument("--budget", type=float, default=355.0,
+    ap.add_argument("--budget", type=float, default=450.0,
                     help="seconds for everything (default: %(default)s)")
-    ap.add_argument("--only", default="a,b,d", help="sub-proofs to run (default: %(default)s)")
+    ap.add_argument("--only", default="a,b,d",
+                    help="sub-proofs to run, in this order: a, a2 (the default policy's "
+                         "identity, informational, always last), b, d; with b and d, b runs "
+                         "on d's elastic engine (default: %(default)s)")
+    ap.add_argument("--a-modes", default="elastic",
+                    help="engines compared with stock in (a): elastic, proxima "
+                         "(default: %(default)s; PROXIMA_ALLOCATOR=1 alone was proven "
+                         "identical in session 5)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
     args = ap.parse_args()
-    global CHILD, DRY
+    global CHILD, DRY, WANTED
+    order = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(order) - {"a", "a2", "b", "d"})
+    if unknown:
+        print(f"elastic_proof: unknown sub-proof(s) {', '.join(unknown)} in --only: give a, "
+              f"a2, b and/or d", file=sys.stderr)
+        return 2
+    A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     if args.dry_run:
         CHILD, DRY = str(HERE / "fake_child.py"), True
     out = kit.Out(Path(args.out), "elastic_proof")
     budget = kit.Budget(args.budget)
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof"))
     env = kit.engine_env(cache)
-    wanted = set(args.only.split(","))
+    wanted = WANTED = set(args.only.split(","))
     out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
             f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}")
-    plan = [("a", proof_a, 185), ("b", proof_b, 70), ("d", proof_d, 95)]
-    for name, fn, share in plan:
-        if name not in wanted:
+    plan = {"a": (proof_a, 170), "d": (proof_d, 260), "b": (proof_b, 110)}
+    for name in order:               # in the order asked: the first get the budget
+        if name == "a2" or (name == "b" and "d" in wanted):
             continue
+        fn, share = plan[name]
         share = budget.cap(share, reserve=5)
         if share < 30:
             out.record(name, passed=False, skipped=f"only {budget.left():.0f}s left")
@@ -292,7 +377,7 @@ def main() -> int:
                        traceback=traceback.format_exc()[-3000:])
         finally:
             kit.kill_all()
-    if "a" in wanted:
+    if "a2" in wanted:
         try:
             proof_a2(out, budget, env)
         except Exception as exc:  # noqa: BLE001

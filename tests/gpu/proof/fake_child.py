@@ -30,7 +30,12 @@ def main() -> int:
                                    "seen_release": True}))
         return 0
     job = argv[0]
-    opts = dict(zip(argv[1::2], argv[2::2]))
+    opts, rest = {}, argv[1:]
+    while rest:                               # "--key value" pairs, and bare flags
+        if len(rest) > 1 and not rest[1].startswith("--"):
+            opts[rest[0]], rest = rest[1], rest[2:]
+        else:
+            opts[rest[0]], rest = True, rest[1:]
     out = Path(opts["--out"])
     if opts.get("--mode") == "hang":
         time.sleep(3600)
@@ -41,7 +46,7 @@ def main() -> int:
                   "pressure": {"tokens": heavy, "cached_tokens": [16] * 200, "preemptions": 9},
                   "elastic": {"forced_cycles": 3, "granules_unmapped": 24, "granules_mapped": 24,
                               "map_failures": 0}, "start_s": 1.0}
-    elif job == "burst":
+    elif job == "burst" or (job == "throughput" and opts.get("--release")):
         progress = Path(opts["--progress"])
         progress.write_text(json.dumps({"phase": "peak", "mapped": 16 * GiB}))
         time.sleep(0.5)
@@ -54,13 +59,13 @@ def main() -> int:
         result = {"min_bytes": GiB, "burst1": {"peak_mapped_bytes": 16 * GiB},
                   "released": {"mapped_bytes": GiB, "seconds_after_burst": 13.0},
                   "burst2": {"peak_mapped_bytes": 16 * GiB}, "taker_done": go.exists()}
-    elif job == "throughput":
-        result = {"stock": {"passes": [{"output_tokens_per_s": 1000.0},
-                                       {"output_tokens_per_s": 1010.0}]},
-                  "elastic-auto": {"passes": [{"output_tokens_per_s": 990.0},
-                                              {"output_tokens_per_s": 1005.0}]}}
     else:
         result = {}
+    if job == "throughput":
+        modes = str(opts.get("--modes", "stock,elastic-auto")).split(",")
+        speeds = {"stock": (1000.0, 1010.0), "elastic-auto": (990.0, 1005.0)}
+        result.update({m: {"passes": [{"output_tokens_per_s": v} for v in speeds[m]]}
+                       for m in modes})
     time.sleep(0.2)
     out.write_text(json.dumps(result))
     return 0

@@ -4,10 +4,12 @@
         [--budget 410] [--requests 1000] [--compactor module:factory]
 
 (c) Two vLLM OpenAI servers (vLLM 0.26's api_server, dummy Llama-3.1-8B) on one GPU, on
-different ports, started one after the other. Schedule: a burst on A while B idles, then a
+different ports, started side by side (``--start``). Schedule: a burst on A while B idles, then a
 burst on B while A idles (``--rounds`` times). Run twice, on the same schedule:
 
-* static: two stock engines, ``gpu_memory_utilization 0.45`` each (a fixed split);
+* static: two stock engines, ``gpu_memory_utilization 0.45`` each (a fixed split; their
+  KV fixed at what 0.45 gives when profiled, ``--static-kv-gib``, so they can start side by
+  side);
 * elastic: two Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (more than half of the
   GPU) and a minimum of 2 GiB, release delay 2 s: the busy engine takes what the idle
@@ -24,7 +26,7 @@ other option.
 Files in $OUT: two_engines.json (rewritten after every burst), two_engines.log, and
 two_engines-logs.tgz (the four servers' logs). The driver never touches CUDA; servers run
 in their own process groups and are killed when their time is up or the driver exits.
-About 6-7 minutes (four engine start-ups, four bursts).
+About 4-5 minutes for two setups (two side-by-side start-ups of 90-130 s, four bursts of ~60 s).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
            "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", "2048"] + (["--enforce-eager"] if args.enforce_eager else [])
     if static:
-        return cmd + ["--gpu-memory-utilization", "0.45"]
+        cmd += ["--gpu-memory-utilization", "0.45"]
+        if args.static_kv_gib:                  # what 0.45 gives, fixed (see --static-kv-gib)
+            cmd += ["--kv-cache-memory-bytes", str(int(args.static_kv_gib * GiB))]
+        return cmd
     options = {"policy": "auto", "min_bytes": 2 * GiB, "max_bytes": int(args.max_gib * GiB),
                "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
                "stats_file": str(stats_file)}
@@ -172,7 +177,14 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
-        for key, port in ports.items():
+        # Side by side when each engine's KV is fixed (elastic: its maximum; static: the
+        # bytes 0.45 gives, --static-kv-gib): no start-up profiling for the other to upset.
+        # Profiled static engines (--static-kv-gib 0) start one after the other.
+        together = args.start == "parallel" and (not static or bool(args.static_kv_gib))
+        result["start"] = "parallel" if together else "sequential"
+        t0 = {}
+
+        def launch(key: str, port: int) -> None:
             engine_env = dict(env)
             if not static:
                 engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
@@ -183,16 +195,18 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     engine_env.pop("PROXIMA_COMPACTION", None)
             else:
                 engine_env.update(VLLM_PORT=str(23000 + 100 * (port - args.port)))
-            t0 = time.monotonic()
+            t0[key] = time.monotonic()
             out.log(f"  {name}: starting server {key} on port {port}")
             procs[key] = kit.start(server_cmd(port, static, args, stats[key]), engine_env,
                                    out.child_log(f"{name}-{key}"))
+
+        def await_healthy(key: str, port: int) -> None:
             up = kit.wait_for(lambda: healthy(port) or procs[key].poll() is not None,
                               budget.cap(240, reserve=60), every=1.0)
             if not up or not healthy(port):
                 raise RuntimeError(f"server {key} ({name}) did not become healthy: "
                                    f"{kit.tail(out.child_log(f'{name}-{key}'), 8)}")
-            result[f"start_{key}_s"] = round(time.monotonic() - t0, 1)
+            result[f"start_{key}_s"] = round(time.monotonic() - t0[key], 1)
             out.log(f"  {name}: server {key} healthy after {result[f'start_{key}_s']}s")
             if not static and not args.dry_run:
                 log = out.child_log(f"{name}-{key}").read_text(errors="replace")
@@ -201,6 +215,16 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     raise RuntimeError(f"server {key} runs without elastic KV memory (no "
                                        f"'Proxima elastic KV' line in its log: is Proxima's "
                                        f"entry point installed in /tmp/site?)")
+
+        if together:
+            for key, port in ports.items():
+                launch(key, port)
+            for key, port in ports.items():
+                await_healthy(key, port)
+        else:
+            for key, port in ports.items():
+                launch(key, port)
+                await_healthy(key, port)
         out.record("c", **{name: result})
         schedule = [x for r in range(args.rounds) for x in (("A", r), ("B", r))]
         t_all = time.perf_counter()
@@ -286,8 +310,16 @@ def main() -> int:
     ap.add_argument("--compactor", default=None, metavar="MODULE:FACTORY",
                     help="issue 14's compaction hook for the elastic servers (default: none)")
     ap.add_argument("--only", default="static,elastic",
-                    help="setups to run: static, elastic, compacted (elastic with KV "
-                         "compaction, issue 14) (default: %(default)s)")
+                    help="setups to run, in this order: static, elastic, compacted (elastic "
+                         "with KV compaction, issue 14) (default: %(default)s)")
+    ap.add_argument("--static-kv-gib", type=float, default=46.6,
+                    help="the static engines' KV, GiB: what gpu_memory_utilization 0.45 gave "
+                         "each of two stock engines started one after the other (46.62 and "
+                         "46.85 GiB, session 6 call 2), fixed so that they can start side by "
+                         "side; 0: profile at 0.45, one after the other (default: %(default)s)")
+    ap.add_argument("--start", choices=("parallel", "sequential"), default="parallel",
+                    help="start A and B side by side where their KV is fixed, or one after "
+                         "the other (default: %(default)s)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -295,6 +327,12 @@ def main() -> int:
                     help="CPU stand-in servers (fake_server.py): checks the orchestration, "
                          "proves nothing (default: off)")
     args = ap.parse_args()
+    order = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(order) - {"static", "elastic", "compacted"})
+    if unknown:
+        print(f"two_engines: unknown setup(s) {', '.join(unknown)} in --only: give static, "
+              f"elastic and/or compacted", file=sys.stderr)
+        return 2
     out = kit.Out(Path(args.out), "two_engines")
     budget = kit.Budget(args.budget)
     env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
@@ -303,9 +341,7 @@ def main() -> int:
             f"{args.max_gib} GiB, compactor {args.compactor}")
     out.results["settings"] = vars(args)
     results = {}
-    for name in ("static", "elastic", "compacted"):
-        if name not in args.only.split(","):
-            continue
+    for name in order:
         if budget.left() < (20 if args.dry_run else 120):
             out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left"})
             continue
