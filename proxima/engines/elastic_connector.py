@@ -73,6 +73,8 @@ from proxima.errors import UserError
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
+
+STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while steps run
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -208,6 +210,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.cycler: ForcedCycler | None = None
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
+        self._stats_written = 0.0           # when the stats file was last written (monotonic)
         self._pool = None
         self._last_allocated = 0
         self._step_allocs: deque[int] = deque(maxlen=64)
@@ -413,6 +416,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self.cycler.tick(self.steps)
         batch = self.channel.build()
         work = compactor.take_work() if compactor is not None else None
+        if self.options.stats_file and time.monotonic() - self._stats_written >= STATS_EVERY_S:
+            self.write_stats()            # a stats file follows busy and idle steps alike
         if batch is not None and self._pool is not None:
             publish = getattr(self._pool, "publish_status", None)
             if publish is not None:
@@ -510,6 +515,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             out["pool"] = self.queue.granule_stats()
         if self.policy is not None:
             out.update(self.policy.snapshot())
+            out["events"] = self.policy.stats.events[-20:]     # (time, grow/shrink/fail, n)
         else:
             live = self.queue.live_blocks() if self.queue is not None else None
             releasable = len(self.queue.releasable()) if self.queue is not None else 0
@@ -527,6 +533,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         path = self.options.stats_file
         if not path:
             return
+        self._stats_written = time.monotonic()
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(self.status(), f)

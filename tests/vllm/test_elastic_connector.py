@@ -478,6 +478,29 @@ def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(d
     conn.queue.check()
 
 
+def test_the_stats_file_follows_every_step_with_the_policys_recent_events(monkeypatch, tmp_path):
+    # written when due on any step, not only on steps whose ops the workers report (a
+    # stall with a map in flight must show in the file), with the last grows and shrinks
+    from proxima.engines import elastic_connector
+
+    monkeypatch.setattr(elastic_connector, "STATS_EVERY_S", 0.0)
+    writes = []
+    original = ProximaElasticConnector.write_stats
+
+    def counted(self):
+        writes.append(self.steps)
+        return original(self)
+
+    monkeypatch.setattr(ProximaElasticConnector, "write_stats", counted)
+    stats = tmp_path / "elastic.json"
+    scheduler, conn, worker, log, mapped = auto_run(32, stats_file=str(stats))
+    assert len(set(writes)) >= conn.steps - 1                 # every step wrote
+    written = json.loads(stats.read_text())
+    kinds = [e[1] for e in written["events"]]
+    assert "grow" in kinds and "shrink" in kinds
+    assert written["events"] == [list(e) for e in conn.policy.stats.events[-20:]]
+
+
 def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_once():
     import logging
 

@@ -126,6 +126,12 @@ def shutdown(llm) -> None:
 
 # ----------------------------------------------------------------------------- jobs
 
+def save(args, result: dict) -> None:
+    tmp = Path(f"{args.out}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, args.out)
+
+
 def job_identity(args, result: dict) -> None:
     stats = Path(tempfile.mkdtemp(prefix="proxima-proof-"))
     extra = {}
@@ -174,8 +180,10 @@ class Release:
     def _sample(self) -> None:
         while not self.stop.is_set():
             got, e = self.reported()
-            if e:
-                self.samples.append((round(time.time() - self.t0, 2), e.get("mapped_bytes"), got))
+            if e:     # (t, mapped, workers' mapped, mapping granules, free, wanted, grows)
+                self.samples.append((round(time.time() - self.t0, 2), e.get("mapped_bytes"), got,
+                                     e.get("mapping_granules"), e.get("free_blocks"),
+                                     e.get("wanted_free_blocks"), e.get("grows")))
             time.sleep(0.25)
 
     def wait(self, pred, timeout):
@@ -272,9 +280,13 @@ def job_throughput(args, result: dict) -> None:
             outs, elapsed = generate(llm, requests)
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             entry["passes"].append({"elapsed_s": round(elapsed, 3),
-                                    "output_tokens_per_s": round(out_tokens / elapsed, 1)})
+                                    "output_tokens_per_s": round(out_tokens / elapsed, 1),
+                                    "ended_s": round(time.time() - t0, 2)})
             llm.reset_prefix_cache()
+            save(args, result)               # what is done survives a timeout
         if rel is not None:
+            entry["timeline"] = rel.samples[::max(1, len(rel.samples) // 300)]
+            save(args, result)
             e = read(stats / f"{mode}-elastic.json") or {}
             result["min_bytes"] = e.get("min_bytes") or GiB
             rel.run(result, float(args.delay), result["min_bytes"], time.monotonic(),
@@ -307,7 +319,7 @@ def main() -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
         code = 1
-    Path(args.out).write_text(json.dumps(result))
+    save(args, result)
     return code
 
 
