@@ -75,6 +75,16 @@ from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChanne
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
 
 STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while steps run
+
+
+def _quantiles(seconds) -> dict | None:
+    """p50 / p99 / max of a window of durations, in ms (None: empty)."""
+    if not seconds:
+        return None
+    xs = sorted(seconds)
+    return {"p50": round(1e3 * xs[len(xs) // 2], 3),
+            "p99": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
+            "max": round(1e3 * xs[-1], 3), "n": len(xs)}
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -211,6 +221,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
         self._stats_written = 0.0           # when the stats file was last written (monotonic)
+        self._step_began: float | None = None
+        self._step_times: deque[float] = deque(maxlen=256)    # s between step starts
+        self._build_times: deque[float] = deque(maxlen=256)   # s in build_connector_meta
         self._pool = None
         self._last_allocated = 0
         self._step_allocs: deque[int] = deque(maxlen=64)
@@ -391,6 +404,16 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.steps += 1
         if self.channel is None:
             return ElasticMetadata()
+        began = time.perf_counter()
+        if self._step_began is not None:           # one engine step, as the scheduler sees it
+            self._step_times.append(began - self._step_began)
+        self._step_began = began
+        try:
+            return self._build(scheduler_output)
+        finally:
+            self._build_times.append(time.perf_counter() - began)
+
+    def _build(self, scheduler_output) -> KVConnectorMetadata:
         if self.options.verify:
             self._verify(scheduler_output)
         # --- KV compaction (issue 14): plan and apply on the scheduler's structures now,
@@ -524,6 +547,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                        reclaimable_bytes=releasable * B, pool_bytes=ch.num_granules * B)
         if self.compactor is not None:
             out["compaction"] = self.compactor.stats()
+        out["step_ms"] = _quantiles(self._step_times)          # the last 256 steps
+        out["connector_ms"] = _quantiles(self._build_times)
         return out
 
     def stats(self) -> dict:

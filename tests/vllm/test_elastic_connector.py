@@ -499,6 +499,9 @@ def test_the_stats_file_follows_every_step_with_the_policys_recent_events(monkey
     kinds = [e[1] for e in written["events"]]
     assert "grow" in kinds and "shrink" in kinds
     assert written["events"] == [list(e) for e in conn.policy.stats.events[-20:]]
+    # how long steps take as the scheduler sees them, and its own share of them
+    assert written["step_ms"]["n"] == min(256, conn.steps - 1)
+    assert 0 <= written["connector_ms"]["p50"] <= written["connector_ms"]["max"]
 
 
 def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_once():

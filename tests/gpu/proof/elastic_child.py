@@ -180,10 +180,13 @@ class Release:
     def _sample(self) -> None:
         while not self.stop.is_set():
             got, e = self.reported()
-            if e:     # (t, mapped, workers' mapped, mapping granules, free, wanted, grows)
+            if e:     # (t, mapped, workers' mapped, mapping granules, free, wanted, grows,
+                #          step ms p50 / max and connector ms max over the last 256 steps)
+                step, conn = e.get("step_ms") or {}, e.get("connector_ms") or {}
                 self.samples.append((round(time.time() - self.t0, 2), e.get("mapped_bytes"), got,
                                      e.get("mapping_granules"), e.get("free_blocks"),
-                                     e.get("wanted_free_blocks"), e.get("grows")))
+                                     e.get("wanted_free_blocks"), e.get("grows"),
+                                     step.get("p50"), step.get("max"), conn.get("max")))
             time.sleep(0.25)
 
     def wait(self, pred, timeout):
