@@ -24,9 +24,9 @@ step when none of its contents is live then; packed ideal as there):
 
 These are layouts, not proofs of optimality: the best layout without moves is an NP-hard
 busy-time schedule; the packed ideal stays the bound. A content occupies its id from one
-step before it first appears (a block freed and one allocated in the same step may not
-share an id: vLLM allocates in ``schedule()`` before it frees finished requests), so every
-layout here is one that could be realised.
+step before it first appears: a block freed and one allocated in the same step may not
+share an id (vLLM allocates in ``schedule()`` before it frees finished requests). A block
+allocated and freed within one step is seen neither by the tally nor here.
 """
 
 from __future__ import annotations
