@@ -105,7 +105,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                timeline_every: int = 0, async_scheduling: bool = False,
                granule_blocks: int = 32, elastic=None, compaction=None,
                compaction_budget_bytes: int | None = None,
-               bytes_per_block: int | None = None) -> ReplayResult:
+               bytes_per_block: int | None = None, on_sample=None) -> ReplayResult:
     """Replay ``workload`` once through one allocator (:class:`ReplayResult`).
 
     ``timeline_every``: every that many steps, record (step, free or evictable blocks,
@@ -121,7 +121,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     planned and applied to the scheduler's structures after every ``schedule()``, as the
     engine does; the copies are not made (no KV on CPU) but counted, in blocks and in
     bytes of ``bytes_per_block`` (default: Llama-3.1-8B's 2 MiB over 32 layers), within
-    ``compaction_budget_bytes`` per step."""
+    ``compaction_budget_bytes`` per step. ``on_sample``: ``fn(step, blocks)`` called with
+    vLLM's block list wherever the granule tally samples (:mod:`proxima.replay.oracle`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -166,7 +167,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
         elastic_run = ElasticRun(elastic, scheduler, granule_blocks)
     tally = ReclaimTally(num_blocks, granule_blocks,
-                         elastic.block_bytes(block_size) if elastic is not None else 0)
+                         elastic.block_bytes(block_size) if elastic is not None else 0,
+                         on_sample=on_sample)
 
     final_tables: list[list[int]] = []
     preemptions = 0

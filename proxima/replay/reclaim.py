@@ -31,7 +31,8 @@ _REF = attrgetter("ref_cnt")
 class ReclaimTally:
     """Per-step samples of one pool (see the module doc)."""
 
-    def __init__(self, num_blocks: int, granule_blocks: int, block_bytes: int = 0) -> None:
+    def __init__(self, num_blocks: int, granule_blocks: int, block_bytes: int = 0,
+                 on_sample=None) -> None:
         if granule_blocks < 1:
             raise ValueError(f"granule_blocks must be >= 1, got {granule_blocks}")
         self.num_blocks = num_blocks
@@ -45,10 +46,15 @@ class ReclaimTally:
         self._live = 0
         self._rows: list[tuple[int, int, int, int, int]] = []   # step, mapped, used, recl, live
         self._every = 1
+        #: ``fn(step, blocks)`` called at every sample, before it is counted (the no-move
+        #: bounds of :mod:`proxima.replay.oracle` record the live blocks there)
+        self.on_sample = on_sample
 
     def sample(self, step: int, blocks, mapped: int | None = None) -> None:
         """One step's state: ``blocks`` is vLLM's block list, ``mapped`` the mapped
         granules (None: all)."""
+        if self.on_sample is not None:
+            self.on_sample(step, blocks)
         refs = list(map(_REF, blocks))
         refs[0] = 1                               # the null block: never reclaimable
         G, ng = self.G, self.num_granules
