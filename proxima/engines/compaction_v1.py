@@ -214,13 +214,14 @@ class Compactor:
         self._step_id = None
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
+        self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
                          "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0}
+                         "scratch_used": 0, "pack_skipped": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -283,10 +284,23 @@ class Compactor:
         else:
             if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
                 self._defrag()
-            if self.pack:
+            if self.pack and self._pack_worthwhile(self.view()):
                 self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
                                       max_phases=self.max_phases))
         self._plan_seconds += time.perf_counter() - t0
+
+    def _pack_worthwhile(self, view: PoolView) -> bool:
+        """Auto mode packs only when it can gain: the live blocks occupy more granules than
+        they need, and (elastic policy) a granule emptied now could be given back
+        (``pack_gate``). A full, busy pool gains nothing from moves: they are skipped."""
+        if self.pack_gate is not None and not self.pack_gate():
+            self.counters["pack_skipped"] += 1
+            return False
+        live = view.live_per_granule()
+        if sum(1 for x in live if x) <= -(-sum(live) // self.granule_blocks):
+            self.counters["pack_skipped"] += 1
+            return False
+        return True
 
     def _defrag(self, attempts: int = 1) -> None:
         """Make the most fragmented running requests one run each (plan_run), displacing
@@ -905,19 +919,58 @@ class _WorkerState:
         self.limit = spare.stop if len(spare) else self.mover.num_blocks
 
 
+def worker_segments(work: CompactionWork, bpk: int, row_of) -> tuple[list, list]:
+    """The step's work as flat int lists for one upload (pure Python): per phase, its
+    single-block sources then destinations (kernel blocks: ``bpk`` per vLLM block); per
+    KV-cache group, the block-table rows, columns and new ids. Returns ``(segments,
+    index)``: ``index`` is ``[("move", phase number, count) | ("table", group, count)]``
+    (a table entry covers three segments: rows, columns, values). ``row_of``: request id
+    -> its table row (None: not held here)."""
+    segments: list = []
+    index: list = []
+    for p, phase in enumerate(work.phases):
+        src: list[int] = []
+        dst: list[int] = []
+        for s, d, n in phase:
+            src.extend(range(s * bpk, (s + n) * bpk))
+            dst.extend(range(d * bpk, (d + n) * bpk))
+        if src:
+            segments.append(src + dst)
+            index.append(("move", p, len(src)))
+    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for req_id, group, cols, ids in work.tables:
+        row = row_of(req_id)
+        if row is None:
+            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
+                               "worker does not hold: its block table cannot be updated")
+        r, c, v = rows.setdefault(group, ([], [], []))
+        for col, new in zip(cols, ids):
+            r.extend((row,) * bpk)
+            c.extend(range(col * bpk, (col + 1) * bpk))
+            v.extend(range(new * bpk, (new + 1) * bpk))
+    for group, (r, c, v) in rows.items():
+        segments += [r, c, v]
+        index.append(("table", group, len(r)))
+    return segments, index
+
+
 def apply_on_worker(runner, work: CompactionWork) -> None:
     """Copy the moved blocks (every layer, current stream) and write their new ids into the
-    runner's persistent block tables, before the step's forward reads either."""
+    runner's persistent block tables, before the step's forward reads either.
+
+    Nothing here waits for the GPU: the moves and the table writes of the whole step go up
+    in one pinned, non-blocking host-to-device copy (16-byte aligned segments, so the
+    kernel never compiles again for a new slice), then one mover launch per phase and one
+    indexed write per KV-cache group, all queued on the current stream; the CUDA events
+    that time it are read only once they have completed (a later step)."""
     import torch
+
+    from proxima.kernels.mover import pack_int64
 
     state = runner.__dict__.get("_proxima_compaction")
     if state is None:
         state = runner._proxima_compaction = _WorkerState(runner)
     cuda = state.mover.device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    k = state.bpk
     limit = state.limit
     for phase in work.phases:
         for s, d, n in phase:
@@ -925,37 +978,38 @@ def apply_on_worker(runner, work: CompactionWork) -> None:
                 raise RuntimeError(f"compaction: move ({s}, {d}, {n}) lies outside this "
                                    f"worker's KV blocks and scratch (0..{limit - 1}): the "
                                    "scheduler and the workers disagree on the settings")
-    for phase in work.phases:
-        state.mover.apply([s * k for s, _, _ in phase], [d * k for _, d, _ in phase],
-                          [n * k for _, _, n in phase], validate=False)
-    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    index = runner.req_states.req_id_to_index
-    for req_id, group, cols, ids in work.tables:
-        row = index.get(req_id)
-        if row is None:
-            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
-                               "worker does not hold: its block table cannot be updated")
-        r, c, v = rows.setdefault(group, ([], [], []))
-        for col, new in zip(cols, ids):
-            for j in range(k):
-                r.append(row)
-                c.append(col * k + j)
-                v.append(new * k + j)
-    for group, (r, c, v) in rows.items():
-        table = runner.block_tables.block_tables[group].gpu
-        dev = table.device
-        idx = torch.tensor([r, c], dtype=torch.int64)
-        vals = torch.tensor(v, dtype=table.dtype)
-        if dev.type == "cuda":
-            idx, vals = idx.pin_memory().to(dev, non_blocking=True), \
-                vals.pin_memory().to(dev, non_blocking=True)
-        table[idx[0], idx[1]] = vals
+    segments, index = worker_segments(work, state.bpk, runner.req_states.req_id_to_index.get)
+    if not segments:
+        _collect_times(state)
+        return
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    flat, offsets = pack_int64(segments)
+    host = torch.tensor(flat, dtype=torch.int64)
+    dev = state.mover.device
+    data = host.pin_memory().to(dev, non_blocking=True) if cuda else host.to(dev)
+    seg = iter(offsets)
+    for kind, which, count in index:
+        if kind == "move":
+            at = next(seg)
+            state.mover.apply_pairs(data[at:at + 2 * count], count)
+        else:
+            r, c, v = next(seg), next(seg), next(seg)
+            table = runner.block_tables.block_tables[which].gpu
+            vals = data[v:v + count]
+            table[data[r:r + count], data[c:c + count]] = vals.to(table.dtype)
     if cuda:
         end.record()
         state.pending.append((work.seq, start, end))
-        while state.pending and state.pending[0][2].query():
-            seq, s, e = state.pending.popleft()
-            _worker_times.append((seq, s.elapsed_time(e)))
+    _collect_times(state)
+
+
+def _collect_times(state: _WorkerState) -> None:
+    """Read the CUDA events of earlier steps that have completed (``query`` never waits)."""
+    while state.pending and state.pending[0][2].query():
+        seq, s, e = state.pending.popleft()
+        _worker_times.append((seq, s.elapsed_time(e)))
 
 
 def take_worker_times() -> tuple[tuple[int, float], ...]:

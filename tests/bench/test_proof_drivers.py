@@ -55,3 +55,37 @@ def test_a_child_that_outlives_its_time_is_killed_with_its_group(tmp_path):
                          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
                          "time.sleep(60)"], {"PATH": "/usr/bin:/bin"}, tmp_path / "c.log", 2)
     assert code == 124 and time.monotonic() - started < 20
+
+
+def _compaction_proof():
+    sys.path.insert(0, str(PROOF))
+    import compaction_proof
+
+    return compaction_proof
+
+
+def test_compaction_throughput_summary_uses_means_spread_and_drops_the_first_call():
+    proof = _compaction_proof()
+    rounds = [
+        {"mode": "off", "rate": 3400.0, "sched_ms_per_step": 4.0, "gc_ms": 10.0},
+        {"mode": "auto", "rate": 3350.0, "gpu_ms": [50.0, 0.1, 0.2], "plan_ms": [0.3, 0.2],
+         "sched_ms_per_step": 4.5, "gc_ms": 12.0},
+        {"mode": "off", "rate": 3500.0, "sched_ms_per_step": 4.2, "gc_ms": 9.0},
+        {"mode": "auto", "rate": 3450.0, "gpu_ms": [0.3, 0.4], "plan_ms": [0.1],
+         "sched_ms_per_step": 4.7, "gc_ms": 11.0},
+    ]
+    ok, s = proof.summarize_throughput(rounds)
+    assert ok and s["ratio"] == round(3400 / 3450, 4)
+    assert s["off_spread"] == round(100 / 3450, 4) and s["off_rel_stdev"] > 0
+    assert s["stall_gpu_ms_first_call"] == 50.0
+    assert s["stall_gpu_ms"]["n"] == 4 and s["stall_gpu_ms"]["max"] == 0.4   # JIT left out
+    assert s["plan_ms"]["n"] == 3
+    assert s["auto_over_neighbouring_off"] == [round(3350 / 3450, 4), round(3450 / 3500, 4)]
+    assert s["sched_ms_per_step"] == {"off": 4.1, "auto": 4.6}
+    # below target, and a single round of each is never conclusive
+    ok, s = proof.summarize_throughput([dict(rounds[0]), dict(rounds[1], rate=3000.0)])
+    assert not ok and s["ratio"] == round(3000 / 3400, 4) and s["off_spread"] is None
+    ok, s = proof.summarize_throughput(rounds[:1] + rounds[2:3])
+    assert not ok and s["ratio"] is None
+    ok, _ = proof.summarize_throughput(rounds[:2])
+    assert not ok and "not conclusive" in _["verdict"]
