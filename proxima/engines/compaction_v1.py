@@ -70,6 +70,7 @@ DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
 OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
 DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
+PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
 
@@ -215,13 +216,15 @@ class Compactor:
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
+        self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
+        self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
                          "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0, "pack_skipped": 0}
+                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -278,24 +281,39 @@ class Compactor:
         if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
             return
         t0 = time.perf_counter()
-        view = self.view()
         if self.mode.kind == "every":
-            self._apply(self._forced_plan(view))
+            self._apply(self._forced_plan(self.view()))
         else:
             if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
                 self._defrag()
-            if self.pack and self._pack_worthwhile(self.view()):
-                self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
-                                      max_phases=self.max_phases))
+            if self.pack and self._pack_worthwhile():
+                plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
+                                 max_phases=self.max_phases)
+                if plan:
+                    self._pack_idle = None
+                    self._apply(plan)
+                else:               # nothing to pack now: wait for blocks to be freed
+                    self._pack_idle = (self.steps, self._free_count())
         self._plan_seconds += time.perf_counter() - t0
 
-    def _pack_worthwhile(self, view: PoolView) -> bool:
-        """Auto mode packs only when it can gain: the live blocks occupy more granules than
-        they need, and (elastic policy) a granule emptied now could be given back
-        (``pack_gate``). A full, busy pool gains nothing from moves: they are skipped."""
+    def _free_count(self) -> int:
+        return self.pool.get_num_free_blocks()          # free and cached (freed requests)
+
+    def _pack_worthwhile(self) -> bool:
+        """Auto mode packs only when it can gain: (elastic policy) a granule emptied now
+        could be given back (``pack_gate``); the live blocks occupy more granules than they
+        need; and, after a pack that found nothing to do, only once blocks have been freed
+        since (or ``PACK_RETRY`` steps later). A full, busy pool gains nothing from moves:
+        they are skipped, planning included."""
         if self.pack_gate is not None and not self.pack_gate():
             self.counters["pack_skipped"] += 1
             return False
+        if self._pack_idle is not None:
+            step, free = self._pack_idle
+            if self.steps - step < PACK_RETRY and self._free_count() <= free:
+                self.counters["pack_skipped"] += 1
+                return False
+        view = self.view()
         live = view.live_per_granule()
         if sum(1 for x in live if x) <= -(-sum(live) // self.granule_blocks):
             self.counters["pack_skipped"] += 1
@@ -307,16 +325,19 @@ class Compactor:
         only free, cached and lone blocks of others, within what is left of the budget."""
         left = self.budget_blocks - len(self._relocations)
         tables = []
+        failed = self._defrag_failed
         for mgr in self._managers():
             for req_id, table in mgr.req_to_blocks.items():
-                if len(table) < 2 or len(table) > 2 * left:
+                if len(table) < 2 or len(table) > 2 * left or failed.get(req_id) == len(table):
                     continue
                 ids = [b.block_id for b in table if not b.is_null]
                 runs = count_runs(ids)
                 if runs > 1:
-                    tables.append((runs, req_id, ids))
+                    tables.append((runs, req_id, ids, len(table)))
+        if len(failed) > 4096:                 # finished requests' entries
+            failed.clear()
         tables.sort(key=lambda t: (-t[0], t[1]))
-        for runs, req_id, ids in tables[:attempts]:
+        for runs, req_id, ids, length in tables[:attempts]:
             left = self.budget_blocks - len(self._relocations)
             if left <= 0:
                 break
@@ -324,6 +345,11 @@ class Compactor:
                             movable=self._singletons())
             if plan and self._apply(plan):
                 self.counters["runs_merged"] += runs - 1
+                failed.pop(req_id, None)
+            else:
+                # no window now: not again until the table grows (or shrinks: preempted)
+                failed[req_id] = length
+                self.counters["defrag_failed"] += 1
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
@@ -514,13 +540,14 @@ class Compactor:
             lone_ids = set()
             for mgr in self._managers():
                 for req_id, table in mgr.req_to_blocks.items():
-                    last = len(table) - 1
-                    for i, blk in enumerate(table):
-                        x = blk.block_id
-                        if blk.is_null or blk.ref_cnt != 1 or x in pinned:
+                    ids = [b.block_id for b in table]
+                    # a block is lone unless a neighbour in the table is its neighbour id
+                    before = [-2] + ids[:-1]
+                    after = ids[1:] + [-2]
+                    for i, (blk, x, p, q) in enumerate(zip(table, ids, before, after)):
+                        if blk.ref_cnt != 1 or blk.is_null or x in pinned:
                             continue
-                        lone = not ((i > 0 and table[i - 1].block_id == x - 1) or
-                                    (i < last and table[i + 1].block_id == x + 1))
+                        lone = p != x - 1 and q != x + 1
                         owners[x] = (mgr, req_id, i, lone)
                         if lone:
                             lone_ids.add(x)
@@ -616,9 +643,8 @@ class Compactor:
             kinds[start:end] = bytes(end - start)
         for mgr in self._managers():
             for blocks in mgr.req_to_blocks.values():
-                for block in blocks:
-                    if not block.is_null:
-                        kinds[block.block_id] = LIVE
+                for block in blocks:                 # the null block: FIXED just below
+                    kinds[block.block_id] = LIVE
         kinds[pool.null_block.block_id] = FIXED
         if self.allocatable is not None:
             G = self.granule_blocks

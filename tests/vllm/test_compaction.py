@@ -349,6 +349,49 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     assert runner.unmapped > 0 and runner.checked > 10_000
 
 
+def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
+    """Policy auto on a pool the load keeps full (preemptions): packing gains nothing then
+    (no granule could be released), so the compactor does not even plan it -- plan_pack
+    runs only on steps where the policy could shrink; the run's moves come from placement
+    and run merging, and every slot still reads what was written."""
+    from proxima.replay.elastic import ReplayWorker
+
+    calls = []
+    real_pack = compaction_v1.plan_pack
+
+    def plan_pack(view, budget, **kw):
+        calls.append(conn.policy.could_shrink())
+        return real_pack(view, budget, **kw)
+
+    monkeypatch.setattr(compaction_v1, "plan_pack", plan_pack)
+    scheduler = build_scheduler(proxima=True, num_blocks=320,
+                                kv_transfer_config=ktc("auto", {"release_delay_s": 0.0}, mode="1"),
+                                max_num_batched_tokens=2048)
+    conn = scheduler.connector
+    compactor = conn.compactor
+    assert compactor.pack_gate == conn.policy.could_shrink
+    runner = ModelRunner(scheduler, compaction_v1.scratch_first(320, GRANULE)
+                         + compactor.scratch_blocks)
+    full = []
+    real_execute = runner.execute
+
+    def execute(out):
+        full.append(not conn.policy.could_shrink())
+        real_execute(out)
+
+    runner.execute = execute
+    vllm_v1.activate()
+    try:
+        drive(scheduler, specs(80), runner, 1, worker=ReplayWorker(conn.channel, None))
+    finally:
+        vllm_v1.deactivate()
+    c = compactor.counters
+    assert sum(full) > 0.5 * len(full)              # the pool was full most of the run
+    assert c["pack_skipped"] >= sum(full) - 1        # and then no pack was planned
+    assert all(calls)                                # plans only where it could release
+    assert runner.checked > 10_000 and runner.moves > 0
+
+
 # ----------------------------------------------------------------------------- settings
 
 @pytest.mark.parametrize("extra, message", [
