@@ -74,6 +74,20 @@ PACK_RETRY = 8                      # auto mode: steps after a pack found nothin
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
 
+def _tail(ids: list[int]) -> list[int]:
+    """The blocks after a table's longest run (its prompt, mostly): the decode blocks that
+    each landed where a block was free. Merging them alone needs a window of their count,
+    not of the whole table's (the pool under pressure rarely has one that long)."""
+    best_end, best_len, start = 0, 0, 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            if i - start > best_len:
+                best_len, best_end = i - start, i
+            start = i
+    tail = ids[best_end:]
+    return tail if count_runs(tail) > 1 else []
+
+
 def scratch_first(num_blocks: int, granule_blocks: int) -> int:
     """The first scratch block id: the pool rounded up to whole granules."""
     return -(-num_blocks // granule_blocks) * granule_blocks
@@ -338,13 +352,18 @@ class Compactor:
             failed.clear()
         tables.sort(key=lambda t: (-t[0], t[1]))
         for runs, req_id, ids, length in tables[:attempts]:
-            left = self.budget_blocks - len(self._relocations)
-            if left <= 0:
-                break
-            plan = plan_run(self.view(), ids, left, max_phases=self.max_phases,
-                            movable=self._singletons())
-            if plan and self._apply(plan):
-                self.counters["runs_merged"] += runs - 1
+            merged = 0
+            for part in (ids, _tail(ids)):
+                left = self.budget_blocks - len(self._relocations)
+                if left <= 0 or len(part) < 2:
+                    continue
+                plan = plan_run(self.view(), part, left, max_phases=self.max_phases,
+                                movable=self._singletons())
+                if plan and self._apply(plan):
+                    merged = count_runs(part) - 1
+                    break
+            if merged:
+                self.counters["runs_merged"] += merged
                 failed.pop(req_id, None)
             else:
                 # no window now: not again until the table grows (or shrinks: preempted)
