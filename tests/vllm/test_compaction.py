@@ -465,3 +465,11 @@ def test_the_worker_hook_wraps_and_unwraps_update_requests():
         compaction_v1.apply_on_worker = real
         compaction_v1.uninstall_worker_hook()
     assert "__wrapped__" not in Runner.update_requests.__dict__
+
+
+def test_the_tail_to_merge_is_what_follows_the_longest_run():
+    tail = compaction_v1._tail
+    assert tail([10, 11, 12, 13, 40, 7, 8, 90]) == [40, 7, 8, 90]
+    assert tail([5, 60, 61, 62, 9, 3]) == [9, 3]          # a head before it stays
+    assert tail([10, 11, 12, 40]) == []                    # one block after it: one run
+    assert tail([1, 2, 3]) == []
