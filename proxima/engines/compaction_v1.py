@@ -70,6 +70,7 @@ DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
 OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
 DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
+DEFRAG_FULL_EVERY = 16              # the same while the elastic policy could release nothing
 PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
@@ -232,6 +233,7 @@ class Compactor:
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
         self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
         self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
+        self._gain = True           # this step: pack_gate's answer (placement follows it)
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
@@ -298,7 +300,11 @@ class Compactor:
         if self.mode.kind == "every":
             self._apply(self._forced_plan(self.view()))
         else:
-            if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
+            # run merging: every DEFRAG_EVERY steps, DEFRAG_FULL_EVERY while nothing could
+            # be given back (a full pool: placement is off then, runs matter less than
+            # the CPU each merge costs the step)
+            every = DEFRAG_EVERY if self._gain else DEFRAG_FULL_EVERY
+            if self.defrag and self.steps % (every * self.interval) == 0:
                 self._defrag()
             if self.pack and self._pack_worthwhile():
                 plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
@@ -426,6 +432,11 @@ class Compactor:
         if not (self.steer and self.enabled):
             return new_blocks
         self._sync_step()
+        if self.mode.kind == "auto" and not self._gain:
+            # nothing could be given back now (a pool the load keeps full): placing for
+            # release gains nothing, and its copies and its CPU per allocation are not free
+            self._count("skipped_full")
+            return new_blocks
         pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
         steer = [b for b in new_blocks if id(b) not in pending_cow]
         k = len(steer)
@@ -603,6 +614,7 @@ class Compactor:
         self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
         if step != self._step_id:
             self._step_id = step
+            self._gain = self.pack_gate is None or self.pack_gate()
             self._view = None
             self._pinned = set()
             self._plan_seconds = 0.0

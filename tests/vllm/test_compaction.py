@@ -350,10 +350,11 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
 
 
 def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
-    """Policy auto on a pool the load keeps full (preemptions): packing gains nothing then
-    (no granule could be released), so the compactor does not even plan it -- plan_pack
-    runs only on steps where the policy could shrink; the run's moves come from placement
-    and run merging, and every slot still reads what was written."""
+    """Policy auto on a pool the load keeps full (preemptions): packing and placing for
+    release gain nothing then (no granule could be released), so the compactor does not
+    even plan them -- plan_pack runs only on steps where the policy could shrink, placement
+    is skipped on the others; the moves come from the steps with room and from run
+    merging, and every slot still reads what was written."""
     from proxima.replay.elastic import ReplayWorker
 
     calls = []
@@ -389,6 +390,7 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     assert sum(full) > 0.5 * len(full)              # the pool was full most of the run
     assert c["pack_skipped"] >= sum(full) - 1        # and then no pack was planned
     assert all(calls)                                # plans only where it could release
+    assert compactor.placements.get("skipped_full", 0) > 0
     assert runner.checked > 10_000 and runner.moves > 0
 
 
