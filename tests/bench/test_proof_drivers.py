@@ -89,3 +89,56 @@ def test_compaction_throughput_summary_uses_means_spread_and_drops_the_first_cal
     assert not ok and s["ratio"] is None
     ok, _ = proof.summarize_throughput(rounds[:2])
     assert not ok and "not conclusive" in _["verdict"]
+
+
+def test_compaction_throughput_rounds_interleave_and_stop_on_the_budget(tmp_path, monkeypatch):
+    """The throughput sub-proof's orchestration with a stand-in engine (vLLM's own
+    SamplingParams and Scheduler are imported, nothing runs on a GPU): rounds alternate
+    off/auto, every round is reported, a round starts only if both its runs fit."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from collections import deque
+    from types import SimpleNamespace
+
+    proof = _compaction_proof()
+    p = proof.Proof(tmp_path, total=100.0)
+    clock = [0.0]
+    monkeypatch.setattr(proof.time, "monotonic", lambda: clock[0])
+    p.t0 = 0.0
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            clock[0] += 20.0                      # each run: 20 s of the 100
+            out = SimpleNamespace(token_ids=[1] * params.max_tokens)
+            return [SimpleNamespace(outputs=[out], num_cached_tokens=3) for _ in prompts]
+
+    class Compactor:
+        modes: list = []
+
+        def set_mode(self, mode):
+            self.modes.append(mode)
+
+        def reset_metrics(self):
+            self.gpu_ms = SimpleNamespace(steps=deque([0.5, 0.1]))
+            self.plan_ms = SimpleNamespace(steps=deque([0.2]))
+
+        def stats(self):
+            return {"steps_with_moves": 1, "bytes_moved": 2 << 20, "pack_skipped": 0}
+
+    probe = proof._Probe()
+    try:
+        entry = {}
+        ok, details = proof.throughput(LLM(), Compactor(), p, 5, probe)(entry)
+    finally:
+        probe.close()
+    modes = [r["mode"] for r in entry["rounds"]]
+    assert modes == ["off", "auto", "off", "auto"]     # a third pair would not fit
+    assert Compactor.modes[0] is None and Compactor.modes[1].kind == "auto"
+    s = details["summary"]
+    assert s["ratio"] == 1.0 and s["stall_gpu_ms_first_call"] == 0.5 and ok
+    from proxima.engines import compaction_v1
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert Scheduler.schedule.__name__ == "schedule"          # the probe put them back
+    assert compaction_v1.apply_on_worker.__name__ == "apply_on_worker"
