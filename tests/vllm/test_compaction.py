@@ -210,6 +210,17 @@ def drive(scheduler, workload, runner, depth=1, worker=None):
     return log, tuple(hits)
 
 
+def drive_elastic(scheduler, workload, runner, conn):
+    """:func:`drive` with the elastic policy's maps confirmed by the replay's worker."""
+    from proxima.replay.elastic import ReplayWorker
+
+    vllm_v1.activate()
+    try:
+        return drive(scheduler, workload, runner, 1, worker=ReplayWorker(conn.channel, None))
+    finally:
+        vllm_v1.deactivate()
+
+
 def run(num_blocks, depth=1, workload=None, **compaction):
     scheduler = build_scheduler(proxima=True, num_blocks=num_blocks,
                                 async_scheduling=depth == 2, kv_transfer_config=ktc(**compaction),
@@ -328,7 +339,6 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     compactor = conn.compactor
     runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
-    from proxima.replay.elastic import ReplayWorker
 
     real_execute, steps = runner.execute, [0]
 
@@ -339,11 +349,7 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
             assert "error" not in conn.control({"max_bytes": 8 * GRANULE * PAGE})
 
     runner.execute = execute
-    vllm_v1.activate()
-    try:
-        drive(scheduler, specs(60), runner, 1, worker=ReplayWorker(conn.channel, None))
-    finally:
-        vllm_v1.deactivate()
+    drive_elastic(scheduler, specs(60), runner, conn)
     assert conn.policy.stats.compactor_calls > 0
     assert compactor.counters["evacuations_done"] > 0
     assert runner.unmapped > 0 and runner.checked > 10_000
@@ -355,8 +361,6 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     even plan them -- plan_pack runs only on steps where the policy could shrink, placement
     is skipped on the others; the moves come from the steps with room and from run
     merging, and every slot still reads what was written."""
-    from proxima.replay.elastic import ReplayWorker
-
     calls = []
     real_pack = compaction_v1.plan_pack
 
@@ -381,11 +385,7 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
         real_execute(out)
 
     runner.execute = execute
-    vllm_v1.activate()
-    try:
-        drive(scheduler, specs(80), runner, 1, worker=ReplayWorker(conn.channel, None))
-    finally:
-        vllm_v1.deactivate()
+    drive_elastic(scheduler, specs(80), runner, conn)
     c = compactor.counters
     assert sum(full) > 0.5 * len(full)              # the pool was full most of the run
     assert c["pack_skipped"] >= sum(full) - 1        # and then no pack was planned
