@@ -437,6 +437,13 @@ class Compactor:
             # release gains nothing, and its copies and its CPU per allocation are not free
             self._count("skipped_full")
             return new_blocks
+        t0 = time.perf_counter()
+        try:
+            return self._place(mgr, request_id, new_blocks)
+        finally:                      # placement is planning too (the plan_ms figure)
+            self._plan_seconds += time.perf_counter() - t0
+
+    def _place(self, mgr, request_id: str, new_blocks: list) -> list:
         pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
         steer = [b for b in new_blocks if id(b) not in pending_cow]
         k = len(steer)
