@@ -221,7 +221,7 @@ def identity(llm, compactor, proof, probe):
             runs[mode] = tokens
             entry.setdefault("runs", {})[mode] = {
                 "wall_s": round(wall, 2), "preemptions": preempted, "cached_tokens": cached,
-                "worker_syncs": probe.syncs,
+                "worker_syncs": probe.syncs, "syncs_during_worker": probe.syncs_any,
                 "compaction": {k: stats[k] for k in (
                     "relocations", "live_moved", "cached_moved", "shared_moved",
                     "scratch_used", "steered", "live_displaced", "steps_with_moves",
@@ -234,7 +234,8 @@ def identity(llm, compactor, proof, probe):
                      for m, t in runs.items() if m != "off"}
         moved = {m: entry["runs"][m]["compaction"]["relocations"] for m in differing}
         probe.check_syncs = False
-        syncs = {m: entry["runs"][m]["worker_syncs"] for m in runs}
+        syncs = {m: (entry["runs"][m]["worker_syncs"], entry["runs"][m]["syncs_during_worker"])
+                 for m in runs}
         ok = (all(not d for d in differing.values()) and all(v > 0 for v in moved.values())
               and all(len(t) == len(ref) for t in runs.values())
               and entry["runs"]["off"]["preemptions"] > 0
@@ -242,7 +243,7 @@ def identity(llm, compactor, proof, probe):
         return ok, {"summary": {"differing_requests": {m: len(d) for m, d in differing.items()},
                                 "block_copies": moved,
                                 "preemptions": entry["runs"]["off"]["preemptions"],
-                                "worker_syncs": syncs},
+                                "worker_syncs_ours_any": syncs},
                     "differing": {m: d[:10] for m, d in differing.items()}}
     return body
 
@@ -338,6 +339,7 @@ class _Probe:
         self.steps = 0
         self.gc_s = 0.0
         self.syncs = 0
+        self.syncs_any = 0
         self.check_syncs = False
         self._gc_t = None
         self._undo = []
@@ -374,21 +376,26 @@ class _Probe:
 
             if not probe.check_syncs:
                 return worker(runner, work)
+            cuda = torch.cuda.is_available()
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode(1)
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(1)
                 try:
                     return worker(runner, work)
                 finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                    probe.syncs += sum(1 for w in seen if "synchroniz" in str(w.message)
-                                       and any(d in str(w.filename).replace(os.sep, "/")
-                                               for d in ("proxima/engines/",
-                                                         "proxima/kernels/")))
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode(0)
+                    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+                    probe.syncs_any += len(syncs)       # any thread, Triton's launcher too
+                    probe.syncs += sum(1 for w in syncs
+                                       if any(d in str(w.filename).replace(os.sep, "/")
+                                              for d in ("proxima/engines/",
+                                                        "proxima/kernels/")))
         compaction_v1.apply_on_worker = checked
 
     def reset(self) -> None:
-        self.sched_s, self.steps, self.gc_s, self.syncs = 0.0, 0, 0.0, 0
+        self.sched_s, self.steps, self.gc_s, self.syncs, self.syncs_any = 0.0, 0, 0.0, 0, 0
 
     def close(self) -> None:
         """Put back what was wrapped."""
