@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Iterable, Sequence
 
 FREE, CACHED, LIVE, FIXED = 0, 1, 2, 3
@@ -860,30 +861,38 @@ def _cheapest_window(view: PoolView, k: int, mine: set[int], lone: set[int],
     ``movable`` blocks (FREE, CACHED, lone and own ids cost nothing; anything else cannot
     be displaced), or None."""
     kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
-    big = k + 1
-    cost = [big] * n
-    for i in range(n):
-        kind = kinds[i]
-        if kind == FREE or kind == CACHED:
-            cost[i] = 0
-        elif kind == LIVE:
-            if i in lone:
-                cost[i] = 0
-            elif i in movable:
-                cost[i] = 1
-    for x in pinned:
-        cost[x] = big
-    for x in mine:
-        cost[x] = 0
     if n < k:
         return None
+    big = k + 1
+    # per-id costs from the kinds by translation (C speed), then the few exceptions
+    cost = bytearray(kinds[:n].translate(_WINDOW_COST))
+    for i in movable:
+        if i < n and kinds[i] == LIVE:
+            cost[i] = 1
+    for i in lone:
+        if i < n and kinds[i] == LIVE:
+            cost[i] = 0
+    for x in pinned:
+        if x < n:
+            cost[x] = 2
+    for x in mine:
+        cost[x] = 0
+    # windows holding no impossible id (2), the cheapest lowest first
+    prefix = list(accumulate(cost, initial=0))
+    impossible = list(accumulate((c == 2 for c in cost), initial=0))
     best = None
-    window = sum(cost[:k])
     for start in range(0, n - k + 1):
-        if start:
-            window += cost[start + k - 1] - cost[start - 1]
-        if window < big and (best is None or window < best[1]):
+        if impossible[start + k] != impossible[start]:
+            continue
+        window = prefix[start + k] - prefix[start]
+        if best is None or window < best[1]:
             best = (start, window)
             if window == 0:
                 break
+    if best is not None and best[1] >= big:
+        return None
     return best
+
+
+# FREE and CACHED cost nothing; LIVE (unless movable or lone) and FIXED cannot be displaced
+_WINDOW_COST = bytes(0 if i in (FREE, CACHED) else 2 for i in range(256))

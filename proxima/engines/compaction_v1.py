@@ -70,7 +70,23 @@ DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
 OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
 DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
+DEFRAG_FULL_EVERY = 16              # the same while the elastic policy could release nothing
+PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
+
+
+def _tail(ids: list[int]) -> list[int]:
+    """The blocks after a table's longest run (its prompt, mostly): the decode blocks that
+    each landed where a block was free. Merging them alone needs a window of their count,
+    not of the whole table's (the pool under pressure rarely has one that long)."""
+    best_end, best_len, start = 0, 0, 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            if i - start > best_len:
+                best_len, best_end = i - start, i
+            start = i
+    tail = ids[best_end:]
+    return tail if count_runs(tail) > 1 else []
 
 
 def scratch_first(num_blocks: int, granule_blocks: int) -> int:
@@ -214,13 +230,17 @@ class Compactor:
         self._step_id = None
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
+        self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
+        self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
+        self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
+        self._gain = True           # this step: pack_gate's answer (placement follows it)
         self._plan_seconds = 0.0
         self.counters = {"steps_with_moves": 0, "relocations": 0, "live_moved": 0,
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
                          "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0}
+                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -277,39 +297,84 @@ class Compactor:
         if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
             return
         t0 = time.perf_counter()
-        view = self.view()
         if self.mode.kind == "every":
-            self._apply(self._forced_plan(view))
+            self._apply(self._forced_plan(self.view()))
         else:
-            if self.defrag and self.steps % (DEFRAG_EVERY * self.interval) == 0:
+            # run merging: every DEFRAG_EVERY steps, DEFRAG_FULL_EVERY while nothing could
+            # be given back (a full pool: placement is off then, runs matter less than
+            # the CPU each merge costs the step)
+            every = DEFRAG_EVERY if self._gain else DEFRAG_FULL_EVERY
+            if self.defrag and self.steps % (every * self.interval) == 0:
                 self._defrag()
-            if self.pack:
-                self._apply(plan_pack(self.view(), self.budget_blocks - len(self._relocations),
-                                      max_phases=self.max_phases))
+            if self.pack and self._pack_worthwhile():
+                plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
+                                 max_phases=self.max_phases)
+                if plan:
+                    self._pack_idle = None
+                    self._apply(plan)
+                else:               # nothing to pack now: wait for blocks to be freed
+                    self._pack_idle = (self.steps, self._free_count())
         self._plan_seconds += time.perf_counter() - t0
+
+    def _free_count(self) -> int:
+        return self.pool.get_num_free_blocks()          # free and cached (freed requests)
+
+    def _pack_worthwhile(self) -> bool:
+        """Auto mode packs only when it can gain: (elastic policy) a granule emptied now
+        could be given back (``pack_gate``); the live blocks occupy more granules than they
+        need; and, after a pack that found nothing to do, only once blocks have been freed
+        since (or ``PACK_RETRY`` steps later). A full, busy pool gains nothing from moves:
+        they are skipped, planning included."""
+        if self.pack_gate is not None and not self.pack_gate():
+            self.counters["pack_skipped"] += 1
+            return False
+        if self._pack_idle is not None:
+            step, free = self._pack_idle
+            if self.steps - step < PACK_RETRY and self._free_count() <= free:
+                self.counters["pack_skipped"] += 1
+                return False
+        view = self.view()
+        live = view.live_per_granule()
+        if sum(1 for x in live if x) <= -(-sum(live) // self.granule_blocks):
+            self.counters["pack_skipped"] += 1
+            return False
+        return True
 
     def _defrag(self, attempts: int = 1) -> None:
         """Make the most fragmented running requests one run each (plan_run), displacing
         only free, cached and lone blocks of others, within what is left of the budget."""
         left = self.budget_blocks - len(self._relocations)
         tables = []
+        failed = self._defrag_failed
         for mgr in self._managers():
             for req_id, table in mgr.req_to_blocks.items():
-                if len(table) < 2 or len(table) > 2 * left:
+                if len(table) < 2 or len(table) > 2 * left or failed.get(req_id) == len(table):
                     continue
                 ids = [b.block_id for b in table if not b.is_null]
                 runs = count_runs(ids)
                 if runs > 1:
-                    tables.append((runs, req_id, ids))
+                    tables.append((runs, req_id, ids, len(table)))
+        if len(failed) > 4096:                 # finished requests' entries
+            failed.clear()
         tables.sort(key=lambda t: (-t[0], t[1]))
-        for runs, req_id, ids in tables[:attempts]:
-            left = self.budget_blocks - len(self._relocations)
-            if left <= 0:
-                break
-            plan = plan_run(self.view(), ids, left, max_phases=self.max_phases,
-                            movable=self._singletons())
-            if plan and self._apply(plan):
-                self.counters["runs_merged"] += runs - 1
+        for runs, req_id, ids, length in tables[:attempts]:
+            merged = 0
+            for part in (ids, _tail(ids)):
+                left = self.budget_blocks - len(self._relocations)
+                if left <= 0 or len(part) < 2:
+                    continue
+                plan = plan_run(self.view(), part, left, max_phases=self.max_phases,
+                                movable=self._singletons())
+                if plan and self._apply(plan):
+                    merged = count_runs(part) - 1
+                    break
+            if merged:
+                self.counters["runs_merged"] += merged
+                failed.pop(req_id, None)
+            else:
+                # no window now: not again until the table grows (or shrinks: preempted)
+                failed[req_id] = length
+                self.counters["defrag_failed"] += 1
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
@@ -367,6 +432,18 @@ class Compactor:
         if not (self.steer and self.enabled):
             return new_blocks
         self._sync_step()
+        if self.mode.kind == "auto" and not self._gain:
+            # nothing could be given back now (a pool the load keeps full): placing for
+            # release gains nothing, and its copies and its CPU per allocation are not free
+            self._count("skipped_full")
+            return new_blocks
+        t0 = time.perf_counter()
+        try:
+            return self._place(mgr, request_id, new_blocks)
+        finally:                      # placement is planning too (the plan_ms figure)
+            self._plan_seconds += time.perf_counter() - t0
+
+    def _place(self, mgr, request_id: str, new_blocks: list) -> list:
         pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
         steer = [b for b in new_blocks if id(b) not in pending_cow]
         k = len(steer)
@@ -500,13 +577,14 @@ class Compactor:
             lone_ids = set()
             for mgr in self._managers():
                 for req_id, table in mgr.req_to_blocks.items():
-                    last = len(table) - 1
-                    for i, blk in enumerate(table):
-                        x = blk.block_id
-                        if blk.is_null or blk.ref_cnt != 1 or x in pinned:
+                    ids = [b.block_id for b in table]
+                    # a block is lone unless a neighbour in the table is its neighbour id
+                    before = [-2] + ids[:-1]
+                    after = ids[1:] + [-2]
+                    for i, (blk, x, p, q) in enumerate(zip(table, ids, before, after)):
+                        if blk.ref_cnt != 1 or blk.is_null or x in pinned:
                             continue
-                        lone = not ((i > 0 and table[i - 1].block_id == x - 1) or
-                                    (i < last and table[i + 1].block_id == x + 1))
+                        lone = p != x - 1 and q != x + 1
                         owners[x] = (mgr, req_id, i, lone)
                         if lone:
                             lone_ids.add(x)
@@ -543,6 +621,7 @@ class Compactor:
         self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
         if step != self._step_id:
             self._step_id = step
+            self._gain = self.pack_gate is None or self.pack_gate()
             self._view = None
             self._pinned = set()
             self._plan_seconds = 0.0
@@ -602,9 +681,8 @@ class Compactor:
             kinds[start:end] = bytes(end - start)
         for mgr in self._managers():
             for blocks in mgr.req_to_blocks.values():
-                for block in blocks:
-                    if not block.is_null:
-                        kinds[block.block_id] = LIVE
+                for block in blocks:                 # the null block: FIXED just below
+                    kinds[block.block_id] = LIVE
         kinds[pool.null_block.block_id] = FIXED
         if self.allocatable is not None:
             G = self.granule_blocks
@@ -905,19 +983,58 @@ class _WorkerState:
         self.limit = spare.stop if len(spare) else self.mover.num_blocks
 
 
+def worker_segments(work: CompactionWork, bpk: int, row_of) -> tuple[list, list]:
+    """The step's work as flat int lists for one upload (pure Python): per phase, its
+    single-block sources then destinations (kernel blocks: ``bpk`` per vLLM block); per
+    KV-cache group, the block-table rows, columns and new ids. Returns ``(segments,
+    index)``: ``index`` is ``[("move", phase number, count) | ("table", group, count)]``
+    (a table entry covers three segments: rows, columns, values). ``row_of``: request id
+    -> its table row (None: not held here)."""
+    segments: list = []
+    index: list = []
+    for p, phase in enumerate(work.phases):
+        src: list[int] = []
+        dst: list[int] = []
+        for s, d, n in phase:
+            src.extend(range(s * bpk, (s + n) * bpk))
+            dst.extend(range(d * bpk, (d + n) * bpk))
+        if src:
+            segments.append(src + dst)
+            index.append(("move", p, len(src)))
+    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for req_id, group, cols, ids in work.tables:
+        row = row_of(req_id)
+        if row is None:
+            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
+                               "worker does not hold: its block table cannot be updated")
+        r, c, v = rows.setdefault(group, ([], [], []))
+        for col, new in zip(cols, ids):
+            r.extend((row,) * bpk)
+            c.extend(range(col * bpk, (col + 1) * bpk))
+            v.extend(range(new * bpk, (new + 1) * bpk))
+    for group, (r, c, v) in rows.items():
+        segments += [r, c, v]
+        index.append(("table", group, len(r)))
+    return segments, index
+
+
 def apply_on_worker(runner, work: CompactionWork) -> None:
     """Copy the moved blocks (every layer, current stream) and write their new ids into the
-    runner's persistent block tables, before the step's forward reads either."""
+    runner's persistent block tables, before the step's forward reads either.
+
+    Nothing here waits for the GPU: the moves and the table writes of the whole step go up
+    in one pinned, non-blocking host-to-device copy (16-byte aligned segments, so the
+    kernel never compiles again for a new slice), then one mover launch per phase and one
+    indexed write per KV-cache group, all queued on the current stream; the CUDA events
+    that time it are read only once they have completed (a later step)."""
     import torch
+
+    from proxima.kernels.mover import pack_int64
 
     state = runner.__dict__.get("_proxima_compaction")
     if state is None:
         state = runner._proxima_compaction = _WorkerState(runner)
     cuda = state.mover.device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    k = state.bpk
     limit = state.limit
     for phase in work.phases:
         for s, d, n in phase:
@@ -925,37 +1042,38 @@ def apply_on_worker(runner, work: CompactionWork) -> None:
                 raise RuntimeError(f"compaction: move ({s}, {d}, {n}) lies outside this "
                                    f"worker's KV blocks and scratch (0..{limit - 1}): the "
                                    "scheduler and the workers disagree on the settings")
-    for phase in work.phases:
-        state.mover.apply([s * k for s, _, _ in phase], [d * k for _, d, _ in phase],
-                          [n * k for _, _, n in phase], validate=False)
-    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    index = runner.req_states.req_id_to_index
-    for req_id, group, cols, ids in work.tables:
-        row = index.get(req_id)
-        if row is None:
-            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
-                               "worker does not hold: its block table cannot be updated")
-        r, c, v = rows.setdefault(group, ([], [], []))
-        for col, new in zip(cols, ids):
-            for j in range(k):
-                r.append(row)
-                c.append(col * k + j)
-                v.append(new * k + j)
-    for group, (r, c, v) in rows.items():
-        table = runner.block_tables.block_tables[group].gpu
-        dev = table.device
-        idx = torch.tensor([r, c], dtype=torch.int64)
-        vals = torch.tensor(v, dtype=table.dtype)
-        if dev.type == "cuda":
-            idx, vals = idx.pin_memory().to(dev, non_blocking=True), \
-                vals.pin_memory().to(dev, non_blocking=True)
-        table[idx[0], idx[1]] = vals
+    segments, index = worker_segments(work, state.bpk, runner.req_states.req_id_to_index.get)
+    if not segments:
+        _collect_times(state)
+        return
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    flat, offsets = pack_int64(segments)
+    host = torch.tensor(flat, dtype=torch.int64)
+    dev = state.mover.device
+    data = host.pin_memory().to(dev, non_blocking=True) if cuda else host.to(dev)
+    seg = iter(offsets)
+    for kind, which, count in index:
+        if kind == "move":
+            at = next(seg)
+            state.mover.apply_pairs(data[at:at + 2 * count], count)
+        else:
+            r, c, v = next(seg), next(seg), next(seg)
+            table = runner.block_tables.block_tables[which].gpu
+            vals = data[v:v + count]
+            table[data[r:r + count], data[c:c + count]] = vals.to(table.dtype)
     if cuda:
         end.record()
         state.pending.append((work.seq, start, end))
-        while state.pending and state.pending[0][2].query():
-            seq, s, e = state.pending.popleft()
-            _worker_times.append((seq, s.elapsed_time(e)))
+    _collect_times(state)
+
+
+def _collect_times(state: _WorkerState) -> None:
+    """Read the CUDA events of earlier steps that have completed (``query`` never waits)."""
+    while state.pending and state.pending[0][2].query():
+        seq, s, e = state.pending.popleft()
+        _worker_times.append((seq, s.elapsed_time(e)))
 
 
 def take_worker_times() -> tuple[tuple[int, float], ...]:

@@ -351,6 +351,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
                 clock=lambda: self.clock(), forecast=self._forecast,
                 compactor=self._load_compactor())
+            if self.compactor is not None:       # auto mode packs only what could be released
+                self.compactor.pack_gate = self.policy.could_shrink
         if opts.force_cycle_every:
             self.cycler = ForcedCycler(queue, ch, opts.force_cycle_every,
                                        opts.force_cycle_hold, opts.force_cycle_granules,

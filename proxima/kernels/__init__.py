@@ -20,6 +20,7 @@ _LAZY = {
     "KVBlockMover": "proxima.kernels.mover",
     "MovePlan": "proxima.kernels.mover",
     "apply_moves": "proxima.kernels.mover",
+    "pack_int64": "proxima.kernels.mover",
     "LayoutError": "proxima.kernels.layout",
     "Region": "proxima.kernels.layout",
     "regions_of": "proxima.kernels.layout",

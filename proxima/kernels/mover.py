@@ -26,7 +26,7 @@ from proxima.kernels.layout import alignment, page_views, regions_of
 from proxima.kernels.moves import MoveError, expand_moves
 from proxima.kernels.reference import apply_torch
 
-__all__ = ["KVBlockMover", "MovePlan", "apply_moves", "BACKENDS"]
+__all__ = ["KVBlockMover", "MovePlan", "apply_moves", "pack_int64", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -123,6 +123,47 @@ class KVBlockMover:
         k = pairs.shape[1]
         return MovePlan(pairs=pairs, num_moved=k, bytes_moved=k * self.bytes_per_block)
 
+    def launch_params(self, num_moved: int) -> tuple[tuple[int, int, int], dict]:
+        """The Triton launch of a batch of ``num_moved`` blocks: ``(grid, compile-time
+        arguments)``. Only the grid depends on the batch: the compile-time arguments (and
+        so the compiled kernel, :meth:`compile_key`) are the mover's own, the count is a
+        runtime argument that Triton does not specialise on, and every pairs buffer is
+        16-byte aligned (:func:`pack_int64`), so one mover compiles its kernel once,
+        whatever the move counts."""
+        grid = (num_moved, len(self.regions), self.max_chunks)
+        return grid, dict(WORD=self.word_bytes, ALIGN16=self.align16,
+                          CHUNK=self.chunk_words, BLOCK=self.block_words,
+                          num_warps=self.num_warps)
+
+    def compile_key(self) -> tuple:
+        """What Triton compiles the kernel for (one compile per distinct key, per process):
+        the compile-time arguments and the pointer alignment, never the move count."""
+        _, consts = self.launch_params(1)
+        return tuple(sorted(consts.items())) + (("pairs_align", PAIRS_ALIGN_BYTES),)
+
+    def apply_pairs(self, pairs: torch.Tensor, num_moved: int) -> None:
+        """Apply moves already expanded to single blocks and on the mover's device, with no
+        check and no upload (the worker's path: one upload per step for every phase):
+        ``pairs`` is a 1-D int64 tensor whose first ``2 * num_moved`` entries are the
+        sources then the destinations, starting 16-byte aligned (a segment of
+        :func:`pack_int64` is)."""
+        if num_moved == 0:
+            return
+        if self.backend == "torch":
+            apply_torch(self._views, pairs[:num_moved], pairs[num_moved:2 * num_moved])
+            return
+        from proxima.kernels.triton_moves import launch
+
+        kwargs = dict(num_regions=len(self.regions), max_chunks=self.max_chunks,
+                      word_bytes=self.word_bytes, align16=self.align16,
+                      chunk=self.chunk_words, block=self.block_words, num_warps=self.num_warps)
+        args = (pairs, num_moved, self.base_ptrs, self.block_strides, self.page_words)
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                launch(*args, **kwargs)
+        else:
+            launch(*args, **kwargs)
+
     def apply(self, src, dst=None, n=None, *, validate: bool = True) -> MovePlan:
         """Apply a batch: ``apply(src, dst, n)`` (run starts and lengths; ``n=None``: single
         blocks) or ``apply(plan)``. Returns the plan (reusable)."""
@@ -145,6 +186,26 @@ class KVBlockMover:
         return plan
 
     __call__ = apply
+
+
+PAIRS_ALIGN_BYTES = 16          # every segment of pack_int64 starts at a multiple of this
+_ALIGN_WORDS = PAIRS_ALIGN_BYTES // 8
+
+
+def pack_int64(segments) -> tuple[list[int], list[int]]:
+    """Concatenate int sequences into one flat list for a single upload, each segment
+    starting at an even index (16 bytes of int64: the alignment Triton specialises
+    pointers on, so a slice of the uploaded tensor never makes the kernel compile again);
+    returns ``(flat, offsets)``."""
+    flat: list[int] = []
+    offsets: list[int] = []
+    for seg in segments:
+        pad = -len(flat) % _ALIGN_WORDS
+        if pad:
+            flat.extend((0,) * pad)
+        offsets.append(len(flat))
+        flat.extend(seg)
+    return flat, offsets
 
 
 def _expand_unchecked(src, dst, n) -> torch.Tensor:

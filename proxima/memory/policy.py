@@ -253,6 +253,20 @@ class GrowShrinkPolicy:
         self._shrink(excess, now)
         self._excess_since = None
 
+    def could_shrink(self) -> bool:
+        """Whether a granule emptied now could be given back, now or once its cached
+        blocks have cooled: the free and cached blocks of mapped memory beyond what is
+        wanted free cover a granule, or more than the maximum is mapped. A pool the load
+        keeps full (the scheduler admits while free and cached blocks last) never passes.
+        KV compaction's auto mode packs only then."""
+        ch, G = self.channel, self.channel.granule_blocks
+        mapped = ch.count(MAPPED)
+        if mapped + ch.count(MAPPING) > self.max_granules:
+            return True
+        if mapped <= self.min_granules:
+            return False
+        return self.pool.num_free_blocks - self.wanted_free() >= G
+
     @property
     def pending(self) -> bool:
         """A release is waiting for its delay (the engine must keep stepping to do it)."""

@@ -95,3 +95,30 @@ def test_a_move_outside_the_blocks_and_scratch_is_refused():
     with pytest.raises(RuntimeError, match="lies outside this worker's KV blocks"):
         compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(
             1, (((3, 20, 1),),), (), 1))
+
+
+def test_steps_with_any_move_count_compile_the_kernel_once():
+    """Steps moving 1..40 blocks in one or two phases, from one upload per step: the
+    kernel's compile cache grows by at most one variant (the first step), never per count
+    or per slice offset."""
+    from proxima.kernels import triton_moves
+
+    kv = flash_attn_kv_caches(4, 128, 16, 8, 128, device="cuda", fill=True)
+    runner = SimpleNamespace(
+        kv_caches=kv, kv_cache_config=SimpleNamespace(num_blocks=128),
+        block_tables=SimpleNamespace(block_tables=[SimpleNamespace(
+            gpu=torch.zeros(2, 128, dtype=torch.int32, device="cuda"))], blocks_per_kv_block=[1]),
+        req_states=SimpleNamespace(req_id_to_index={"a": 0}))
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in triton_moves._kernel(False).device_caches.values())
+
+    sizes = []
+    for seq, k in enumerate(range(1, 41), start=1):
+        phases = (((0, 64, k),),) if k % 2 else (((0, 64, k // 2),), ((k, 100, k // 2),))
+        compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(
+            seq, phases, (("a", 0, (0,), (64,)),), k))
+        sizes.append(compiled())
+    torch.cuda.synchronize()
+    assert sizes[-1] == sizes[0] >= 1, sizes
+    assert runner.block_tables.block_tables[0].gpu[0, 0].item() == 64

@@ -274,3 +274,61 @@ def test_page_views_use_the_widest_word():
     kv = make_cache("nhd").kv
     assert page_views(kv)[0].dtype == torch.int64
     assert page_views(make_cache("odd").kv)[0].dtype == torch.int16
+
+
+# ----------------------------------------------------------------------------- compiles
+
+def test_the_kernel_compiles_once_whatever_the_move_count():
+    """Only the grid follows the batch: the compile-time arguments are the mover's own and
+    the count is not specialised on, so a run of steps moving 1, 2, ..., 300 blocks (and
+    slices of one upload) costs one Triton compile, not one per count (or per count's
+    divisibility by 16, Triton's default integer specialisation)."""
+    mover = KVBlockMover(make_cache("nhd").kv, backend="torch")
+    keys = set()
+    for k in range(1, 301):
+        grid, consts = mover.launch_params(k)
+        assert grid[0] == k and grid[1:] == (len(mover.regions), mover.max_chunks)
+        keys.add(tuple(sorted(consts.items())))
+    assert len(keys) == 1
+    assert mover.compile_key() == next(iter(keys)) + (("pairs_align", 16),)
+    if HAS_TRITON:
+        from proxima.kernels import triton_moves
+
+        params = {p.name: p for p in triton_moves._kernel(False).params}
+        assert params["num_pairs"].do_not_specialize
+        assert [n for n, p in params.items() if not p.is_constexpr and not n.endswith("_ptr")
+                ] == ["num_pairs"]              # no other runtime int to specialise on
+
+
+def test_packed_segments_start_16_byte_aligned():
+    from proxima.kernels import pack_int64
+
+    segs = [[1, 2, 3], [], [4], [5, 6], [7, 8, 9, 10, 11]]
+    flat, offsets = pack_int64(segs)
+    assert all(o % 2 == 0 for o in offsets)             # int64: 16 bytes
+    assert [flat[o:o + len(s)] for o, s in zip(offsets, segs)] == segs
+    t = torch.tensor(flat, dtype=torch.int64)
+    assert all(t[o:].data_ptr() % 16 == t.data_ptr() % 16 for o in offsets)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_apply_pairs_from_one_upload_equals_apply(backend):
+    from proxima.kernels import pack_int64
+
+    a, b = make_cache("nhd"), make_cache("nhd")
+    fill(a, 3)
+    fill(b, 3)
+    phases = [([4, 40], [30, 10], [3, 1]), ([7], [20], [2])]
+    for src, dst, n in phases:
+        KVBlockMover(a.kv, backend=backend).apply(src, dst, n)
+    segs = []
+    for src, dst, n in phases:
+        s = [x + j for x, m in zip(src, n) for j in range(m)]
+        d = [x + j for x, m in zip(dst, n) for j in range(m)]
+        segs.append(s + d)
+    flat, offsets = pack_int64([[0]] + segs)     # an odd segment first: offsets realign
+    data = torch.tensor(flat, dtype=torch.int64)
+    mover = KVBlockMover(b.kv, backend=backend)
+    for o, seg in zip(offsets[1:], segs):
+        mover.apply_pairs(data[o:o + len(seg)], len(seg) // 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.raws, b.raws))

@@ -210,6 +210,17 @@ def drive(scheduler, workload, runner, depth=1, worker=None):
     return log, tuple(hits)
 
 
+def drive_elastic(scheduler, workload, runner, conn):
+    """:func:`drive` with the elastic policy's maps confirmed by the replay's worker."""
+    from proxima.replay.elastic import ReplayWorker
+
+    vllm_v1.activate()
+    try:
+        return drive(scheduler, workload, runner, 1, worker=ReplayWorker(conn.channel, None))
+    finally:
+        vllm_v1.deactivate()
+
+
 def run(num_blocks, depth=1, workload=None, **compaction):
     scheduler = build_scheduler(proxima=True, num_blocks=num_blocks,
                                 async_scheduling=depth == 2, kv_transfer_config=ktc(**compaction),
@@ -328,7 +339,6 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     compactor = conn.compactor
     runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
-    from proxima.replay.elastic import ReplayWorker
 
     real_execute, steps = runner.execute, [0]
 
@@ -339,14 +349,49 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
             assert "error" not in conn.control({"max_bytes": 8 * GRANULE * PAGE})
 
     runner.execute = execute
-    vllm_v1.activate()
-    try:
-        drive(scheduler, specs(60), runner, 1, worker=ReplayWorker(conn.channel, None))
-    finally:
-        vllm_v1.deactivate()
+    drive_elastic(scheduler, specs(60), runner, conn)
     assert conn.policy.stats.compactor_calls > 0
     assert compactor.counters["evacuations_done"] > 0
     assert runner.unmapped > 0 and runner.checked > 10_000
+
+
+def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
+    """Policy auto on a pool the load keeps full (preemptions): packing and placing for
+    release gain nothing then (no granule could be released), so the compactor does not
+    even plan them -- plan_pack runs only on steps where the policy could shrink, placement
+    is skipped on the others; the moves come from the steps with room and from run
+    merging, and every slot still reads what was written."""
+    calls = []
+    real_pack = compaction_v1.plan_pack
+
+    def plan_pack(view, budget, **kw):
+        calls.append(conn.policy.could_shrink())
+        return real_pack(view, budget, **kw)
+
+    monkeypatch.setattr(compaction_v1, "plan_pack", plan_pack)
+    scheduler = build_scheduler(proxima=True, num_blocks=320,
+                                kv_transfer_config=ktc("auto", {"release_delay_s": 0.0}, mode="1"),
+                                max_num_batched_tokens=2048)
+    conn = scheduler.connector
+    compactor = conn.compactor
+    assert compactor.pack_gate == conn.policy.could_shrink
+    runner = ModelRunner(scheduler, compaction_v1.scratch_first(320, GRANULE)
+                         + compactor.scratch_blocks)
+    full = []
+    real_execute = runner.execute
+
+    def execute(out):
+        full.append(not conn.policy.could_shrink())
+        real_execute(out)
+
+    runner.execute = execute
+    drive_elastic(scheduler, specs(80), runner, conn)
+    c = compactor.counters
+    assert sum(full) > 0.5 * len(full)              # the pool was full most of the run
+    assert c["pack_skipped"] >= sum(full) - 1        # and then no pack was planned
+    assert all(calls)                                # plans only where it could release
+    assert compactor.placements.get("skipped_full", 0) > 0
+    assert runner.checked > 10_000 and runner.moves > 0
 
 
 # ----------------------------------------------------------------------------- settings
@@ -422,3 +467,11 @@ def test_the_worker_hook_wraps_and_unwraps_update_requests():
         compaction_v1.apply_on_worker = real
         compaction_v1.uninstall_worker_hook()
     assert "__wrapped__" not in Runner.update_requests.__dict__
+
+
+def test_the_tail_to_merge_is_what_follows_the_longest_run():
+    tail = compaction_v1._tail
+    assert tail([10, 11, 12, 13, 40, 7, 8, 90]) == [40, 7, 8, 90]
+    assert tail([5, 60, 61, 62, 9, 3]) == [9, 3]          # a head before it stays
+    assert tail([10, 11, 12, 40]) == []                    # one block after it: one run
+    assert tail([1, 2, 3]) == []
