@@ -406,7 +406,16 @@ def _block_pool_class():
             self.publish_status(check=True)
 
         def reset_prefix_cache(self) -> bool:
-            ok = super().reset_prefix_cache()
+            # Elastic mode: the ids of unmapped granules are out of the queue but in use by
+            # no request; stock's check ("every block but the null one is free") must count
+            # them free, or a reset never succeeds once memory was given back.
+            queue = self.free_block_queue
+            held = queue.held_blocks() if hasattr(queue, "held_blocks") else 0
+            queue.num_free_blocks += held
+            try:
+                ok = super().reset_prefix_cache()
+            finally:
+                queue.num_free_blocks -= held
             if ok:
                 # Stock dropped every hash; the LRU tier's blocks are plain free blocks now.
                 queue = self.free_block_queue

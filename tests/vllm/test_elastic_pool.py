@@ -233,3 +233,28 @@ def test_elastic_placement_packs_live_blocks_better_than_stock_without_losing_hi
     s, p = stock.details, packed.details
     assert p["packed_ideal_fraction"] == pytest.approx(s["packed_ideal_fraction"], abs=0.02)
     assert p["reclaimable_granule_fraction"] > 1.5 * s["reclaimable_granule_fraction"]
+
+
+def test_reset_prefix_cache_succeeds_with_granules_given_back_and_keeps_them_out():
+    # vLLM's reset checks that every block but the null one is free; the ids of unmapped
+    # granules are in no request's use (session 6 on the H200: every reset failed after a
+    # release, "some blocks (51548) are not freed yet")
+    elastic_supported()
+    from proxima.replay.driver_v1 import build_scheduler
+
+    s = build_scheduler(proxima=True, num_blocks=64)
+    pool = s.kv_cache_manager.block_pool
+    queue = pool.proxima_use_granules(8, mapped=4)          # 4 of 8 granules mapped
+    assert pool.get_num_free_blocks() == 31 and queue.held_blocks() == 32
+    blocks = pool.get_new_blocks(8)
+    for i, b in enumerate(blocks):
+        pool._insert_block_hash((b"x%d" % i) + b"\0" * 4, b, num_tokens=16)
+    assert not pool.reset_prefix_cache()                    # 8 blocks in use: refused
+    pool.free_blocks(blocks)
+    assert queue.num_evictable == 8
+    assert pool.reset_prefix_cache()
+    assert all(b.block_hash is None for b in blocks) and queue.num_evictable == 0
+    assert pool.get_num_free_blocks() == 31 and queue.held_blocks() == 32
+    queue.check()
+    new = pool.get_new_blocks(31)                           # never an unmapped granule's id
+    assert all(queue.granules.mapped[b.block_id // 8] for b in new)
