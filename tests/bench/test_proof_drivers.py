@@ -58,6 +58,19 @@ def test_driver_b_dry_run(tmp_path):
         assert c[setup]["aggregate_output_tokens_per_s"] > 0
 
 
+def test_driver_b_tail_requests_outlive_their_burst_and_are_counted(tmp_path):
+    done = run("two_engines.py", tmp_path, "--budget", "120", "--requests", "20",
+               "--port", "8392", "--only", "elastic,compacted", "--tail", "3:16")
+    assert "(c) " in done.stdout, done.stdout + done.stderr
+    c = json.loads((tmp_path / "two_engines.json").read_text())["subproofs"]["c"]
+    for setup in ("elastic", "compacted"):
+        assert c[setup]["tails"]["requests"] == 6 and c[setup]["tails"]["errors"] == 0
+        assert c[setup]["tails"]["output_tokens"] == 6 * 16
+    assert len(c["summary"]["compacted"]["idle_engine_mapped_bytes_per_burst"]) == 2
+    bad = run("two_engines.py", tmp_path / "bad", "--tail", "three")
+    assert bad.returncode == 2 and "--tail wants N:TOKENS" in bad.stderr
+
+
 def test_a_child_that_outlives_its_time_is_killed_with_its_group(tmp_path):
     sys.path.insert(0, str(PROOF))
     import proofkit

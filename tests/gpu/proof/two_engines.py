@@ -19,6 +19,10 @@ Per setup: aggregate output tokens/s over the schedule, per-burst time and token
 preemptions (vLLM's counter, from /metrics), TTFT p50/p99, errors; for elastic also each
 engine's mapped bytes at the end of every burst and the grow/shrink counters (the
 connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, zero errors.
+``--tail N:TOKENS`` sends N long requests with each burst that the schedule does not wait
+for: they outlive it, and their blocks pin granules of the engine that went idle (issue 14's
+case for moving them: the ``compacted`` setup against ``elastic``; the idle engine's mapped
+bytes are sampled every 0.5 s during the other's burst).
 With ``--compactor module:factory`` (issue 14's compaction) the elastic servers get it in
 their elastic options (``compactor``); ``PROXIMA_PROOF_ELASTIC_OPTIONS`` (JSON) adds any
 other option.
@@ -39,6 +43,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +79,16 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
     return cmd + ["--gpu-memory-utilization", "0.3",
                   "--kv-cache-memory-bytes", str(int(args.max_gib * GiB)),
                   "--kv-transfer-config", json.dumps(ktc)]
+
+
+def tail_spec(text: str) -> tuple[int, int]:
+    try:
+        n, tokens = (int(x) for x in text.split(":"))
+        if n < 0 or tokens < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tail wants N:TOKENS (e.g. 16:1536), got {text!r}")
+    return n, tokens
 
 
 def healthy(port: int) -> bool:
@@ -170,6 +185,57 @@ async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
             if ttft else None, "ttfts": ttft}
 
 
+class Tail:
+    """Long requests sent with a burst that the schedule does not wait for (``--tail``): they
+    outlive the burst, pinning the granules their blocks lie in while the other engine is
+    busy -- what KV compaction can move out of the way. Own thread, own event loop."""
+
+    def __init__(self, port: int, model: str, requests, timeout: float) -> None:
+        self.result: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(port, model, requests, timeout),
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, port, model, requests, timeout) -> None:
+        try:
+            self.result = asyncio.run(run_burst(port, model, requests, timeout))
+        except Exception as exc:  # noqa: BLE001 - counted as this tail's errors
+            self.result = {"requests": len(requests), "errors": len(requests),
+                           "first_errors": [f"{type(exc).__name__}: {exc}"[:200]]}
+
+    def join(self, timeout: float) -> dict:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            return {"errors": 0, "first_errors": ["still running at the end"], "requests": 0}
+        self.result.pop("ttfts", None)
+        return self.result
+
+
+class Sampler:
+    """Each engine's mapped bytes (its stats file) every 0.5 s while a burst runs:
+    ``stop()`` gives per engine the minimum, mean and maximum seen."""
+
+    def __init__(self, stats: dict) -> None:
+        self.stats, self.seen = stats, {k: [] for k in stats}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            for k, path in self.stats.items():
+                e = kit.read_json(path)
+                if e and e.get("mapped_bytes") is not None:
+                    self.seen[k].append(e["mapped_bytes"])
+            self.done.wait(0.5)
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.thread.join(2)
+        return {k: {"min": min(v), "mean": int(sum(v) / len(v)), "max": max(v), "n": len(v)}
+                for k, v in self.seen.items() if v}
+
+
 def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, env) -> dict:
     """Start A then B, run the schedule, stop both. Returns the setup's figures."""
     ports = {"A": args.port, "B": args.port + 1}
@@ -227,6 +293,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 await_healthy(key, port)
         out.record("c", **{name: result})
         schedule = [x for r in range(args.rounds) for x in (("A", r), ("B", r))]
+        tail_n, tail_tokens = args.tail
+        tails: list[Tail] = []
         t_all = time.perf_counter()
         for i, (key, r) in enumerate(schedule):
             left = budget.cap(args.burst_timeout, reserve=15)
@@ -238,7 +306,13 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             requests = burst_requests(args.requests, seed=100 * r + (key == "B"),
                                       prompt=args.prompt, output=args.output)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
+            if tail_n:          # long requests this burst leaves behind (not waited for)
+                tails.append(Tail(port, args.model, burst_requests(
+                    tail_n, seed=7000 + 100 * r + (key == "B"), prompt=args.prompt,
+                    output=tail_tokens), left + args.burst_timeout))
+            sampler = Sampler(stats)
             burst = asyncio.run(run_burst(port, args.model, requests, left))
+            burst["mapped_during"] = sampler.stop()
             after = metric(port, "vllm:num_preemptions_total")
             burst.update(engine=key, round=r, preemptions=None if before is None or after is None
                          else after - before)
@@ -256,6 +330,12 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     f"preemptions {burst['preemptions']}")
             out.record("c", **{name: {k: v for k, v in result.items() if k != "all_ttfts"}})
         wall = time.perf_counter() - t_all
+        if tails:       # they count for errors, not for the schedule's throughput
+            done = [t.join(max(1.0, budget.left() - 10)) for t in tails]
+            result["tails"] = {"requests": sum(t.get("requests", 0) for t in done),
+                               "output_tokens": sum(t.get("output_tokens", 0) for t in done),
+                               "errors": sum(t.get("errors", 0) for t in done),
+                               "first_errors": [e for t in done for e in t.get("first_errors", [])][:5]}
         tokens = sum(b["output_tokens"] for b in result["bursts"])
         ttft = sorted(result.pop("all_ttfts", []))
         result.update(
@@ -320,6 +400,10 @@ def main() -> int:
     ap.add_argument("--start", choices=("parallel", "sequential"), default="parallel",
                     help="start A and B side by side where their KV is fixed, or one after "
                          "the other (default: %(default)s)")
+    ap.add_argument("--tail", type=tail_spec, default=(0, 0), metavar="N:TOKENS",
+                    help="with each burst, N more requests of TOKENS output tokens that the "
+                         "schedule does not wait for: they outlive the burst (compaction's "
+                         "case; default: none)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -373,8 +457,14 @@ def main() -> int:
     if c and c.get("aggregate_output_tokens_per_s"):
         # issue 14: what the idle engine had given back at the end of the other's burst
         def idle_mapped(r):
-            return [b.get(f"mapped_{'B' if b['engine'] == 'A' else 'A'}_bytes")
-                    for b in r["bursts"]]
+            # the idle engine's mapped bytes over the other's burst (mean of the samples),
+            # else at its end
+            out = []
+            for b in r["bursts"]:
+                idle = "B" if b["engine"] == "A" else "A"
+                seen = (b.get("mapped_during") or {}).get(idle)
+                out.append(seen["mean"] if seen else b.get(f"mapped_{idle}_bytes"))
+            return out
         summary["compacted"] = {
             "tok_s": c["aggregate_output_tokens_per_s"], "errors": c["errors"],
             "preemptions": c["preemptions"],
