@@ -56,7 +56,10 @@ Goals (each returns a :class:`Plan`, possibly empty, never raising for a full po
   long request is emptied so that it can be unmapped);
 * :func:`plan_pack` -- move the live blocks of the sparsest granules into the densest,
   so that as many granules as possible hold no live block (the reclaimable fraction);
-* :func:`plan_run` -- make one request's blocks one run of consecutive ids.
+* :func:`plan_run` -- make one request's blocks one run of consecutive ids;
+* :func:`plan_merge` -- the same on a full pool, by exchanging places with other
+  requests' LIVE blocks (their pieces go whole into the ids the request vacates), only
+  when the total number of runs over all tables falls (returned with that change).
 
 Cost: building a view is O(num_blocks) (C-speed scans of a bytearray); the goals are
 O(granules log granules + ids examined), bounded by the budget.
