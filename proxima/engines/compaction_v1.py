@@ -58,8 +58,9 @@ from typing import Iterable
 
 from proxima.allocator import count_runs
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       PlacementMaps, plan_evacuate, plan_pack,
-                                       plan_placement, plan_run, schedule_phases)
+                                       PlacementMaps, plan_evacuate, plan_merge,
+                                       plan_pack, plan_placement, plan_run,
+                                       schedule_phases)
 from proxima.engines import activation
 
 logger = logging.getLogger("vllm.proxima")
@@ -71,6 +72,10 @@ DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for i
 OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
 DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
 DEFRAG_FULL_EVERY = 16              # the same while the elastic policy could release nothing
+MERGE_ATTEMPTS = 2                  # auto mode: requests per step whose runs it tries to merge
+MERGE_LOAD = 0.8                    # auto mode: merge runs while this share of the pool is in use
+MERGE_EVERY = 2                     # auto mode: steps between run merges
+MERGE_RETRY = 8                     # steps before a request whose merge found nothing is retried
 PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
 
@@ -184,7 +189,7 @@ class Compactor:
                  allocatable=None, steer: bool = True,
                  claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
                  scratch_blocks: int = 0, displace: bool = True, pack: bool = True,
-                 defrag: bool = True) -> None:
+                 defrag: bool = True, merge: bool = True) -> None:
         queue = pool.free_block_queue
         if not hasattr(queue, "relocate"):
             raise activation.ActivationError(
@@ -221,6 +226,9 @@ class Compactor:
         self.displace = displace
         self.pack = pack
         self.defrag = defrag
+        self.merge = merge
+        self._merge_tried: dict = {}     # table key -> (length, step) of a try that found nothing
+        self._where: dict = {}           # {id: (table key, position)}, with _owners
         self._single = None
         self._owners_step = 0
         self._lone: set[int] = set()
@@ -240,7 +248,9 @@ class Compactor:
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
                          "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0}
+                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0,
+                         "merges": 0,
+                         "merge_runs_saved": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -304,7 +314,10 @@ class Compactor:
             # be given back (a full pool: placement is off then, runs matter less than
             # the CPU each merge costs the step)
             every = DEFRAG_EVERY if self._gain else DEFRAG_FULL_EVERY
-            if self.defrag and self.steps % (every * self.interval) == 0:
+            if self.merge and self._gain and self._under_pressure():
+                if self.steps % (MERGE_EVERY * self.interval) == 0:
+                    self._merge_runs()
+            elif self.defrag and self.steps % (every * self.interval) == 0:
                 self._defrag()
             if self.pack and self._pack_worthwhile():
                 plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
@@ -315,6 +328,20 @@ class Compactor:
                 else:               # nothing to pack now: wait for blocks to be freed
                     self._pack_idle = (self.steps, self._free_count())
         self._plan_seconds += time.perf_counter() - t0
+
+    def _under_pressure(self) -> bool:
+        """Whether the blocks in use fill ``MERGE_LOAD`` of the pool's usable ids: there
+        every allocation takes what was just freed and placement cannot keep runs whole,
+        so runs are merged by exchanges (:meth:`_merge_runs`); below, placement keeps them
+        and merging would cost CPU for little. O(granules) at most."""
+        pool = self.pool
+        usable = pool.num_gpu_blocks - 1
+        if self.allocatable is not None:
+            G = self.granule_blocks
+            usable -= G * sum(1 for g in range(-(-pool.num_gpu_blocks // G))
+                              if not self.allocatable(g))
+        used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        return used >= MERGE_LOAD * max(usable, 1)
 
     def _free_count(self) -> int:
         return self.pool.get_num_free_blocks()          # free and cached (freed requests)
@@ -375,6 +402,79 @@ class Compactor:
                 # no window now: not again until the table grows (or shrinks: preempted)
                 failed[req_id] = length
                 self.counters["defrag_failed"] += 1
+
+    def _table_ids(self) -> dict:
+        """``{(group, request): [block ids]}`` of the tables compaction may rewrite."""
+        out = {}
+        null = self.pool.null_block.block_id
+        for gid, mgr in enumerate(self._managers()):
+            for req_id, table in mgr.req_to_blocks.items():
+                if table:
+                    ids = [b.block_id for b in table]
+                    if null not in ids:
+                        out[(gid, req_id)] = ids
+        return out
+
+    def _where_map(self) -> dict:
+        """``{id: ((group, request), position)}`` of the blocks one request holds (built
+        with :meth:`_owners`, refreshed with it; the planner checks each entry again)."""
+        self._owners()
+        return self._where
+
+    def _merge_runs(self, attempts: int = MERGE_ATTEMPTS) -> None:
+        """Merge the most fragmented running requests' runs by exchanges with whatever
+        their window holds, other requests' LIVE blocks included (:func:`plan_merge`),
+        when that lowers the total number of runs; the whole table first, else the
+        blocks after its longest run. A request whose try found nothing is tried again
+        once its table changed or ``MERGE_RETRY`` steps later."""
+        tables = self._table_ids()
+        tried = self._merge_tried
+        if len(tried) > 4096:
+            tried.clear()
+        order = []
+        for key, ids in tables.items():
+            memo = tried.get(key)
+            if memo is not None and memo[0] == len(ids) and self.steps - memo[1] < MERGE_RETRY:
+                continue
+            runs = count_runs(ids)
+            if runs > 1:
+                order.append((-runs, key))
+        order.sort()
+        for _, key in order[:attempts]:
+            left = self.budget_blocks - len(self._relocations)
+            if left < 2:
+                break
+            ids = tables[key]
+            where = self._where_map()
+            done = False
+            for part in (ids, _tail(ids)):
+                if len(part) < 2 or len(part) > left:
+                    continue
+                plan, delta = plan_merge(self.view(), part, key, tables, where, left,
+                                         max_phases=self.max_phases)
+                if not plan:
+                    continue
+                moves = plan.final_positions()
+                holders = self._holders_from(moves, where)
+                if self._apply(plan, holders=holders):
+                    self.counters["merges"] += 1
+                    self.counters["merge_runs_saved"] -= delta
+                    if holders is None:          # a shared block moved: every holder's
+                        tables = self._table_ids()     # table changed, read them again
+                    else:      # the tables and the map follow the moves (no full pass)
+                        for t in {key} | {where[x][0] for x in moves if x in where}:
+                            if t in tables:
+                                tables[t] = [moves.get(x, x) for x in tables[t]]
+                    entries = [(y, where.pop(x, None)) for x, y in moves.items()]
+                    for y, entry in entries:
+                        if entry is not None:
+                            where[y] = entry
+                    done = True
+                    break
+            if done:
+                tried.pop(key, None)
+            else:
+                tried[key] = (len(ids), self.steps)
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
@@ -574,9 +674,11 @@ class Compactor:
                 for a, b in getattr(mgr, "_pending_cow_copies", ()):
                     pinned.update((a.block_id, b.block_id))
             owners = {}
+            where = {}                      # the same as {id: ((group, request), position)}
             lone_ids = set()
-            for mgr in self._managers():
+            for gid, mgr in enumerate(self._managers()):
                 for req_id, table in mgr.req_to_blocks.items():
+                    key = (gid, req_id)
                     ids = [b.block_id for b in table]
                     # a block is lone unless a neighbour in the table is its neighbour id
                     before = [-2] + ids[:-1]
@@ -586,9 +688,11 @@ class Compactor:
                             continue
                         lone = p != x - 1 and q != x + 1
                         owners[x] = (mgr, req_id, i, lone)
+                        where[x] = (key, i)
                         if lone:
                             lone_ids.add(x)
             self._single = owners
+            self._where = where
             self._lone = lone_ids
             self._maps.resize(len(self.view().kinds))
             mask = self._maps.lone
@@ -700,7 +804,7 @@ class Compactor:
         return self._view
 
     # ------------------------------------------------------------------ applying
-    def _apply(self, plan: Plan) -> bool:
+    def _apply(self, plan: Plan, holders: dict | None = None) -> bool:
         """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
         content from its first to its last id; a stay in the scratch id leaves no trace),
         after checking that every block involved is what the view said: a mismatch pins
@@ -708,7 +812,8 @@ class Compactor:
         if not plan:
             return True
         moves = plan.final_positions()                 # original id -> final id
-        holders = self._holders(set(moves))
+        if holders is None:
+            holders = self._holders(set(moves))
         bad = self._mismatch(moves, holders)
         if bad is not None:
             self.counters["replans"] += 1
@@ -771,6 +876,27 @@ class Compactor:
         c["relocations"] += plan.blocks_moved
         c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
         return True
+
+    def _holders_from(self, moves: dict[int, int], where: dict) -> dict | None:
+        """The holders of the moved LIVE ids from ``where`` (each checked against the
+        real table), or None when one is not there (then :meth:`_holders` looks)."""
+        managers = self._managers()
+        blocks = self.pool.blocks
+        out = {}
+        for x in moves:
+            blk = blocks[x]
+            if not blk.ref_cnt:
+                continue
+            entry = where.get(x)
+            if entry is None or blk.ref_cnt != 1:
+                return None
+            (gid, req), idx = entry
+            mgr = managers[gid]
+            table = mgr.req_to_blocks.get(req)
+            if not table or idx >= len(table) or table[idx] is not blk:
+                return None
+            out[x] = [(mgr, req, idx)]
+        return out
 
     def _holders(self, ids: set[int]) -> dict[int, list]:
         """``{block id: [(manager, request id, position), ...]}`` for the given ids."""

@@ -268,6 +268,79 @@ def test_compaction_moves_live_shared_and_cached_blocks(mode):
         assert c["shared_moved"] > 0     # a prefix block held by two requests
 
 
+def pressure_specs(n=60, seed=11):
+    """``pressure`` in small: every request at once, prompts of 2-20 blocks (every third
+    shares a 48-token prefix with the one before: hits), outputs of 2-16 blocks, a pool
+    the load keeps full (preemptions)."""
+    import random
+
+    rng = random.Random(seed)
+    out, prefix = [], []
+    for i in range(n):
+        body = [rng.randrange(3, 500) for _ in range(rng.randrange(32, 320))]
+        out.append((f"p{i}", prefix + body if i % 3 == 2 else body, rng.randrange(32, 256), 0))
+        prefix = body[:48]
+    return out
+
+
+def finished_runs(scheduler, runner):
+    """Blocks per run over every request's table as it finished (the replay's figure)."""
+    from proxima.allocator import count_runs
+
+    tables = []
+    kv = scheduler.kv_cache_manager
+    original = kv.free
+
+    def free(request):
+        if request.is_finished():
+            tables.append([b.block_id for b in
+                           kv.coordinator.single_type_managers[0].req_to_blocks.get(
+                               request.request_id, [])])
+        return original(request)
+
+    kv.free = free
+    return tables, lambda: sum(map(len, tables)) / sum(count_runs(t) for t in tables)
+
+
+def test_run_merging_under_pressure_changes_no_decision_and_keeps_runs_whole():
+    """A full pool (every request at once): placement alone cannot keep runs whole there,
+    so auto mode merges runs by exchanging places with other requests' live blocks
+    (plan_merge). Nothing the scheduler decides changes -- admissions, tokens,
+    preemptions, finishes and prefix-cache hits equal those without compaction -- every
+    slot reads what was written through the moved tables, the pool's check passes every
+    step, and the finished tables hold far fewer runs than with merging off."""
+    work = pressure_specs()
+    _, plain_runner, plain = run(240, 1, workload=work)
+
+    def merged(merge: bool):
+        scheduler = build_scheduler(proxima=True, num_blocks=240,
+                                    kv_transfer_config=ktc(mode="1"),
+                                    max_num_batched_tokens=2048)
+        compactor = scheduler.connector.compactor
+        compactor.merge = merge
+        runner = ModelRunner(scheduler, compaction_v1.scratch_first(240, GRANULE)
+                             + compactor.scratch_blocks)
+        tables, per_run = finished_runs(scheduler, runner)
+        vllm_v1.activate()
+        try:
+            log = drive(scheduler, work, runner)
+        finally:
+            vllm_v1.deactivate()
+        pool = scheduler.kv_cache_manager.block_pool
+        pool.free_block_queue.buddy.check()
+        assert pool.get_num_free_blocks() == 240 - 1
+        return compactor, runner, log, per_run()
+
+    compactor, runner, log, with_merge = merged(True)
+    _, _, log_off, without = merged(False)
+    assert log == plain == log_off          # admissions, tokens, preemptions, finishes, hits
+    assert sum(len(s[1]) for s in plain[0]) > 0 and plain[1][0] > 0  # preempted, hit
+    assert runner.checked == plain_runner.checked > 10_000
+    c = compactor.counters
+    assert c["merges"] > 0 and c["merge_runs_saved"] > 0 and c["live_moved"] > 0
+    assert with_merge > 1.5 * without, (with_merge, without)
+
+
 # ----------------------------------------------------------------------------- elastic
 
 def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
