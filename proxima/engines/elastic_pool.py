@@ -245,7 +245,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
         """Ids of granules that are not mapped (or whose map is not confirmed): out of the
         queue, but in use by no request."""
         gi = self.granules
-        return sum(len(gi.ids_of(g)) for g in range(gi.num_granules) if not gi.mapped[g])
+        return sum(gi.size[g] for g in range(gi.num_granules) if not gi.mapped[g])
 
     def live_blocks(self) -> int:
         """Blocks in use by requests (the null block not counted)."""

@@ -149,8 +149,7 @@ class ElasticRun:
         return self.queue.granules.num_mapped
 
     def unmapped_blocks(self) -> int:
-        gi = self.queue.granules
-        return sum(gi.size[g] for g in range(gi.num_granules) if not gi.mapped[g])
+        return self.queue.held_blocks()
 
     def report(self) -> dict:
         status = self.connector.status()
