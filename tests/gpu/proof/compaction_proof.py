@@ -111,24 +111,24 @@ class Proof:
 
 # ----------------------------------------------------------------------------- workloads
 
-def identity_prompts(n=64, seed=7):
+def prefixed_prompts(n, seed, prefixes, prefix_len, body, every):
+    """``n`` token-id prompts of ``body`` = (min, max) tokens; every ``every``-th starts
+    with one of ``prefixes`` shared prefixes of ``prefix_len`` tokens (prefix-cache hits)."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 30000) for _ in range(512)] for _ in range(4)]
+    shared = [[rng.randrange(3, 30000) for _ in range(prefix_len)] for _ in range(prefixes)]
     out = []
     for i in range(n):
-        body = [rng.randrange(3, 30000) for _ in range(rng.randrange(200, 1200))]
-        out.append(prefixes[i % 4] + body if i % 3 == 0 else body)
+        tail = [rng.randrange(3, 30000) for _ in range(rng.randrange(*body))]
+        out.append(shared[i % prefixes] + tail if i % every == 0 else tail)
     return out
 
 
-def throughput_prompts(n=192, seed=11):
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 30000) for _ in range(256)] for _ in range(8)]
-    out = []
-    for i in range(n):
-        body = [rng.randrange(3, 30000) for _ in range(rng.randrange(100, 900))]
-        out.append(prefixes[i % 8] + body if i % 4 == 0 else body)
-    return out
+def identity_prompts():
+    return prefixed_prompts(64, 7, prefixes=4, prefix_len=512, body=(200, 1200), every=3)
+
+
+def throughput_prompts():
+    return prefixed_prompts(192, 11, prefixes=8, prefix_len=256, body=(100, 900), every=4)
 
 
 # ----------------------------------------------------------------------------- the engine
