@@ -62,6 +62,7 @@ from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView
                                        plan_pack, plan_placement, plan_run,
                                        schedule_phases)
 from proxima.engines import activation
+from proxima.engines.status import percentiles
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -167,11 +168,7 @@ class _Sample:
         self.steps.append(value)
 
     def percentiles(self) -> dict:
-        if not self.steps:
-            return {"p50": None, "p99": None, "max": None}
-        ordered = sorted(self.steps)
-        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]   # noqa: E731
-        return {"p50": pick(0.50), "p99": pick(0.99), "max": ordered[-1]}
+        return percentiles(self.steps)
 
 
 class Compactor:

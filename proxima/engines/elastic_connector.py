@@ -69,22 +69,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.engines import compaction_v1, elastic_v1
+from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
-
-STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while steps run
-
-
-def _quantiles(seconds) -> dict | None:
-    """p50 / p99 / max of a window of durations, in ms (None: empty)."""
-    if not seconds:
-        return None
-    xs = sorted(seconds)
-    return {"p50": round(1e3 * xs[len(xs) // 2], 3),
-            "p99": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
-            "max": round(1e3 * xs[-1], 3), "n": len(xs)}
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -92,6 +81,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
 
 logger = logging.getLogger("vllm.proxima")
+
+STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while steps run
 
 
 @dataclass
@@ -222,8 +213,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.steps = 0
         self._stats_written = 0.0           # when the stats file was last written (monotonic)
         self._step_began: float | None = None
-        self._step_times: deque[float] = deque(maxlen=256)    # s between step starts
-        self._build_times: deque[float] = deque(maxlen=256)   # s in build_connector_meta
+        self._step_ms: deque[float] = deque(maxlen=256)       # ms between step starts
+        self._build_ms: deque[float] = deque(maxlen=256)      # ms in build_connector_meta
         self._pool = None
         self._last_allocated = 0
         self._step_allocs: deque[int] = deque(maxlen=64)
@@ -408,12 +399,12 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return ElasticMetadata()
         began = time.perf_counter()
         if self._step_began is not None:           # one engine step, as the scheduler sees it
-            self._step_times.append(began - self._step_began)
+            self._step_ms.append(1e3 * (began - self._step_began))
         self._step_began = began
         try:
             return self._build(scheduler_output)
         finally:
-            self._build_times.append(time.perf_counter() - began)
+            self._build_ms.append(1e3 * (time.perf_counter() - began))
 
     def _build(self, scheduler_output) -> KVConnectorMetadata:
         if self.options.verify:
@@ -549,8 +540,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                        reclaimable_bytes=releasable * B, pool_bytes=ch.num_granules * B)
         if self.compactor is not None:
             out["compaction"] = self.compactor.stats()
-        out["step_ms"] = _quantiles(self._step_times)          # the last 256 steps
-        out["connector_ms"] = _quantiles(self._build_times)
+        out["step_ms"] = percentiles(self._step_ms, 3)          # the last 256 steps
+        out["connector_ms"] = percentiles(self._build_ms, 3)
         return out
 
     def stats(self) -> dict:

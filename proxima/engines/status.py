@@ -33,6 +33,18 @@ from typing import Callable
 from proxima.allocator import InvariantError
 from proxima.engines.activation import STATS_ENV
 
+
+def percentiles(values, digits: int | None = None) -> dict:
+    """``{"n", "p50", "p99", "max"}`` of ``values`` (Nones when empty), each rounded to
+    ``digits`` when given: what the status files report for a window of samples."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    ordered = sorted(values)
+    r = (lambda x: x) if digits is None else (lambda x: round(x, digits))
+    return {"n": len(ordered), "p50": r(ordered[len(ordered) // 2]),
+            "p99": r(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]),
+            "max": r(ordered[-1])}
+
 STATUS_INTERVAL_S = 1.0
 INVARIANTS_INTERVAL_S = 60.0
 

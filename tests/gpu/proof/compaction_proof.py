@@ -249,12 +249,9 @@ def identity(llm, compactor, proof, probe):
 
 
 def _percentiles(values):
-    if not values:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]   # noqa: E731
-    return {"n": len(ordered), "p50": round(pick(0.50), 4), "p99": round(pick(0.99), 4),
-            "max": round(ordered[-1], 4)}
+    from proxima.engines.status import percentiles
+
+    return percentiles(values, 4)
 
 
 def summarize_throughput(rounds, target=0.98):
