@@ -15,8 +15,9 @@ Granule states, as the scheduler must see them:
              takes effect here at once; the workers release the memory before the
              forward of the step that carries it.
 ``MAPPING``  a map was sent, not yet confirmed. Still not allocatable: with async
-             scheduling the next step is scheduled before this one ran, so blocks become
-             usable only once a report confirms the map (a failed map goes back to
+             scheduling the next step is scheduled before this one ran, and workers map
+             in the background, so blocks become usable only once every worker's report
+             confirms the map (``workers`` of them; a failed map goes back to
              ``UNMAPPED``, and an unmap is queued so that workers that did map release).
 """
 
@@ -38,13 +39,15 @@ class ElasticChannel:
     """Granule states of one KV pool of ``num_blocks`` blocks, ``granule_blocks`` a granule.
 
     ``listeners`` are called as ``fn(granules: range, ok: bool)`` when a map is confirmed
-    (``ok``) or has failed.
+    (``ok``) or has failed. ``workers``: how many workers must report a batch before its
+    maps count as done (vLLM: the world size; each may report it in a different step).
     """
 
-    def __init__(self, num_blocks: int, granule_blocks: int) -> None:
-        if num_blocks < 1 or granule_blocks < 1:
-            raise ValueError(f"need blocks and a granule size, got {num_blocks} blocks, "
-                             f"granule {granule_blocks}")
+    def __init__(self, num_blocks: int, granule_blocks: int, workers: int = 1) -> None:
+        if num_blocks < 1 or granule_blocks < 1 or workers < 1:
+            raise ValueError(f"need blocks, a granule size and a worker, got {num_blocks} "
+                             f"blocks, granule {granule_blocks}, {workers} workers")
+        self.workers = workers
         self.num_blocks = num_blocks
         self.granule_blocks = granule_blocks
         self.num_granules = -(-num_blocks // granule_blocks)
@@ -52,6 +55,7 @@ class ElasticChannel:
         self._queue: list[Op] = []
         self._next_seq = 0
         self._waiting: dict[int, list[range]] = {}         # seq -> its MAP ranges
+        self._acks: dict[int, tuple[int, set]] = {}         # seq -> (workers, failures)
         self.listeners: list[Callable[[range, bool], None]] = []
         self.reported_mapped: int | None = None            # the workers' last count
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
@@ -149,11 +153,16 @@ class ElasticChannel:
         self.reported_mapped = report.mapped_granules
         self.stats["worker_map_seconds"] = report.map_seconds
         self.stats["worker_unmap_seconds"] = report.unmap_seconds
-        for seq, failed in report.applied:
-            maps = self._waiting.pop(seq, None)
-            if not maps:
+        for seq, failed, n in report.entries():
+            if seq not in self._waiting:
                 continue
-            bad = {g for first, n in failed for g in range(first, first + n)}
+            seen, bad = self._acks.get(seq, (0, set()))
+            bad.update(g for first, count in failed for g in range(first, first + count))
+            if seen + n < self.workers:                # not every worker has mapped yet
+                self._acks[seq] = (seen + n, bad)
+                continue
+            self._acks.pop(seq, None)
+            maps = self._waiting.pop(seq)
             for rng in maps:
                 for run, ok in _split(rng, bad):
                     self.state[run.start:run.stop] = bytes([MAPPED if ok else UNMAPPED]) * len(run)

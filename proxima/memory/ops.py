@@ -66,27 +66,45 @@ class Report(NamedTuple):
     """A worker's answer: for each batch applied since its last report, ``(seq, failed)``
     where ``failed`` lists the ``(first, count)`` granule ranges of that batch's MAP ops
     that the GPU could not back; plus its mapped granule count, its granule size and the
-    seconds it has spent mapping and unmapping so far (the stall those ops cost)."""
+    seconds it has spent mapping and unmapping so far.
+
+    ``counts``: how many workers applied each entry of ``applied`` (empty: one each). A
+    worker that maps in the background reports a batch in whichever step its maps end, so
+    with tensor parallelism one step's merged report may cover a batch for some workers
+    only; the scheduler confirms a map once every worker has reported it
+    (:class:`proxima.memory.channel.ElasticChannel`'s ``workers``)."""
 
     applied: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
     mapped_granules: int
     granule_blocks: int
     map_seconds: float = 0.0
     unmap_seconds: float = 0.0
+    counts: tuple[int, ...] = ()
+
+    def entries(self):
+        """``(seq, failed, workers)`` for each batch covered."""
+        counts = self.counts or (1,) * len(self.applied)
+        return [(seq, failed, n) for (seq, failed), n in zip(self.applied, counts)]
 
 
 def merge_reports(a: Report, b: Report) -> Report:
-    """Two workers' reports for the same steps as one (tensor parallelism): a granule failed
-    if it failed on any worker; the mapped count is the smallest."""
+    """Two workers' reports of one step as one (tensor parallelism): a granule failed if it
+    failed on any worker; the workers that applied a batch add up; the mapped count is the
+    smallest."""
     if a.granule_blocks != b.granule_blocks:
         raise ValueError(f"workers disagree on the granule size: {a.granule_blocks} vs "
                          f"{b.granule_blocks} blocks")
     failed: dict[int, set[tuple[int, int]]] = {}
-    for seq, ranges in a.applied + b.applied:
+    workers: dict[int, int] = {}
+    for seq, ranges, n in a.entries() + b.entries():
         failed.setdefault(seq, set()).update(ranges)
-    applied = tuple((seq, tuple(sorted(r))) for seq, r in sorted(failed.items()))
+        workers[seq] = workers.get(seq, 0) + n
+    seqs = sorted(failed)
+    applied = tuple((seq, tuple(sorted(failed[seq]))) for seq in seqs)
+    counts = tuple(workers[seq] for seq in seqs)
     return Report(applied, min(a.mapped_granules, b.mapped_granules), a.granule_blocks,
-                  max(a.map_seconds, b.map_seconds), max(a.unmap_seconds, b.unmap_seconds))
+                  max(a.map_seconds, b.map_seconds), max(a.unmap_seconds, b.unmap_seconds),
+                  counts)
 
 
 def validate(ops: Iterable[Op], num_granules: int, num_blocks: int) -> None:

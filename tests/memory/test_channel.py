@@ -58,6 +58,26 @@ def test_a_failed_map_goes_back_to_unmapped_and_is_reconciled():
     assert ch.stats["map_failures"] == 2
 
 
+def test_with_two_workers_a_map_waits_for_both_reports_and_keeps_either_failure():
+    """Workers that map in the background report the same batch in different steps."""
+    ch = ElasticChannel(320, 32, workers=2)
+    ch.unmap(1, 4)
+    ch.build()
+    ch.map(1, 2)
+    first = ch.build()
+    ch.map(3, 2)
+    second = ch.build()
+    ch.on_report(Report(((first.seq, ()), (second.seq, ((4, 1),))), 9, 32))   # worker 0
+    assert ch.state[1] == MAPPING and ch.state[3] == MAPPING and ch.pending
+    ch.on_report(Report(((first.seq, ()),), 8, 32))                          # worker 1
+    assert ch.allocatable(32) and ch.allocatable(95) and ch.state[3] == MAPPING
+    ch.on_report(Report(((second.seq, ()),), 9, 32))
+    assert ch.state[3] == MAPPED and ch.state[4] == UNMAPPED      # worker 0 failed granule 4
+    assert ch.build().ops == (Op.unmap(4, 1),)
+    with pytest.raises(ValueError, match="0 workers"):
+        ElasticChannel(320, 32, workers=0)
+
+
 def test_requests_that_contradict_the_state_are_refused():
     ch = ElasticChannel(320, 32)
     with pytest.raises(ChannelError, match="granule 2 is mapped, not unmapped"):

@@ -39,6 +39,17 @@ def test_reports_of_two_workers_merge_to_the_union_of_failures():
     a = Report(((4, ()), (5, ((8, 2),))), mapped_granules=9, granule_blocks=32)
     b = Report(((4, ((3, 1),)), (5, ())), mapped_granules=10, granule_blocks=32)
     merged = merge_reports(a, b)
-    assert merged == Report(((4, ((3, 1),)), (5, ((8, 2),))), 9, 32)
+    assert merged == Report(((4, ((3, 1),)), (5, ((8, 2),))), 9, 32, counts=(2, 2))
     with pytest.raises(ValueError, match="disagree"):
         merge_reports(a, Report((), 1, 16))
+
+
+def test_merged_reports_count_the_workers_of_each_batch():
+    """Workers that map in the background report a batch in different steps: one step's
+    merged report may cover batch 5 for one worker and batch 4 for both."""
+    a = Report(((4, ()), (5, ())), mapped_granules=9, granule_blocks=32)
+    b = Report(((4, ()),), mapped_granules=8, granule_blocks=32)
+    c = Report(((6, ((1, 1),)),), mapped_granules=8, granule_blocks=32)
+    merged = merge_reports(merge_reports(a, b), c)
+    assert merged.entries() == [(4, (), 2), (5, (), 1), (6, ((1, 1),), 1)]
+    assert merged.mapped_granules == 8
