@@ -36,10 +36,13 @@ What configuring a connector changes in vLLM 0.26 (read from its source, checked
   tables), sleep mode (its allocator owns the KV memory), vLLM's V1 model runner.
 
 Order of events for one granule: the scheduler side makes its blocks unallocatable and
-sends ``UNMAP`` with step N; the worker synchronises the device and unmaps before step N's
-forward. To grow, ``MAP`` goes with step N, the worker maps (and zero-fills) before step
-N's forward and reports; only when the report arrives are the blocks allocatable again, so
-no forward can read a granule whose map failed.
+sends ``UNMAP`` with step N; the worker hands it to its mapping thread at step N's
+``start_load_kv``, which waits for the device and unmaps while step N's forward runs. To
+grow, ``MAP`` goes with step N, the worker's thread maps and zero-fills it during the
+following steps and the worker reports it in the output of the step in which it is done;
+only when every worker has reported it are the blocks allocatable, so no forward can read
+a granule whose map failed or has not finished (:mod:`proxima.memory.background`; with
+``map_in_background: false`` both happen before step N's forward, which waits).
 
 Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
 Proxima's block pool, its free queue becomes granule-aware
@@ -221,6 +224,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._memory = None
         self._kv_caches: dict | None = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+        self._background = None             # proxima.memory.background.BackgroundOps
         self._short = False
         if role == KVConnectorRole.WORKER:
             parallel = vllm_config.parallel_config
@@ -255,6 +259,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 seen.add(key)
                 self._check_view(memory, name, view)
         self._memory, self._kv_caches = memory, kv_caches
+        if self.options.map_in_background:
+            from proxima.memory.background import BackgroundOps
+
+            self._background = BackgroundOps(memory)
 
     @staticmethod
     def _check_view(memory, name: str, view) -> None:
@@ -271,8 +279,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         batch = meta.batch if isinstance(meta, ElasticMetadata) else None
         if batch is None:
             return
+        if self._background is not None:
+            self._background.submit(batch.seq, batch.ops, stream=_current_stream(),
+                                    mover=self._move)
+            return
         failed = self._memory.apply(batch.ops, stream=_current_stream(), mover=self._move)
-        self._applied.append((batch.seq, tuple(failed)))
+        self._done(batch.seq, failed)
+
+    def _done(self, seq: int, failed) -> None:
+        self._applied.append((seq, tuple(failed)))
         if failed and not self._short:
             logger.warning("Proxima elastic KV: the GPU has no memory for %d more granules "
                            "now; serving at the current size", sum(n for _, n in failed))
@@ -298,6 +313,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._background is not None:
+            for seq, failed in self._background.poll():
+                self._done(seq, failed)
         times = compaction_v1.take_worker_times()
         if not self._applied and not times:
             return None
@@ -312,7 +330,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
         opts = self.options
         g = predicted_granule_blocks(self._kv_cache_config, opts.granule_bytes)
-        ch = self.channel = ElasticChannel(gpu_block_pool.num_gpu_blocks, g)
+        # every worker (tensor and pipeline parallel) maps its own layers and reports
+        ch = self.channel = ElasticChannel(gpu_block_pool.num_gpu_blocks, g,
+                                           workers=self._vllm_config.parallel_config.world_size)
         self._pool = gpu_block_pool
         sizes, _ = elastic_v1.kv_regions(self._kv_cache_config)
         self.bytes_per_granule = g * sum(sizes) // self._kv_cache_config.num_blocks
@@ -560,3 +580,5 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:
             self.write_stats()
+        elif self._background is not None:
+            self._background.close()

@@ -95,6 +95,9 @@ class ElasticOptions:
     ``zero_on_map``: zero-fill memory when it is mapped (default true; stock vLLM does not
     zero its KV memory unless its KV cache config needs it, so false is what stock does).
     ``initial_granules``: granules mapped after start-up (overrides ``initial_bytes``).
+    ``map_in_background``: workers map and unmap on a thread of their own while the
+    forward runs (default true, :mod:`proxima.memory.background`); false applies them
+    before the step's forward, which waits for them.
     ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
     that every N steps releases up to ``granules`` granules holding neither live nor cached
     blocks and maps them back ``hold`` steps later (0: off); with ``force_cycle_safe`` only
@@ -121,6 +124,7 @@ class ElasticOptions:
     granule_bytes: int = 2 << 20
     zero_on_map: bool = True
     initial_granules: int | None = None
+    map_in_background: bool = True
     force_cycle_every: int = 0
     force_cycle_hold: int = 2
     force_cycle_granules: int = 4
@@ -176,7 +180,8 @@ class ElasticOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 bad(name, "a number >= 0")
-        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map"):
+        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map",
+                     "map_in_background"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
         if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:

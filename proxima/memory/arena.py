@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from proxima.memory.errors import CannotGrow
+from proxima.memory.errors import CannotGrow, VmmError
 
 
 @dataclass(frozen=True)
@@ -140,22 +140,39 @@ class VmmArena:
                         driver.release(handle)
                         raise
                     done.append((ptr, size, handle))
-                    driver.set_access(ptr, size)
             except CannotGrow:
                 self._undo(done)
                 failed = range(u, stop)
                 break
             except BaseException:
                 self._undo(done)
+                self._grant(fresh)
                 raise
             self._handles[u] = tuple(h for _, _, h in done)
             self._mapped += 1
             fresh.append(u)
+        self._grant(fresh)
         if fresh and self.zero_on_map:
             for run in runs(fresh):
                 for r, size in enumerate(self.unit_bytes):
                     driver.zero(self.unit_address(r, run.start), size * len(run), stream)
         return GrowResult(len(fresh), failed)
+
+    def _grant(self, units: list[int]) -> None:
+        """Give the device access to newly mapped units: one ``cuMemSetAccess`` per region
+        and run of consecutive units, as PyTorch's expandable segments do (a range may
+        span several allocations), instead of one per allocation: for a 32-layer pool that
+        is 32 calls a grow, not 32 a granule. Where the driver refuses a range, per unit."""
+        driver = self.driver
+        for run in runs(units):
+            for r, size in enumerate(self.unit_bytes):
+                try:
+                    driver.set_access(self.unit_address(r, run.start), size * len(run))
+                except VmmError:
+                    if len(run) == 1:
+                        raise
+                    for u in run:
+                        driver.set_access(self.unit_address(r, u), size)
 
     def _undo(self, done) -> None:
         for ptr, size, handle in reversed(done):

@@ -30,6 +30,7 @@ CU_MEM_HANDLE_TYPE_NONE = 0
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+CU_STREAM_NON_BLOCKING = 1
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 
 _NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY",
@@ -75,6 +76,9 @@ _SIGNATURES = {
     "cuMemSetAccess": (c_ulonglong, c_size_t, POINTER(_AccessDesc), c_size_t),
     "cuMemsetD8Async": (c_ulonglong, c_ubyte, c_size_t, c_void_p),
     "cuMemGetInfo_v2": (POINTER(c_size_t), POINTER(c_size_t)),
+    "cuStreamCreate": (POINTER(c_void_p), c_uint),
+    "cuStreamSynchronize": (c_void_p,),
+    "cuStreamDestroy_v2": (c_void_p,),
     "cuGetErrorName": (c_int, POINTER(c_char_p)),
 }
 
@@ -196,6 +200,20 @@ class CudaDriver:
         """Fill with zeros, asynchronously on ``stream`` (0: the legacy default stream)."""
         self._check("cuMemsetD8Async",
                     self._lib.cuMemsetD8Async(ptr, 0, size, c_void_p(stream or None)))
+
+    def new_stream(self) -> int:
+        """A stream that does not synchronise with the legacy default stream (for work
+        off the forward's path, such as zero-filling memory mapped in the background)."""
+        stream = c_void_p()
+        self._check("cuStreamCreate", self._lib.cuStreamCreate(byref(stream),
+                                                               CU_STREAM_NON_BLOCKING))
+        return stream.value
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check("cuStreamSynchronize", self._lib.cuStreamSynchronize(c_void_p(stream)))
+
+    def destroy_stream(self, stream: int) -> None:
+        self._check("cuStreamDestroy", self._lib.cuStreamDestroy_v2(c_void_p(stream)))
 
     def synchronize(self) -> None:
         """Wait for all work on the current context (every stream) to finish."""

@@ -99,6 +99,7 @@ class FakeDriver:
     def set_access(self, ptr: int, size: int) -> None:
         if not self._covered(ptr, size, need_access=False):
             raise _invalid("cuMemSetAccess", "range not fully mapped")
+        self.log.append(("access", ptr, size))
         at = ptr
         while at < ptr + size:
             self.accessible.add(at)
@@ -121,6 +122,17 @@ class FakeDriver:
 
     def synchronize(self) -> None:
         self.log.append(("sync",))
+
+    def new_stream(self) -> int:
+        self.streams = getattr(self, "streams", 0) + 1
+        self.log.append(("stream", 1000 + self.streams))
+        return 1000 + self.streams
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.log.append(("stream_sync", stream))
+
+    def destroy_stream(self, stream: int) -> None:
+        self.log.append(("stream_destroy", stream))
 
     def mem_info(self) -> tuple[int, int]:
         return self.capacity - self.used, self.capacity

@@ -4,7 +4,7 @@ driver needs a GPU: tests/gpu/test_memory_gpu.py runs the same paths on the H200
 import pytest
 
 from proxima.memory.arena import VmmArena
-from proxima.memory.errors import CannotGrow
+from proxima.memory.errors import CannotGrow, VmmError
 from proxima.memory.kv import KvMemory
 from proxima.memory.ops import Op
 from tests.memory.fake_driver import MiB, FakeDriver
@@ -117,3 +117,18 @@ def test_kv_memory_applies_ops_in_order_and_reports_what_could_not_grow():
 def test_kv_memory_that_cannot_start_says_so():
     with pytest.raises(CannotGrow, match="initial KV cache"):
         KvMemory([64 * 1024 * 320], 320, driver=FakeDriver(capacity=4 * MiB))
+
+
+def test_access_is_granted_per_run_and_per_page_where_the_driver_refuses_a_run():
+    class OnePerAllocation(FakeDriver):
+        def set_access(self, ptr, size):
+            if ptr in self.mappings and self.mappings[ptr][0] != size:
+                raise VmmError("cuMemSetAccess", 1, "CUDA_ERROR_INVALID_VALUE")
+            super().set_access(ptr, size)
+
+    for driver, grants in ((FakeDriver(), 2), (OnePerAllocation(), 8)):
+        arena = VmmArena([2 * MiB, 2 * MiB], 8, driver=driver)
+        arena.map(1, 5)                              # 4 units x 2 regions
+        assert sum(1 for e in driver.log if e[0] == "access") == grants
+        assert all(p in driver.accessible for p in driver.mappings)
+        arena.close()

@@ -64,7 +64,7 @@ class Worker:
     """The connector's worker side on the CPU stand-in driver, plus the V2 runner's block
     tables, checked after every step's ops."""
 
-    def __init__(self, scheduler, capacity=1 << 40) -> None:
+    def __init__(self, scheduler, capacity=1 << 40, background=False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         self.conn = ProximaElasticConnector(scheduler.vllm_config, KVConnectorRole.WORKER,
@@ -76,6 +76,10 @@ class Worker:
         self.memory = KvMemory([PAGE * num_blocks] * 2, num_blocks, driver=self.driver,
                                mapped=mapped)
         self.conn._memory = self.memory
+        if background:          # maps and unmaps on the worker's mapping thread
+            from proxima.memory.background import BackgroundOps
+
+            self.conn._background = BackgroundOps(self.memory)
         self.tables: dict[str, list[int]] = {}
         self.ops: list[Op] = []
         self.checked = 0
@@ -439,7 +443,7 @@ def test_elastic_needs_the_allocator_and_is_one_clear_error(monkeypatch):
 
 # ----------------------------------------------------------------------------- the policy
 
-def auto_run(num_granules, depth=1, capacity_after=None, **extra):
+def auto_run(num_granules, depth=1, capacity_after=None, background=False, **extra):
     """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
     from the second step on the GPU can back ``capacity_after`` bytes (None: plenty)."""
     extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
@@ -447,7 +451,7 @@ def auto_run(num_granules, depth=1, capacity_after=None, **extra):
     conn = scheduler.connector
     now = [0.0]
     conn.clock = lambda: now[0]
-    worker = Worker(scheduler)
+    worker = Worker(scheduler, background=background)
     mapped = []
 
     def between(step):
@@ -475,6 +479,55 @@ def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(d
     assert conn.channel.count(MAPPED) == 1              # ...and fell back to granule 0
     assert worker.memory.mapped_granules == 1           # on the worker too
     assert stats.bytes_returned == stats.granules_released * conn.bytes_per_granule
+    conn.queue.check()
+
+
+class SlowDriver(FakeDriver):
+    """Each page takes a while to create: a background map spans several steps."""
+
+    def create(self, size):
+        import time
+
+        time.sleep(0.002)
+        return super().create(size)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_maps_in_the_background_land_steps_later_and_no_step_reads_an_unmapped_block(depth):
+    """The worker's mapping thread (proxima.memory.background): the forward does not wait
+    for a grow; its blocks are handed out only once the worker reported the map done."""
+    from proxima.memory import background
+
+    confirmed_late = []
+    original_poll = background.BackgroundOps.poll
+
+    def poll(self):
+        busy = self.busy
+        done = original_poll(self)
+        confirmed_late.append(busy)          # a step ran while a map was still going
+        return done
+
+    background.BackgroundOps.poll = poll
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("tests.vllm.test_elastic_connector.FakeDriver", SlowDriver)
+            scheduler, conn, worker, log, mapped = auto_run(32, depth, background=True)
+    finally:
+        background.BackgroundOps.poll = original_poll
+    finished = {r for step in log for r in step[4]}
+    assert len(finished) == 48                              # no request lost
+    assert any(confirmed_late)                              # maps outlived their step
+    stats = conn.policy.stats
+    assert stats.grows >= 1 and stats.shrinks >= 1 and stats.failed_grows == 0
+    assert worker.checked > 0                               # every block read was mapped
+    assert worker.conn._background.drain(5)
+    # the worker holds exactly what the scheduler counts as mapped
+    assert worker.memory.mapped_granules == conn.channel.count(MAPPED)
+    log_ = worker.driver.log
+    unmaps = [i for i, e in enumerate(log_) if e[0] == "unmap"]
+    assert unmaps and all(any(log_[j][0] == "sync" for j in range(max(0, i - 40), i))
+                          for i in unmaps[:1])               # the thread waited first
+    worker.conn.shutdown()
     conn.queue.check()
 
 
