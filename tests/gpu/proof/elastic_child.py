@@ -3,7 +3,7 @@
     python3 tests/gpu/proof/elastic_child.py identity --mode stock|proxima|elastic|elastic-auto --out F
     python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
     python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
-        [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 10]
+        [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
         [--release --progress F --go F]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
@@ -270,7 +270,7 @@ def thin(samples: list, keep: int = 300) -> list:
 
 
 def closed_loop(engine, requests, concurrency: int, *, params, render=None, warmup_s=10.0,
-                windows=2, window_s=20.0, drain_s=10.0, clock=time.monotonic,
+                windows=2, window_s=20.0, drain_s=5.0, clock=time.monotonic,
                 on_window=None) -> dict:
     """A steady load on an offline engine (vLLM V1 ``LLMEngine``: ``add_request``, ``step``,
     ``has_unfinished_requests``, ``abort_request``): ``concurrency`` requests in flight, the
@@ -360,7 +360,9 @@ def closed_loop(engine, requests, concurrency: int, *, params, render=None, warm
 
 def steady(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
     """:func:`closed_loop` on ``llm``'s engine; ``entry["steady"]`` grows window by window
-    (saved as each closes), with the engine's preemption count at each boundary."""
+    (saved as each closes), with the engine's preemptions since the start at each boundary.
+    Windows' start_s/end_s count from ``started_s``, which is on the clock of the elastic
+    engine's ``timeline`` (seconds since the engine's build began)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     def params(max_tokens):
@@ -460,8 +462,9 @@ def positive(kind, zero: bool = False):
         except ValueError:
             value = None
         if value is None or value < 0 or (value == 0 and not zero):
+            what = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(
-                f"want a {kind.__name__} {'of 0 or more' if zero else 'above 0'}, got {text!r}")
+                f"want {what} {'of 0 or more' if zero else 'above 0'}, got {text!r}")
         return value
     return parse
 
@@ -474,7 +477,7 @@ def main() -> int:
     ap.add_argument("--progress", default=None)
     ap.add_argument("--go", default=None)
     ap.add_argument("--delay", default="3", help="(b) release delay, s (default: %(default)s)")
-    ap.add_argument("--requests", type=positive(int), default=2000,
+    ap.add_argument("--requests", type=positive(int), default=3000,
                     help="throughput: ShareGPT-like requests listed (seed 3; steady cycles "
                          "them) (default: %(default)s)")
     ap.add_argument("--modes", default="stock,elastic-auto",
@@ -490,10 +493,12 @@ def main() -> int:
                     help="steady: measurement windows (default: %(default)s)")
     ap.add_argument("--window-s", type=positive(float), default=20.0,
                     help="steady: seconds per measurement window (default: %(default)s)")
-    ap.add_argument("--drain-s", type=positive(float, zero=True), default=10.0,
+    ap.add_argument("--drain-s", type=positive(float, zero=True), default=5.0,
                     help="steady: after the windows, seconds the running requests may take "
                          "to finish before the rest is aborted (default: %(default)s)")
-    ap.add_argument("--release", action="store_true")
+    ap.add_argument("--release", action="store_true",
+                    help="throughput: then (b)'s release protocol on the elastic engine "
+                         "(--progress, --go) (default: off)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = ap.parse_args()
     result: dict = {"job": args.job, "mode": args.mode}
