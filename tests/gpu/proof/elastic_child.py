@@ -358,11 +358,12 @@ def closed_loop(engine, requests, concurrency: int, *, params, render=None, warm
             "concurrency": concurrency, "requests_listed": len(requests)}
 
 
-def steady(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
+def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=None) -> None:
     """:func:`closed_loop` on ``llm``'s engine; ``entry["steady"]`` grows window by window
     (saved as each closes), with the engine's preemptions since the start at each boundary.
     Windows' start_s/end_s count from ``started_s``, which is on the clock of the elastic
-    engine's ``timeline`` (seconds since the engine's build began)."""
+    engine's ``timeline`` (seconds since the engine's build began; from ``sampler``, a
+    :class:`Release`, saved with each window too)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     def params(max_tokens):
@@ -380,6 +381,8 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
         now = preemptions(llm)
         run["windows"].append({**window, "preemptions": None if now is None or first is None
                                else now - first, "ended_s": round(time.time() - t0, 2)})
+        if sampler is not None:
+            entry["timeline"] = thin(sampler.samples)
         save(args, result)                  # what is done survives a timeout
 
     done = closed_loop(llm.llm_engine, requests, int(args.concurrency), params=params,
@@ -393,7 +396,7 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
     save(args, result)
 
 
-def passes(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
+def passes(llm, requests, args, entry: dict, result: dict, t0: float, sampler=None) -> None:
     """``--load passes``: the same requests twice as held passes (prefix cache reset
     between): bursts with a tail, not a steady load (the elastic policy may release memory
     in a pass's tail and grow it again in the next)."""
@@ -405,6 +408,8 @@ def passes(llm, requests, args, entry: dict, result: dict, t0: float) -> None:
                                 "output_tokens_per_s": round(out_tokens / elapsed, 1),
                                 "ended_s": round(time.time() - t0, 2)})
         llm.reset_prefix_cache()
+        if sampler is not None:
+            entry["timeline"] = thin(sampler.samples)
         save(args, result)                   # what is done survives a timeout
 
 
@@ -436,7 +441,8 @@ def job_throughput(args, result: dict) -> None:
             rel = Release(stats / f"{mode}-elastic.json",
                           Path(args.progress) if release else None,
                           Path(args.go) if release else None, t0)
-        (steady if args.load == "steady" else passes)(llm, requests, args, entry, result, t0)
+        (steady if args.load == "steady" else passes)(llm, requests, args, entry, result, t0,
+                                                      rel)
         if rel is not None:
             entry["timeline"] = thin(rel.samples)
             save(args, result)
