@@ -24,7 +24,7 @@ def run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_driver_a_dry_run_writes_three_files_and_a_line_per_subproof(tmp_path):
-    done = run("elastic_proof.py", tmp_path, "--budget", "120", "--only", "a,b,d,a2",
+    done = run("elastic_proof.py", tmp_path, "--budget", "620", "--only", "a,b,d,a2",
                "--a-modes", "elastic,proxima")
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -34,6 +34,19 @@ def test_driver_a_dry_run_writes_three_files_and_a_line_per_subproof(tmp_path):
         "(a)PASS:", "(b)PASS:", "(d)PASS:", "(a2)INFO:"]
     assert set(data["subproofs"]) == {"a", "b", "d", "a2"}
     assert set(data["subproofs"]["a"]["compare"]) == {"elastic", "proxima"}
+    # (d) ran the steady load by default: per-window tok/s of both engines, the warm-up
+    # window apart, stock's spread, the ratio over the measurement windows and its target
+    d = data["subproofs"]["d"]["summary"]
+    assert d["load"] == "steady" and d["target"] == "ratio >= 0.99"
+    assert d["stock_tok_s"] == [10000.0, 10100.0] and d["elastic_tok_s"] == [9950.0, 10050.0]
+    assert d["stock_warmup_tok_s"] == 9000.0 and d["elastic_warmup_tok_s"] == 8500.0
+    assert d["ratio"] == round(20000 / 20100, 4) and d["warmup_ratio"] == round(8500 / 9000, 4)
+    assert d["stock_spread_pct"] == round(100 * 100 / 10050, 2)
+    assert d["ratio_per_window"] == [0.995, round(10050 / 10100, 4)]
+    assert d["warmup_and_window_s"] == [10.0, 20.0] and d["concurrency"] == 256
+    assert d["requests_completed"] == [1500, 1480]
+    line = data["summary_lines"][2]
+    assert '"ratio": 0.995' in line and '"warmup_ratio": 0.9444' in line
     # (b) ran on (d)'s elastic engine: one child log for both, no separate burst engine
     logs = subprocess.run(["tar", "tzf", str(tmp_path / "elastic_proof-logs.tgz")],
                           capture_output=True, text=True).stdout
@@ -45,6 +58,60 @@ def test_driver_a_runs_b_alone_on_its_own_engine(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "elastic_proof.json").read_text())
     assert set(data["subproofs"]) == {"b"} and data["subproofs"]["b"]["passed"]
+
+
+def test_driver_a_d_can_still_run_the_held_passes(tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "440", "--only", "d", "--d-load",
+               "passes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    d = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]["d"]
+    assert d["passed"] and d["summary"]["load"] == "passes"
+    assert d["summary"]["ratio_mean"] == round(1995 / 2010, 4)
+
+
+def test_driver_a_says_when_the_budget_cannot_hold_d(tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "200", "--only", "d,b")
+    assert done.returncode == 1
+    sub = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]
+    assert "give --budget" in sub["d"]["skipped"] and not sub["d"]["passed"]
+    assert "(d)'s elastic engine" in sub["b"]["skipped"] and not sub["b"]["passed"]
+    logs = subprocess.run(["tar", "tzf", str(tmp_path / "elastic_proof-logs.tgz")],
+                          capture_output=True, text=True).stdout
+    assert "d-elastic" not in logs and "d-stock" not in logs, logs     # no engine started
+
+
+def _elastic_proof():
+    sys.path.insert(0, str(PROOF))
+    import elastic_proof
+
+    return elastic_proof
+
+
+def _entry(rates, windows=None):
+    return {"steady": {"concurrency": 256, "completed": 900, "preemptions": 3,
+                       "drain": {"aborted": 200},
+                       "windows": [{"start_s": 0.0 if i == 0 else 10.0 + 20 * (i - 1),
+                                    "end_s": 10.0 + 20 * i, "output_tokens_per_s": r}
+                                   for i, r in enumerate(rates)][:windows]}}
+
+
+def test_d_steady_summary_passes_only_at_the_target_with_every_window_measured():
+    proof = _elastic_proof()
+    ok, s = proof.steady_summary(_entry([5000.0, 5400.0, 5300.0]),
+                                 _entry([4000.0, 5350.0, 5250.0]), 2)
+    assert ok and s["ratio"] == round(10600 / 10700, 4) and s["warmup_ratio"] == 0.8
+    assert s["stock_spread_pct"] == round(100 * 100 / 5350, 2)
+    assert s["preemptions"] == [3, 3] and s["aborted_at_drain"] == [200, 200]
+    # a slow warm-up is shown, not counted; slow measured windows fail
+    ok, s = proof.steady_summary(_entry([5000.0, 5400.0, 5300.0]),
+                                 _entry([5000.0, 5300.0, 5200.0]), 2)
+    assert not ok and s["ratio"] == round(10500 / 10700, 4) < 0.99
+    # a child that timed out after its first window: no ratio, FAIL
+    ok, s = proof.steady_summary(_entry([5000.0, 5400.0, 5300.0]),
+                                 _entry([4000.0, 5350.0, 5250.0], windows=2), 2)
+    assert not ok and s["ratio"] is None and s["elastic_tok_s"] == [5350.0]
+    ok, s = proof.steady_summary({}, {}, 2)
+    assert not ok and s["stock_tok_s"] == [] and s["stock_warmup_tok_s"] is None
 
 
 def test_driver_b_dry_run(tmp_path):

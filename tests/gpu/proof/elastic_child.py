@@ -2,7 +2,9 @@
 
     python3 tests/gpu/proof/elastic_child.py identity --mode stock|proxima|elastic|elastic-auto --out F
     python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
-    python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--release --progress F --go F]
+    python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
+        [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
+        [--release --progress F --go F]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
@@ -165,9 +167,12 @@ class Release:
     say "peak" (the driver's taker measures the GPU's free memory now); idle until the
     workers report the mapped KV at the minimum and say "released" (the taker measures again
     and allocates what came back); when the taker is done ("go"), load again: the mapped KV
-    must regrow. A sampler thread follows the workers' mapped bytes from the stats file."""
+    must regrow. A sampler thread follows the workers' mapped bytes from the stats file from
+    the moment the object exists (without progress/go files it is only that sampler: the
+    timeline of a run that is not followed by the protocol)."""
 
-    def __init__(self, elastic_file: Path, progress: Path, go: Path, t0: float) -> None:
+    def __init__(self, elastic_file: Path, progress: Path | None, go: Path | None,
+                 t0: float) -> None:
         self.file, self.progress, self.go, self.t0 = elastic_file, progress, go, t0
         self.samples: list = []
         self.stop = threading.Event()
@@ -229,7 +234,7 @@ class Release:
                             "grows": e.get("grows"), "failed_grows": e.get("failed_grows"),
                             "worker_map_seconds": e.get("worker_map_seconds")}
         self.stop.set()
-        result["timeline"] = self.samples[::max(1, len(self.samples) // 200)]
+        result["timeline"] = thin(self.samples)
 
 
 def job_burst(args, result: dict) -> None:
@@ -259,45 +264,215 @@ def job_burst(args, result: dict) -> None:
     shutdown(llm)
 
 
+def thin(samples: list, keep: int = 300) -> list:
+    """Every n-th sample, about ``keep`` of them, the first one included."""
+    return samples[::max(1, len(samples) // keep)]
+
+
+def closed_loop(engine, requests, concurrency: int, *, params, render=None, warmup_s=10.0,
+                windows=2, window_s=20.0, drain_s=5.0, clock=time.monotonic,
+                on_window=None) -> dict:
+    """A steady load on an offline engine (vLLM V1 ``LLMEngine``: ``add_request``, ``step``,
+    ``has_unfinished_requests``, ``abort_request``): ``concurrency`` requests in flight, the
+    next of ``requests`` ((prompt token ids, max tokens), cycled in list order) added as soon
+    as one finishes. ``params(max_tokens)`` must ask for DELTA outputs, so that each step's
+    outputs carry only the tokens it generated; ``render(prompt ids)`` is what add_request
+    takes (default: a token-id prompt dict).
+
+    Time is cut into a warm-up window (window 0, ``warmup_s``) and ``windows`` measurement
+    windows of ``window_s``; a step's tokens count in the window where the step ended. After
+    the last window nothing more is submitted and the running requests drain for at most
+    ``drain_s`` s (what is left is aborted; its tokens so far count in "drain").
+    ``on_window(index, window)`` is called as each window closes."""
+    if not requests:
+        raise ValueError("closed_loop: no requests to submit")
+    if concurrency < 1:
+        raise ValueError(f"closed_loop: concurrency {concurrency} must be at least 1")
+    render = render or (lambda ids: {"prompt_token_ids": list(ids)})
+    t0 = clock()
+    bounds = [t0, t0 + warmup_s] + [t0 + warmup_s + (k + 1) * window_s for k in range(windows)]
+    end = bounds[-1]
+    wins = [{"window": i, "kind": "warmup" if i == 0 else "measure",
+             "start_s": round(bounds[i] - t0, 3), "end_s": round(bounds[i + 1] - t0, 3),
+             "output_tokens": 0, "steps": 0, "finished": 0, "submitted": 0}
+            for i in range(windows + 1)]
+    drain = {"output_tokens": 0, "steps": 0, "finished": 0, "aborted": 0}
+    in_flight: dict[str, int] = {}           # request id -> its index in ``requests``
+    submitted, peak, closed = 0, 0, 0
+
+    def where(t):
+        if t >= end:
+            return drain
+        i = 0
+        while bounds[i + 1] <= t:
+            i += 1
+        return wins[i]
+
+    def close(closed, t):            # windows that ended by ``t``, each reported once
+        while closed <= windows and t >= bounds[closed + 1]:
+            w = wins[closed]
+            w["output_tokens_per_s"] = round(w["output_tokens"] / (bounds[closed + 1] -
+                                                                    bounds[closed]), 1)
+            if on_window is not None:
+                on_window(closed, w)
+            closed += 1
+        return closed
+
+    while True:
+        now = clock()
+        if now < end:
+            while len(in_flight) < concurrency:
+                i = submitted % len(requests)
+                prompt, max_tokens = requests[i]
+                rid = f"steady-{submitted}"
+                engine.add_request(rid, render(prompt), params(max_tokens))
+                in_flight[rid] = i
+                where(now)["submitted"] += 1
+                submitted += 1
+            peak = max(peak, len(in_flight))
+        elif in_flight and now >= end + drain_s:
+            drain["aborted"] = len(in_flight)
+            engine.abort_request(list(in_flight))
+            in_flight.clear()
+        if now >= end and not in_flight:
+            break
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"closed_loop: the engine has no unfinished request but "
+                               f"{len(in_flight)} are in flight")
+        outputs = engine.step()
+        t = clock()
+        bucket = where(t)
+        bucket["steps"] += 1
+        for out in outputs:
+            if out.request_id not in in_flight:
+                continue
+            bucket["output_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+            if out.finished:
+                del in_flight[out.request_id]
+                bucket["finished"] += 1
+        closed = close(closed, t)
+    closed = close(closed, clock())
+    drain["seconds"] = round(clock() - end, 3)
+    return {"windows": wins, "drain": drain, "submitted": submitted, "peak_in_flight": peak,
+            "completed": sum(w["finished"] for w in wins) + drain["finished"],
+            "concurrency": concurrency, "requests_listed": len(requests)}
+
+
+def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=None) -> None:
+    """:func:`closed_loop` on ``llm``'s engine; ``entry["steady"]`` grows window by window
+    (saved as each closes), with the engine's preemptions since the start at each boundary.
+    Windows' start_s/end_s count from ``started_s``, which is on the clock of the elastic
+    engine's ``timeline`` (seconds since the engine's build began; from ``sampler``, a
+    :class:`Release`, saved with each window too)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    def params(max_tokens):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    preprocess = getattr(llm, "_preprocess_cmpl_one", None)   # vLLM's own rendering
+    render = (lambda ids: preprocess({"prompt_token_ids": list(ids)})) if callable(
+        preprocess) else None
+    first = preemptions(llm)
+    run = entry["steady"] = {"started_s": round(time.time() - t0, 2), "windows": [],
+                             "preemptions_at_start": first}
+
+    def on_window(index, window):
+        now = preemptions(llm)
+        run["windows"].append({**window, "preemptions": None if now is None or first is None
+                               else now - first, "ended_s": round(time.time() - t0, 2)})
+        if sampler is not None:
+            entry["timeline"] = thin(sampler.samples)
+        save(args, result)                  # what is done survives a timeout
+
+    done = closed_loop(llm.llm_engine, requests, int(args.concurrency), params=params,
+                       render=render, warmup_s=float(args.warmup_s), windows=int(args.windows),
+                       window_s=float(args.window_s), drain_s=float(args.drain_s),
+                       on_window=on_window)
+    last = preemptions(llm)
+    run.update({k: v for k, v in done.items() if k != "windows"},
+               preemptions=None if last is None or first is None else last - first,
+               ended_s=round(time.time() - t0, 2))
+    save(args, result)
+
+
+def passes(llm, requests, args, entry: dict, result: dict, t0: float, sampler=None) -> None:
+    """``--load passes``: the same requests twice as held passes (prefix cache reset
+    between): bursts with a tail, not a steady load (the elastic policy may release memory
+    in a pass's tail and grow it again in the next)."""
+    entry["passes"] = []
+    for _ in range(2):
+        outs, elapsed = generate(llm, requests)
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        entry["passes"].append({"elapsed_s": round(elapsed, 3),
+                                "output_tokens_per_s": round(out_tokens / elapsed, 1),
+                                "ended_s": round(time.time() - t0, 2)})
+        llm.reset_prefix_cache()
+        if sampler is not None:
+            entry["timeline"] = thin(sampler.samples)
+        save(args, result)                   # what is done survives a timeout
+
+
 def job_throughput(args, result: dict) -> None:
-    """Steady load: each engine of ``--modes`` (default stock, then elastic with its default
-    policy) runs the same requests twice (prefix cache reset between): two passes of one
-    engine are its spread against itself. With ``--release`` (sub-proof (b) on the same
-    engine), the elastic engine (1 GiB minimum, ``--delay`` s) then gives its memory back
-    and regrows (:class:`Release`)."""
+    """Throughput of each engine of ``--modes`` (default stock, then elastic with its default
+    policy) under the same ShareGPT-like requests: ``--load steady`` (default) a closed loop
+    of ``--concurrency`` requests in flight (:func:`steady`), its windows are the engine's
+    spread against itself; ``--load passes`` two held passes (:func:`passes`). Elastic
+    engines carry a sampler of their stats file (``timeline``). With ``--release`` (sub-proof
+    (b) on the same engine), the elastic engine (1 GiB minimum, ``--delay`` s) then gives its
+    memory back and regrows (:class:`Release`; its second load: the first 300 requests,
+    not held)."""
     from proxima.workloads import make_workload
 
     specs = make_workload("sharegpt", int(args.requests), seed=3).requests
     requests = [(list(s.prompt_token_ids), s.max_tokens) for s in specs]
     stats = Path(tempfile.mkdtemp(prefix="proxima-proof-"))
+    result["load"] = args.load
     for mode in args.modes.split(","):
         t0 = time.time()
         kw = {}
-        if args.release and mode != "stock":
+        release = args.release and mode != "stock"
+        if release:
             kw["elastic_options"] = {"min_bytes": GiB, "release_delay_s": float(args.delay)}
         llm = build(mode, stats, max_model_len=8192, gpu_memory_utilization=0.85, **kw)
-        entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1), "passes": []})
-        rel = (Release(stats / f"{mode}-elastic.json", Path(args.progress), Path(args.go), t0)
-               if args.release and mode != "stock" else None)
-        for _ in range(2):
-            outs, elapsed = generate(llm, requests)
-            out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            entry["passes"].append({"elapsed_s": round(elapsed, 3),
-                                    "output_tokens_per_s": round(out_tokens / elapsed, 1),
-                                    "ended_s": round(time.time() - t0, 2)})
-            llm.reset_prefix_cache()
-            save(args, result)               # what is done survives a timeout
+        entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1)})
+        rel = None
+        if mode != "stock":
+            rel = Release(stats / f"{mode}-elastic.json",
+                          Path(args.progress) if release else None,
+                          Path(args.go) if release else None, t0)
+        (steady if args.load == "steady" else passes)(llm, requests, args, entry, result, t0,
+                                                      rel)
         if rel is not None:
-            entry["timeline"] = rel.samples[::max(1, len(rel.samples) // 300)]
+            entry["timeline"] = thin(rel.samples)
             save(args, result)
+        if release:
             e = read(stats / f"{mode}-elastic.json") or {}
             result["min_bytes"] = e.get("min_bytes") or GiB
             rel.run(result, float(args.delay), result["min_bytes"], time.monotonic(),
-                    lambda: generate(llm, requests, held=False))
+                    lambda: generate(llm, requests[:300], held=False))
+        elif rel is not None:
+            rel.stop.set()
         shutdown(llm)
         time.sleep(1.0)
         if mode != "stock":
             entry["elastic"] = read(stats / f"{mode}-elastic.json")
+
+
+def positive(kind, zero: bool = False):
+    """An argparse type: a number of ``kind`` above zero (or zero too), else one clear error
+    line."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < 0 or (value == 0 and not zero):
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(
+                f"want {what} {'of 0 or more' if zero else 'above 0'}, got {text!r}")
+        return value
+    return parse
 
 
 def main() -> int:
@@ -307,10 +482,29 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--progress", default=None)
     ap.add_argument("--go", default=None)
-    ap.add_argument("--delay", default="3")
-    ap.add_argument("--requests", default="400")
-    ap.add_argument("--modes", default="stock,elastic-auto")
-    ap.add_argument("--release", action="store_true")
+    ap.add_argument("--delay", default="3", help="(b) release delay, s (default: %(default)s)")
+    ap.add_argument("--requests", type=positive(int), default=3000,
+                    help="throughput: ShareGPT-like requests listed (seed 3; steady cycles "
+                         "them) (default: %(default)s)")
+    ap.add_argument("--modes", default="stock,elastic-auto",
+                    help="throughput: engines, one after the other (default: %(default)s)")
+    ap.add_argument("--load", choices=("steady", "passes"), default="steady",
+                    help="throughput: a closed loop (steady) or two held passes of all the "
+                         "requests (passes) (default: %(default)s)")
+    ap.add_argument("--concurrency", type=positive(int), default=256,
+                    help="steady: requests in flight (default: %(default)s)")
+    ap.add_argument("--warmup-s", type=positive(float), default=10.0,
+                    help="steady: warm-up window 0, reported apart (default: %(default)s)")
+    ap.add_argument("--windows", type=positive(int), default=2,
+                    help="steady: measurement windows (default: %(default)s)")
+    ap.add_argument("--window-s", type=positive(float), default=20.0,
+                    help="steady: seconds per measurement window (default: %(default)s)")
+    ap.add_argument("--drain-s", type=positive(float, zero=True), default=5.0,
+                    help="steady: after the windows, seconds the running requests may take "
+                         "to finish before the rest is aborted (default: %(default)s)")
+    ap.add_argument("--release", action="store_true",
+                    help="throughput: then (b)'s release protocol on the elastic engine "
+                         "(--progress, --go) (default: off)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = ap.parse_args()
     result: dict = {"job": args.job, "mode": args.mode}

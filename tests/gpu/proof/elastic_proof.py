@@ -1,7 +1,7 @@
 """Issue 13's GPU proof, driver A: elastic KV memory in one vLLM 0.26 engine on one H200.
 
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
-        [--budget 450] [--only a,b,d] [--a-modes elastic[,proxima]]
+        [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
@@ -21,16 +21,24 @@ as it can: (a)'s engines start side by side, and (b) runs on (d)'s elastic engin
     memory differ from stock's, the schedule may differ, and with dummy weights a different
     batch shape can flip a near-tied greedy token).
 (d) steady-load throughput: stock then the default elastic policy (1 GiB minimum, 12 s
-    release delay), each engine running the same 300 ShareGPT-like requests twice (prefix
-    cache reset between); ratio per pass, and stock's own spread between its passes.
-(b) release and regrow, on (d)'s elastic engine after its passes (alone, without d: a
+    release delay), each engine under the same closed loop on its offline engine
+    (``elastic_child.py closed_loop``): 256 requests in flight, the next of 3,000
+    ShareGPT-like requests (seed 3, in order) added as soon as one finishes; a 10 s warm-up
+    window (window 0, the elastic engine's first grow: reported apart, not hidden), then two
+    measurement windows of 20 s, output tok/s each; then a drain of at most 5 s (the rest
+    aborted). Stock's spread is between its two windows; the ratio is elastic over stock,
+    mean of the measurement windows, and passes at >= 0.99; the warm-up window's ratio is
+    shown beside it, with requests completed and preemptions. ``--d-load passes`` runs the
+    older two held passes of 300 requests instead (bursts: each pass's tail lets the policy
+    release its memory, the next pass grows it again).
+(b) release and regrow, on (d)'s elastic engine after its load (alone, without d: a
     16 GiB pool and one burst): the workers' mapped KV must fall to the minimum within the
     release delay plus 10 s, a separate process must see that memory come back free and
     allocate it, and more load must map memory again.
 
 Needs: vLLM 0.26.0 importable (PYTHONPATH=$PWD:/tmp/site as staged by run.sh c1/c2), the
 Llama-3.1-8B-shaped config at /tmp/vllm-kit/dummy-llama (PROXIMA_PROOF_MODEL overrides).
-About 6-7 minutes (four engine start-ups).
+About 8-9 minutes (four engine start-ups); ``--only d,b --budget 440`` about 6.
 """
 
 from __future__ import annotations
@@ -280,57 +288,113 @@ def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
     judge_b(out, result, take, delay)
 
 
-def judge_d(out: kit.Out, stock_run: dict, elastic_run: dict) -> None:
-    stock = [p["output_tokens_per_s"] for p in (stock_run.get("stock") or {}).get("passes", [])]
-    elastic = [p["output_tokens_per_s"] for p in
-               (elastic_run.get("elastic-auto") or {}).get("passes", [])]
-    summary = {"stock_tok_s": stock, "elastic_tok_s": elastic}
-    if len(stock) == 2 and len(elastic) == 2:
-        mean = sum(stock) / 2
-        summary.update(stock_spread_pct=round(100 * abs(stock[0] - stock[1]) / mean, 2),
-                       ratio_pass1=round(elastic[0] / stock[0], 4),
-                       ratio_pass2=round(elastic[1] / stock[1], 4),
-                       ratio_mean=round(sum(elastic) / sum(stock), 4))
-    e = (elastic_run.get("elastic-auto") or {}).get("elastic") or {}
+D_TARGET = 0.99            # (d): elastic / stock output tok/s, mean of the measurement windows
+# (d)'s steady load (elastic_child.py closed_loop): warm-up window 0, then the measured ones
+D_STEADY = {"concurrency": 256, "warmup_s": 10.0, "windows": 2, "window_s": 20.0,
+            "drain_s": 5.0}
+D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round twice in ~55 s
+START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
+
+
+def steady_summary(stock: dict, elastic: dict, windows: int) -> tuple[bool, dict]:
+    """(d) with the steady load, from the children's entries ``stock`` and ``elastic-auto``:
+    output tok/s per window (window 0, the warm-up with the elastic engine's first grow,
+    apart), stock's spread between its measurement windows, the ratio (elastic over stock,
+    mean of the measurement windows) and the warm-up window's. Passes when every window was
+    measured and the ratio is at least D_TARGET."""
+    runs = [(e.get("steady") or {}) for e in (stock, elastic)]
+    rates = [[w.get("output_tokens_per_s") for w in r.get("windows") or []] for r in runs]
+    (s_warm, *s), (e_warm, *e) = [r or [None] for r in rates]
+    summary = {"load": "steady", "target": f"ratio >= {D_TARGET}", "ratio": None,
+               "stock_spread_pct": None, "warmup_ratio": None,
+               "stock_tok_s": s, "elastic_tok_s": e,
+               "stock_warmup_tok_s": s_warm, "elastic_warmup_tok_s": e_warm}
+    complete = len(s) == len(e) == windows and all(s + e) and s_warm and e_warm
+    if complete:
+        mean = sum(s) / len(s)
+        summary.update(ratio=round(sum(e) / sum(s), 4),
+                       stock_spread_pct=round(100 * (max(s) - min(s)) / mean, 2)
+                       if len(s) > 1 else None,
+                       warmup_ratio=round(e_warm / s_warm, 4),
+                       ratio_per_window=[round(b / a, 4) for a, b in zip(s, e)])
+    spans = [round(w["end_s"] - w["start_s"], 3) for w in (runs[0].get("windows") or [])[:2]]
+    summary.update(warmup_and_window_s=spans, concurrency=runs[0].get("concurrency"),
+                   requests_completed=[r.get("completed") for r in runs],
+                   preemptions=[r.get("preemptions") for r in runs],
+                   aborted_at_drain=[(r.get("drain") or {}).get("aborted") for r in runs])
+    return bool(complete and summary["ratio"] >= D_TARGET), summary
+
+
+def passes_summary(stock: dict, elastic: dict) -> tuple[bool, dict]:
+    """(d) with ``--d-load passes``: two held passes per engine (bursts, not a steady load)."""
+    s = [p["output_tokens_per_s"] for p in stock.get("passes", [])]
+    e = [p["output_tokens_per_s"] for p in elastic.get("passes", [])]
+    summary = {"load": "passes", "stock_tok_s": s, "elastic_tok_s": e}
+    if len(s) == 2 and len(e) == 2:
+        summary.update(stock_spread_pct=round(100 * abs(s[0] - s[1]) / (sum(s) / 2), 2),
+                       ratio_pass1=round(e[0] / s[0], 4), ratio_pass2=round(e[1] / s[1], 4),
+                       ratio_mean=round(sum(e) / sum(s), 4))
+    ok = "ratio_mean" in summary and (summary["ratio_mean"] >= D_TARGET or
+                                      summary["ratio_mean"] >= 1 - summary["stock_spread_pct"] / 100)
+    return ok, summary
+
+
+def judge_d(out: kit.Out, stock_run: dict, elastic_run: dict, load: str) -> None:
+    stock, elastic = stock_run.get("stock") or {}, elastic_run.get("elastic-auto") or {}
+    ok, summary = (steady_summary(stock, elastic, int(D_STEADY["windows"])) if load == "steady"
+                   else passes_summary(stock, elastic))
+    e = elastic.get("elastic") or {}
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")})
-    ok = (stock_run.get("rc") == 0 and elastic_run.get("rc") == 0 and "ratio_mean" in summary
-          and (summary["ratio_mean"] >= 0.99 or
-               summary["ratio_mean"] >= 1 - summary["stock_spread_pct"] / 100))
+    ok = ok and stock_run.get("rc") == 0 and elastic_run.get("rc") == 0
     out.record("d", passed=ok, summary=summary,
                error=stock_run.get("error") or elastic_run.get("error"),
                log_tail=stock_run.get("log_tail") or elastic_run.get("log_tail"))
 
 
-def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
-    """(d): the default elastic policy's engine, then stock's, each two passes of the same
-    300 requests. With (b) asked too, (b) runs on the elastic engine right after its passes
-    (one engine start fewer): it gives its memory back, a taker allocates it, it regrows."""
+def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str) -> None:
+    """(d): the default elastic policy's engine, then stock's, each under the same load
+    (``load``: steady, a closed loop with windows; passes, two held passes). With (b) asked
+    too, (b) runs on the elastic engine right after its load (one engine start fewer): it
+    gives its memory back, a taker allocates it, it regrows."""
     with_b = "b" in WANTED
-    out.log(f"(d) steady-load throughput, stock vs elastic default"
+    out.log(f"(d) {load}-load throughput, stock vs elastic default"
             + (" then (b) on the elastic engine" if with_b else "") + f"; budget {share:.0f}s")
     deadline = time.monotonic() + share
+    job = ["throughput", "--requests", str(D_REQUESTS[load]), "--load", load]
+    if load == "steady":
+        job += [a for k, v in D_STEADY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+        run_s = sum(D_STEADY[k] for k in ("warmup_s", "drain_s")) + \
+            D_STEADY["windows"] * D_STEADY["window_s"]
+    else:
+        run_s = 45.0                      # two passes of 300 requests and the pause between
     # the elastic engine first: it carries (b) and the timeline of its grows; stock's gets
-    # what is left (at least the 130 s a start-up and two passes take)
-    left = min(deadline - 130, budget.end - 140) - time.monotonic()
+    # what is left (at least a slow start-up, its load and a shutdown)
+    stock_need = START_S + run_s + 15
+    left = min(deadline - stock_need, budget.end - stock_need - 10) - time.monotonic()
+    if left < START_S + run_s:
+        out.record("d", passed=False, skipped=f"{share:.0f}s is too little: each engine "
+                   f"needs about {START_S + run_s:.0f}s (start-up, load), stock "
+                   f"{stock_need:.0f}s; give --budget {2 * stock_need + 40:.0f} or more")
+        if with_b:
+            out.record("b", passed=False, skipped="runs on (d)'s elastic engine: not started")
+        return
     if with_b:
         delay = 12.0
-        elastic, take = with_taker(out, "d-elastic", ["throughput", "--requests", "300",
-                                                      "--modes", "elastic-auto", "--release"],
-                                   env, left, delay)
+        elastic, take = with_taker(out, "d-elastic", [*job, "--modes", "elastic-auto",
+                                                      "--release"], env, left, delay)
         judge_b(out, elastic, take, delay)
     else:
-        elastic = child(out, "d-elastic", ["throughput", "--requests", "300", "--modes",
-                                           "elastic-auto"], env, left)
-    stock = child(out, "d-stock", ["throughput", "--requests", "300", "--modes", "stock"], env,
+        elastic = child(out, "d-elastic", [*job, "--modes", "elastic-auto"], env, left)
+    stock = child(out, "d-stock", [*job, "--modes", "stock"], env,
                   min(deadline, budget.end - 5) - time.monotonic())
-    judge_d(out, stock, elastic)
+    judge_d(out, stock, elastic, load)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
-    ap.add_argument("--budget", type=float, default=450.0,
+    ap.add_argument("--budget", type=float, default=620.0,
                     help="seconds for everything (default: %(default)s)")
     ap.add_argument("--only", default="a,b,d",
                     help="sub-proofs to run, in this order: a, a2 (the default policy's "
@@ -340,6 +404,14 @@ def main() -> int:
                     help="engines compared with stock in (a): elastic, proxima "
                          "(default: %(default)s; PROXIMA_ALLOCATOR=1 alone was proven "
                          "identical in session 5)")
+    ap.add_argument("--d-load", choices=("steady", "passes"), default="steady",
+                    help="(d)'s load: steady, a closed loop of %d requests in flight, a "
+                         "%gs warm-up window then %d windows of %gs (elastic_child.py "
+                         "closed_loop); passes, the older two held passes of 300 requests "
+                         "(bursts with a tail, in which the elastic policy releases its "
+                         "memory) (default: %%(default)s)" % (
+                             D_STEADY["concurrency"], D_STEADY["warmup_s"],
+                             D_STEADY["windows"], D_STEADY["window_s"]))
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -361,7 +433,8 @@ def main() -> int:
     wanted = WANTED = set(args.only.split(","))
     out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
             f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}")
-    plan = {"a": (proof_a, 170), "d": (proof_d, 340), "b": (proof_b, 110)}
+    plan = {"a": (proof_a, 170), "b": (proof_b, 110),
+            "d": (lambda *a: proof_d(*a, load=args.d_load), 440)}
     for name in order:               # in the order asked: the first get the budget
         if name == "a2" or (name == "b" and "d" in wanted):
             continue

@@ -63,9 +63,27 @@ def main() -> int:
         result = {}
     if job == "throughput":
         modes = str(opts.get("--modes", "stock,elastic-auto")).split(",")
-        speeds = {"stock": (1000.0, 1010.0), "elastic-auto": (990.0, 1005.0)}
-        result.update({m: {"passes": [{"output_tokens_per_s": v} for v in speeds[m]]}
-                       for m in modes})
+        result["load"] = load = opts.get("--load", "steady")
+        if load == "passes":
+            speeds = {"stock": (1000.0, 1010.0), "elastic-auto": (990.0, 1005.0)}
+            result.update({m: {"passes": [{"output_tokens_per_s": v} for v in speeds[m]]}
+                           for m in modes})
+        else:           # window 0 (warm-up), then --windows windows, as closed_loop reports
+            warm, span, k = (float(opts["--warmup-s"]), float(opts["--window-s"]),
+                             int(opts["--windows"]))
+            speeds = {"stock": [9000.0] + [10000.0 + 100 * i for i in range(k)],
+                      "elastic-auto": [8500.0] + [9950.0 + 100 * i for i in range(k)]}
+            for m in modes:
+                edges = [0.0, warm] + [warm + span * (i + 1) for i in range(k)]
+                windows = [{"window": i, "kind": "measure" if i else "warmup",
+                            "start_s": edges[i], "end_s": edges[i + 1],
+                            "output_tokens_per_s": v,
+                            "output_tokens": int(v * (edges[i + 1] - edges[i]))}
+                           for i, v in enumerate(speeds[m])]
+                result[m] = {"steady": {
+                    "windows": windows, "concurrency": int(opts["--concurrency"]),
+                    "completed": 1500 if m == "stock" else 1480, "submitted": 1756,
+                    "preemptions": 0, "drain": {"aborted": 200, "seconds": 5.0}}}
     time.sleep(0.2)
     out.write_text(json.dumps(result))
     return 0
