@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from proxima.memory.ops import Op, OpBatch, Report, validate
+from proxima.memory.ops import MAP, UNMAP, Op, OpBatch, Report, validate
 
 MAPPED, UNMAPPED, MAPPING = 0, 1, 2
 _STATE = {MAPPED: "mapped", UNMAPPED: "unmapped", MAPPING: "mapping"}
@@ -56,6 +56,7 @@ class ElasticChannel:
         self._next_seq = 0
         self._waiting: dict[int, list[range]] = {}         # seq -> its MAP ranges
         self._acks: dict[int, tuple[int, set]] = {}         # seq -> (workers, failures)
+        self._unmapping: dict[int, int] = {}                # seq -> workers yet to report
         self.listeners: list[Callable[[range, bool], None]] = []
         self.reported_mapped: int | None = None            # the workers' last count
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
@@ -125,8 +126,10 @@ class ElasticChannel:
     # ------------------------------------------------------------------ the step
     @property
     def pending(self) -> bool:
-        """Ops waiting to be sent, or maps waiting for their confirmation."""
-        return bool(self._queue or self._waiting)
+        """Ops waiting to be sent, maps waiting for their confirmation, or unmaps not yet
+        reported done (a worker unmapping in the background says so in a later step: the
+        engine must keep stepping to hear it, or ``reported_mapped`` would stay stale)."""
+        return bool(self._queue or self._waiting or self._unmapping)
 
     def build(self) -> OpBatch | None:
         """This step's ops (None when there are none), in the order they were asked for."""
@@ -135,9 +138,11 @@ class ElasticChannel:
         ops, self._queue = tuple(self._queue), []
         batch = OpBatch(self._next_seq, ops)
         self._next_seq += 1
-        maps = [range(op.first, op.first + op.count) for op in ops if op.code == 1]
+        maps = [range(op.first, op.first + op.count) for op in ops if op.code == MAP]
         if maps:
             self._waiting[batch.seq] = maps
+        elif any(op.code == UNMAP for op in ops):
+            self._unmapping[batch.seq] = self.workers
         self.stats["batches"] += 1
         self.stats["ops"] += len(ops)
         return batch
@@ -154,6 +159,11 @@ class ElasticChannel:
         self.stats["worker_map_seconds"] = report.map_seconds
         self.stats["worker_unmap_seconds"] = report.unmap_seconds
         for seq, failed, n in report.entries():
+            if seq in self._unmapping:
+                left = self._unmapping.pop(seq) - n
+                if left > 0:
+                    self._unmapping[seq] = left
+                continue
             if seq not in self._waiting:
                 continue
             seen, bad = self._acks.get(seq, (0, set()))

@@ -23,6 +23,7 @@ from proxima.engines import compaction_v1, elastic_v1, vllm_v1
 from proxima.engines.compaction_v1 import CompactionOptions, apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
+from proxima.replay.elastic import ReplayWorker
 
 if elastic_v1.unsupported_reason():
     pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
@@ -212,8 +213,6 @@ def drive(scheduler, workload, runner, depth=1, worker=None):
 
 def drive_elastic(scheduler, workload, runner, conn):
     """:func:`drive` with the elastic policy's maps confirmed by the replay's worker."""
-    from proxima.replay.elastic import ReplayWorker
-
     vllm_v1.activate()
     try:
         return drive(scheduler, workload, runner, 1, worker=ReplayWorker(conn.channel, None))
@@ -389,8 +388,8 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
 
     runner.execute = execute
     vllm_v1.activate()
-    try:
-        drive(scheduler, specs(), runner, 1)
+    try:      # the workers' reports (an unmap is pending until the workers say it is done)
+        drive(scheduler, specs(), runner, 1, worker=ReplayWorker(conn.channel, None))
     finally:
         vllm_v1.deactivate()
     assert released and released[0][1] > 0          # it held live blocks when asked
