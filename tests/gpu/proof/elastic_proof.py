@@ -293,6 +293,7 @@ D_TARGET = 0.99            # (d): elastic / stock output tok/s, mean of the meas
 D_STEADY = {"concurrency": 256, "warmup_s": 10.0, "windows": 2, "window_s": 20.0,
             "drain_s": 5.0}
 D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round twice in ~55 s
+D_ALSO: list = []          # --d-also: more engines under (d)'s load, informational
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -388,6 +389,35 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
     stock = child(out, "d-stock", [*job, "--modes", "stock"], env,
                   min(deadline, budget.end - 5) - time.monotonic())
     judge_d(out, stock, elastic, load)
+    also_d(out, budget, env, job, stock, load, START_S + run_s + 15)
+
+
+def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: dict,
+           load: str, need: float) -> None:
+    """``--d-also``: more engines under (d)'s load after stock's, informational (where
+    elastic mode's cost lies: ``elastic-off`` maps the whole pool and runs no policy,
+    ``proxima`` is the allocator alone). Each one's tok/s and its ratio to stock go into
+    (d)'s record as ``also``; one that does not fit in the budget is skipped, said so."""
+    if not D_ALSO:
+        return
+    stock = stock_run.get("stock") or {}
+    also = {}
+    for mode in D_ALSO:
+        left = budget.end - 5 - time.monotonic()
+        if left < need:
+            also[mode] = {"skipped": f"{left:.0f}s left, needs about {need:.0f}s"}
+            continue
+        run = child(out, f"d-{mode}", [*job, "--modes", mode], env, left)
+        entry = run.get(mode) or {}
+        ok, s = (steady_summary(stock, entry, int(D_STEADY["windows"])) if load == "steady"
+                 else passes_summary(stock, entry))
+        also[mode] = {"tok_s": s.get("elastic_tok_s"), "ratio_to_stock":
+                      s.get("ratio", s.get("ratio_mean")),
+                      "warmup_ratio": s.get("warmup_ratio"), "rc": run.get("rc"),
+                      "error": run.get("error")}
+        out.log(f"  (d) also {mode}: {json.dumps(also[mode])}")
+    summary = dict(out.results["subproofs"].get("d", {}).get("summary") or {}, also=also)
+    out.record("d", summary=summary)
 
 
 def main() -> int:
@@ -412,6 +442,10 @@ def main() -> int:
                          "memory) (default: %%(default)s)" % (
                              D_STEADY["concurrency"], D_STEADY["warmup_s"],
                              D_STEADY["windows"], D_STEADY["window_s"]))
+    ap.add_argument("--d-also", default="",
+                    help="more engines under (d)'s load after stock's, informational: "
+                         "elastic-off (connector and VMM-backed KV, whole pool mapped, no "
+                         "policy), proxima (allocator alone) (default: none)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -424,6 +458,12 @@ def main() -> int:
               f"a2, b and/or d", file=sys.stderr)
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
+    D_ALSO[:] = [m for m in args.d_also.split(",") if m]
+    bad = sorted(set(D_ALSO) - {"elastic-off", "proxima"})
+    if bad:
+        print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "
+              f"elastic-off and/or proxima", file=sys.stderr)
+        return 2
     if args.dry_run:
         CHILD, DRY = str(HERE / "fake_child.py"), True
     out = kit.Out(Path(args.out), "elastic_proof")
