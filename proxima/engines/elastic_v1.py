@@ -83,7 +83,7 @@ class ElasticOptions:
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
-    vLLM's warm-up writes); ``headroom``, ``reserve_blocks``, ``release_delay_s``,
+    vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
     ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
     ``lru``, ``age:N``, ``window:W``). ``compactor``: ``module:factory`` of a compaction
@@ -114,6 +114,7 @@ class ElasticOptions:
     max_bytes: int | None = _POLICY.max_bytes
     initial_bytes: int | None = None
     headroom: float = _POLICY.headroom
+    band: float = _POLICY.band
     reserve_blocks: int = _POLICY.reserve_blocks
     release_delay_s: float = _POLICY.release_delay_s
     retry_s: float = _POLICY.retry_s
@@ -176,7 +177,7 @@ class ElasticOptions:
         if self.max_bytes is not None and self.max_bytes < self.min_bytes:
             raise UserError(f"{CONNECTOR}: max_bytes ({self.max_bytes}) is below min_bytes "
                             f"({self.min_bytes})")
-        for name in ("headroom", "release_delay_s", "retry_s", "idle_sleep_s"):
+        for name in ("headroom", "band", "release_delay_s", "retry_s", "idle_sleep_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 bad(name, "a number >= 0")
@@ -224,7 +225,8 @@ class ElasticOptions:
                              headroom=float(self.headroom),
                              reserve_blocks=max(self.reserve_blocks, reserve_blocks),
                              release_delay_s=float(self.release_delay_s),
-                             retry_s=float(self.retry_s), forecast=self.forecast)
+                             retry_s=float(self.retry_s), forecast=self.forecast,
+                             band=float(self.band))
 
 
 def _parse_options(text: str) -> dict:

@@ -202,3 +202,36 @@ def test_bad_options_name_the_value():
         PolicyOptions(min_bytes=10, max_bytes=5)
     with pytest.raises(ValueError, match="headroom must be a number >= 0"):
         PolicyOptions(headroom=-0.1)
+
+
+def test_a_band_keeps_a_steady_load_from_growing_and_shrinking_granule_by_granule():
+    """Demand that wobbles by a few blocks every second: without a band (0) every rise
+    is a grow and every lasting dip a shrink; with the default band (5% of what is
+    mapped, at least a granule) a grow maps a band more and a busy shrink keeps one."""
+    counts = {}
+    for band in (0.0, 0.25):
+        ch, pool, policy, now, demand = setup(num_granules=64, release_delay_s=2.0,
+                                              band=band)
+        for t in range(120):
+            now[0] = float(t)
+            demand[0] = 80 + (t * 7) % 13 + (20 if (t // 10) % 2 else 0)
+            policy.step()
+            confirm(ch)
+            # never short: what is wanted is free (or being mapped) after every step
+            assert pool.num_free_blocks + ch.count(MAPPING) * G >= demand[0]
+        counts[band] = (policy.stats.grows, policy.stats.shrinks)
+    assert counts[0.25][0] < counts[0.0][0] and counts[0.25][1] < counts[0.0][1]
+    assert counts[0.0][0] >= 5                         # the wobble did churn without it
+
+
+def test_a_busy_shrink_keeps_a_band_and_an_idle_one_goes_to_the_minimum():
+    ch, pool, policy, now, demand = setup(num_granules=64, mapped=40, release_delay_s=0.0,
+                                          band=0.1)
+    demand[0] = 8                                       # busy: 8 blocks wanted, 2 granules
+    policy.step()
+    # 40 mapped, band 4: (159 free - 8 wanted) // 4 = 37 spare granules, 4 of them kept
+    assert ch.count(MAPPED) == 40 - 33
+    demand[0] = 0
+    pool.live[0] = 1
+    policy.step()                                       # idle: down to the minimum
+    assert ch.count(MAPPED) == 1
