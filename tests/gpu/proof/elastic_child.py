@@ -68,7 +68,8 @@ def build(mode: str, stats_dir: Path, **kw):
     """An LLM of ``mode``: stock, proxima (allocator only), elastic (forced safe cycles,
     strict LRU: the schedule stays stock's), elastic-auto (the default policy), elastic-off
     (the connector and the VMM-backed KV, the whole pool mapped, no policy: what elastic
-    mode costs before any grow or shrink)."""
+    mode costs before any grow or shrink), elastic-fixed (that, plus the granule-aware
+    pool's placement and eviction, still all mapped)."""
     os.environ["PROXIMA_STATS_FILE"] = str(stats_dir / f"{mode}-status.json")
     os.environ["PROXIMA_ALLOCATOR"] = "0" if mode == "stock" else "1"
     os.environ["PROXIMA_ELASTIC"] = "1" if mode.startswith("elastic") else "0"
@@ -85,6 +86,8 @@ def build(mode: str, stats_dir: Path, **kw):
                    "force_cycle_hold": 2, "force_cycle_granules": 8, **options}
     elif mode == "elastic-off":
         options = {"policy": "off", **options}
+    elif mode == "elastic-fixed":
+        options = {"policy": "fixed", **options}
     if mode.startswith("elastic"):
         options.setdefault("stats_file", str(stats_dir / f"{mode}-elastic.json"))
         kw["kv_transfer_config"] = connector(options)

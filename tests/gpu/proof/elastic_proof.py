@@ -396,7 +396,8 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
            load: str, need: float) -> None:
     """``--d-also``: more engines under (d)'s load after stock's, informational (where
     elastic mode's cost lies: ``elastic-off`` maps the whole pool and runs no policy,
-    ``proxima`` is the allocator alone). Each one's tok/s and its ratio to stock go into
+    ``elastic-fixed`` adds the granule-aware pool, still all mapped; ``proxima`` is the
+    allocator alone). Each one's tok/s and its ratio to stock go into
     (d)'s record as ``also``; one that does not fit in the budget is skipped, said so."""
     if not D_ALSO:
         return
@@ -445,7 +446,8 @@ def main() -> int:
     ap.add_argument("--d-also", default="",
                     help="more engines under (d)'s load after stock's, informational: "
                          "elastic-off (connector and VMM-backed KV, whole pool mapped, no "
-                         "policy), proxima (allocator alone) (default: none)")
+                         "policy), elastic-fixed (that plus the granule-aware pool's "
+                         "placement), proxima (allocator alone) (default: none)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -459,10 +461,10 @@ def main() -> int:
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
-    bad = sorted(set(D_ALSO) - {"elastic-off", "proxima"})
+    bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "proxima"})
     if bad:
         print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "
-              f"elastic-off and/or proxima", file=sys.stderr)
+              f"elastic-off, elastic-fixed and/or proxima", file=sys.stderr)
         return 2
     if args.dry_run:
         CHILD, DRY = str(HERE / "fake_child.py"), True

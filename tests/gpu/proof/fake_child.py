@@ -66,7 +66,8 @@ def main() -> int:
         result["load"] = load = opts.get("--load", "steady")
         if load == "passes":
             speeds = {"stock": (1000.0, 1010.0), "elastic-auto": (990.0, 1005.0),
-                      "elastic-off": (995.0, 1000.0), "proxima": (1001.0, 1009.0)}
+                      "elastic-off": (995.0, 1000.0), "elastic-fixed": (994.0, 999.0),
+                      "proxima": (1001.0, 1009.0)}
             result.update({m: {"passes": [{"output_tokens_per_s": v} for v in speeds[m]]}
                            for m in modes})
         else:           # window 0 (warm-up), then --windows windows, as closed_loop reports
@@ -75,6 +76,7 @@ def main() -> int:
             speeds = {"stock": [9000.0] + [10000.0 + 100 * i for i in range(k)],
                       "elastic-auto": [8500.0] + [9950.0 + 100 * i for i in range(k)],
                       "elastic-off": [8900.0] + [9900.0 + 100 * i for i in range(k)],
+                      "elastic-fixed": [8900.0] + [9850.0 + 100 * i for i in range(k)],
                       "proxima": [9000.0] + [10010.0 + 100 * i for i in range(k)]}
             for m in modes:
                 edges = [0.0, warm] + [warm + span * (i + 1) for i in range(k)]
