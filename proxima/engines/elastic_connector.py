@@ -215,7 +215,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
         self._stats_written = 0.0           # when the stats file was last written (monotonic)
-        self._step_began: float | None = None
+        self._step_began: float | None = None     # when the last step with tokens began
         self._step_ms: deque[float] = deque(maxlen=256)       # ms between step starts
         self._build_ms: deque[float] = deque(maxlen=256)      # ms in build_connector_meta
         self._pool = None
@@ -418,9 +418,12 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self.channel is None:
             return ElasticMetadata()
         began = time.perf_counter()
-        if self._step_began is not None:           # one engine step, as the scheduler sees it
+        # one engine step as the scheduler sees it: from a step with tokens to the next
+        # step; after an empty step the time between is the engine's idle wait, not a step
+        if self._step_began is not None:
             self._step_ms.append(1e3 * (began - self._step_began))
-        self._step_began = began
+        busy = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
+        self._step_began = began if busy else None
         try:
             return self._build(scheduler_output)
         finally:
