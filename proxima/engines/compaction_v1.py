@@ -236,6 +236,9 @@ class Compactor:
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
+        # () -> int: the block ids the pool may hold at most (the elastic policy's maximum);
+        # None: the ids mapped now (see _under_pressure)
+        self.capacity_blocks = None
         self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
         self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
         self._gain = True           # this step: pack_gate's answer (placement follows it)
@@ -330,14 +333,22 @@ class Compactor:
         """Whether the blocks in use fill ``MERGE_LOAD`` of the pool's usable ids: there
         every allocation takes what was just freed and placement cannot keep runs whole,
         so runs are merged by exchanges (:meth:`_merge_runs`); below, placement keeps them
-        and merging would cost CPU for little. O(granules) at most."""
+        and merging would cost CPU for little. Usable ids are what the pool may hold at
+        most (``capacity_blocks``: under the elastic policy, its maximum), else those
+        mapped now: an elastic pool kept ~90% full by its policy while it may still grow
+        is not under pressure (H200, session 7: merging there cost bursts 30% of their
+        throughput). O(granules) at most."""
         pool = self.pool
         usable = pool.num_gpu_blocks - 1
-        if self.allocatable is not None:
+        if self.capacity_blocks is not None:
+            usable = min(usable, self.capacity_blocks() - 1)
+        elif self.allocatable is not None:
             G = self.granule_blocks
             usable -= G * sum(1 for g in range(-(-pool.num_gpu_blocks // G))
                               if not self.allocatable(g))
-        used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        # in use: live blocks (an elastic pool's unmapped ids are neither free nor used)
+        live = getattr(pool.free_block_queue, "live_blocks", None)
+        used = live() if live is not None else pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
         return used >= MERGE_LOAD * max(usable, 1)
 
     def _free_count(self) -> int:

@@ -22,6 +22,7 @@ import pytest
 from proxima.engines import compaction_v1, elastic_v1, vllm_v1
 from proxima.engines.compaction_v1 import CompactionOptions, apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
+from proxima.memory.channel import MAPPED
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
 
@@ -425,6 +426,37 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     assert conn.policy.stats.compactor_calls > 0
     assert compactor.counters["evacuations_done"] > 0
     assert runner.unmapped > 0 and runner.checked > 10_000
+
+
+def test_an_elastic_pool_that_may_still_grow_is_not_under_pressure():
+    """Run merging works only under pressure: the live blocks fill MERGE_LOAD of what the
+    pool may hold -- under the elastic policy its maximum, not the granules mapped now (a
+    pool the policy keeps ~90% full while it may grow is not short of memory), and the
+    unmapped ids count as neither free nor used."""
+    elastic = {"release_delay_s": 0.0}
+    scheduler = build_scheduler(proxima=True, num_blocks=40 * GRANULE,
+                                kv_transfer_config=ktc("auto", elastic, mode="1"),
+                                max_num_batched_tokens=2048)
+    conn = scheduler.connector
+    compactor, queue = conn.compactor, conn.queue
+    seen = []
+    real_step = compactor.step
+
+    def step():
+        live, mapped = queue.live_blocks(), conn.channel.count(MAPPED) * GRANULE
+        seen.append((live, mapped, compactor._under_pressure()))
+        real_step()
+
+    compactor.step = step
+    runner = ModelRunner(scheduler, compaction_v1.scratch_first(40 * GRANULE, GRANULE)
+                         + compactor.scratch_blocks)
+    drive_elastic(scheduler, specs(60), runner, conn)
+    pool = 40 * GRANULE - 1
+    full_mapped = [s for s in seen if s[0] >= compaction_v1.MERGE_LOAD * s[1] and s[1] < pool]
+    assert full_mapped                       # the policy kept the mapped part full ...
+    for live, mapped, pressure in seen:      # ... and only the maximum decides
+        assert pressure == (live >= compaction_v1.MERGE_LOAD * pool), (live, mapped)
+    assert not compactor.counters.get("merges")
 
 
 def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
