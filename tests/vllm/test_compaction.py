@@ -459,6 +459,26 @@ def test_an_elastic_pool_that_may_still_grow_is_not_under_pressure():
     assert not compactor.counters.get("merges")
 
 
+@pytest.mark.parametrize("defrag", [0, 1])
+def test_runs_are_restored_off_pressure_only_when_asked(defrag, monkeypatch):
+    """Auto mode's run defragmentation while the pool is not under pressure costs CPU
+    for contiguity vLLM 0.26 does not use: off by default, on with ``defrag: 1``."""
+    calls = []
+    real = compaction_v1.Compactor._defrag
+    monkeypatch.setattr(compaction_v1.Compactor, "_defrag",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    scheduler = build_scheduler(proxima=True, num_blocks=40 * GRANULE,
+                                kv_transfer_config=ktc("auto", {"release_delay_s": 0.0},
+                                                       mode="1", defrag=defrag),
+                                max_num_batched_tokens=2048)
+    conn = scheduler.connector
+    runner = ModelRunner(scheduler, compaction_v1.scratch_first(40 * GRANULE, GRANULE)
+                         + conn.compactor.scratch_blocks)
+    drive_elastic(scheduler, specs(60), runner, conn)
+    assert bool(calls) == bool(defrag)
+    assert runner.checked > 1000                      # and every slot read what was written
+
+
 def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     """Policy auto on a pool the load keeps full (preemptions): packing and placing for
     release gain nothing then (no granule could be released), so the compactor does not
@@ -506,6 +526,7 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     ({"mode": "1", "budget_mib": 0}, "budget_mib must be an integer >= 1"),
     ({"mode": "1", "scratch_granules": -1}, "scratch_granules must be an integer >= 0"),
     ({"mode": "1", "budget": 3}, "unknown option"),
+    ({"mode": "1", "defrag": 2}, "defrag must be 0 .off. or 1 .on., got 2"),
 ])
 def test_bad_compaction_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError
