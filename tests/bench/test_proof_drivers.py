@@ -219,11 +219,11 @@ def test_driver_b_plans_four_engines_on_an_h200():
     """The GPU run's plan (no --dry-run): fixed static KV starts side by side, what does not
     fit on the GPU is refused, and two engines keep their defaults."""
     te = _two_engines()
-    args = te.parse(["--engines", "4", "--static-kv-gib", "14", "--requests", "300",
+    args = te.parse(["--engines", "4", "--static-kv-gib", "15", "--requests", "300",
                      "--budget", "560"])
     error, notes = te.resolve(args, ["static", "elastic"])
     assert error is None and args.static_util == 0.225 and args.max_gib == 57.0
-    assert "static 4 x (18.0 + 14.0 KV, fixed) = 128.0 GiB" in notes[-2]
+    assert "static 4 x (18.0 + 15.0 KV, fixed) = 132.0 GiB" in notes[-2]
     assert "4 x 18.0 + 3 x 2 + 57 = 135.0 GiB" in notes[-1]
     need = [te.setup_seconds(n, args)[0] for n in ("static", "elastic")]
     assert need == [80 + 2 * 10 + 4 * 15 + 15] * 2 and sum(need) <= args.budget
