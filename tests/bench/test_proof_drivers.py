@@ -153,6 +153,92 @@ def test_driver_b_tail_requests_outlive_their_burst_and_are_counted(tmp_path):
     assert bad.returncode == 2 and "--tail wants N:TOKENS" in bad.stderr
 
 
+def test_driver_b_four_engines_take_their_bursts_in_turn(tmp_path):
+    done = run("two_engines.py", tmp_path, "--engines", "4", "--budget", "120",
+               "--requests", "12", "--port", "8394", "--delay", "0.2")
+    assert "(c) " in done.stdout, done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "two_engines-logs.tgz", "two_engines.json", "two_engines.log"]
+    data = json.loads((tmp_path / "two_engines.json").read_text())
+    c = data["subproofs"]["c"]
+    # 0.9/4 each, profiled KV (so one after the other), the elastic maximum from the plan
+    assert data["settings"]["static_util"] == 0.225 and data["settings"]["static_kv_gib"] == 0
+    assert data["settings"]["max_gib"] == 57.0
+    assert c["static"]["start"] == "sequential" and c["elastic"]["start"] == "parallel"
+    log = (tmp_path / "two_engines.log").read_text()
+    assert "gpu_memory_utilization 0.225 each (0.9/4" in log and "ports 8394-8397" in log
+    for setup in ("static", "elastic"):
+        r = c[setup]
+        assert all(f"start_{k}_s" in r for k in "ABCD")
+        assert [(b["engine"], b["round"]) for b in r["bursts"]] == [
+            ("A", 0), ("B", 0), ("C", 0), ("D", 0)]
+        # the stand-in counts what it served as preemptions: each burst went to its engine
+        assert [b["preemptions"] for b in r["bursts"]] == [12, 12, 12, 12]
+        assert r["errors"] == 0 and r["output_tokens"] == 4 * 12 * 512
+    for b in c["elastic"]["bursts"]:
+        assert all(b[f"mapped_{k}_bytes"] >= 2 << 30 for k in "ABCD")
+        assert set("ABCD") - {b["engine"]} <= set(b["mapped_during"])
+    assert all(set(c["elastic"][f"elastic_{k}"]) >= {"grows", "mapped_bytes"} for k in "ABCD")
+    s = c["summary"]
+    assert s["engines"] == 4 and s["ratio"] > 0
+    assert s["ratio"] == round(s["elastic_tok_s"] / s["static_tok_s"], 3)
+    assert len(s["per_burst_tok_s"]["static"]) == len(s["per_burst_tok_s"]["elastic"]) == 4
+    idle = s["idle_mapped_bytes_per_burst"]
+    assert [sorted(row) for row in idle] == [list("BCD"), list("ACD"), list("ABD"), list("ABC")]
+    # before its own burst an engine sits at its 2 GiB minimum
+    assert idle[0] == {k: 2 << 30 for k in "BCD"}
+    logs = subprocess.run(["tar", "tzf", str(tmp_path / "two_engines-logs.tgz")],
+                          capture_output=True, text=True).stdout
+    assert all(f"{setup}-{k}.log" in logs for setup in ("static", "elastic") for k in "ABCD")
+
+
+def test_driver_b_refuses_bad_engine_counts_and_a_budget_too_small(tmp_path):
+    for value in ("1", "9", "four", "2.5"):
+        bad = run("two_engines.py", tmp_path / "bad", "--engines", value)
+        assert bad.returncode == 2 and bad.stdout == "", bad.stdout + bad.stderr
+        assert bad.stderr.count("\n") == 1 and "--engines wants a whole number of engines " \
+            f"from 2 to 8, got '{value}'" in bad.stderr, bad.stderr
+    small = run("two_engines.py", tmp_path / "small", "--engines", "4", "--budget", "10")
+    assert small.returncode == 2 and small.stderr.count("\n") == 1, small.stderr
+    assert "--budget 10s is too little for 2 setup(s) of 4 engines" in small.stderr
+    assert "4 one after the other" in small.stderr and "give --budget" in small.stderr
+    over = run("two_engines.py", tmp_path / "over", "--engines", "4", "--static-util", "0.45")
+    assert over.returncode == 2 and "give at most 0.237" in over.stderr, over.stderr
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "small").exists()
+    assert not (tmp_path / "over").exists()
+
+
+def _two_engines():
+    sys.path.insert(0, str(PROOF))
+    import two_engines
+
+    return two_engines
+
+
+def test_driver_b_plans_four_engines_on_an_h200():
+    """The GPU run's plan (no --dry-run): fixed static KV starts side by side, what does not
+    fit on the GPU is refused, and two engines keep their defaults."""
+    te = _two_engines()
+    args = te.parse(["--engines", "4", "--static-kv-gib", "15", "--requests", "300",
+                     "--budget", "560"])
+    error, notes = te.resolve(args, ["static", "elastic"])
+    assert error is None and args.static_util == 0.225 and args.max_gib == 57.0
+    assert "static 4 x (18.0 + 15.0 KV, fixed) = 132.0 GiB" in notes[-2]
+    assert "4 x 18.0 + 3 x 2 + 57 = 135.0 GiB" in notes[-1]
+    need = [te.setup_seconds(n, args)[0] for n in ("static", "elastic")]
+    assert need == [80 + 2 * 10 + 4 * 15 + 15] * 2 and sum(need) <= args.budget
+    args = te.parse(["--engines", "4", "--static-kv-gib", "20"])
+    error, _ = te.resolve(args, ["static", "elastic"])
+    assert "needs about 152 GiB" in error and "give at most 16.9" in error
+    args = te.parse(["--engines", "7"])
+    error, _ = te.resolve(args, ["elastic"])
+    assert "not above the 2 GiB minimum" in error
+    args = te.parse([])
+    assert te.resolve(args, ["static", "elastic"])[0] is None
+    assert (args.static_util, args.static_kv_gib, args.max_gib) == (0.45, 46.6, 72.0)
+    assert te.setup_seconds("static", args)[0] == 80 + 2 * 15 + 15
+
+
 def test_a_child_that_outlives_its_time_is_killed_with_its_group(tmp_path):
     sys.path.insert(0, str(PROOF))
     import proofkit

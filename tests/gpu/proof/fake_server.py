@@ -1,22 +1,63 @@
 """A CPU stand-in for vLLM's OpenAI server (``two_engines.py --dry-run``): /health, /metrics
-(a preemption counter), streamed /v1/completions with usage. It checks the driver's
-orchestration, nothing about vLLM or Proxima."""
+(a preemption counter), streamed /v1/completions with usage. With ``--stats-file`` it plays
+an elastic engine's stats file: mapped bytes start at ``--min-bytes``, grow by 64 MiB per
+request in flight (up to ``--max-bytes``), and fall back to the minimum ``--delay`` s after
+the last request ended (a shrink, its bytes counted as returned). One process per port, so
+the driver runs as many as it has engines. It checks the driver's orchestration, nothing about
+vLLM or Proxima."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PER_REQUEST = 64 << 20
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--stats-file", default=None)
+    ap.add_argument("--min-bytes", type=int, default=2 << 30)
+    ap.add_argument("--max-bytes", type=int, default=72 << 30)
+    ap.add_argument("--delay", type=float, default=2.0)
     args = ap.parse_args()
     served = [0]
+    lock = threading.Lock()
+    state = {"mapped_bytes": args.min_bytes, "grows": 0, "shrinks": 0, "failed_grows": 0,
+             "bytes_returned": 0, "pool_bytes": args.max_bytes}
+    active = [0]
+    last_end = [time.monotonic()]
+
+    def write_stats() -> None:          # under the lock; atomic, the driver samples it
+        if not args.stats_file:
+            return
+        tmp = f"{args.stats_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(state, reported_mapped=state["mapped_bytes"] >> 20,
+                           bytes_per_granule=1 << 20), f)
+        os.replace(tmp, args.stats_file)
+
+    def release() -> None:              # the release delay, as the elastic policy's
+        while True:
+            time.sleep(0.05)
+            with lock:
+                if (active[0] == 0 and state["mapped_bytes"] > args.min_bytes
+                        and time.monotonic() - last_end[0] >= args.delay):
+                    state["bytes_returned"] += state["mapped_bytes"] - args.min_bytes
+                    state["mapped_bytes"] = args.min_bytes
+                    state["shrinks"] += 1
+                    write_stats()
+
+    with lock:
+        write_stats()
+    if args.stats_file:
+        threading.Thread(target=release, daemon=True).start()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"     # a streamed body ends with the connection
@@ -43,22 +84,30 @@ def main() -> int:
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = int(body.get("max_tokens", 4))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            for _ in range(3):
-                self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
-                time.sleep(0.01)
-            usage = {"choices": [], "usage": {"completion_tokens": n}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
-            served[0] += 1
-            if args.stats_file:
-                with open(args.stats_file, "w") as f:
-                    json.dump({"mapped_bytes": served[0], "reported_mapped": 1,
-                               "bytes_per_granule": 1, "grows": 1}, f)
+            with lock:
+                active[0] += 1
+                want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
+                if want > state["mapped_bytes"]:
+                    state["mapped_bytes"] = want
+                    state["grows"] += 1
+                    write_stats()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for _ in range(3):
+                    self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                    time.sleep(0.01)
+                usage = {"choices": [], "usage": {"completion_tokens": n}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                self.close_connection = True
+            finally:
+                with lock:
+                    active[0] -= 1
+                    last_end[0] = time.monotonic()
+                    served[0] += 1
 
     ThreadingHTTPServer.daemon_threads = True
     ThreadingHTTPServer.request_queue_size = 2048     # a burst connects all at once

@@ -1,36 +1,47 @@
-"""Issue 13's GPU proof, driver B: two engines on one GPU with alternating bursts.
+"""Issue 13's GPU proof, driver B: N engines on one GPU (default two), bursts in turn.
 
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/two_engines.py \\
-        [--budget 410] [--requests 1000] [--compactor module:factory]
+        [--engines 2] [--budget 410] [--requests 1000] [--compactor module:factory]
 
-(c) Two vLLM OpenAI servers (vLLM 0.26's api_server, dummy Llama-3.1-8B) on one GPU, on
-different ports, started side by side (``--start``). Schedule: a burst on A while B idles, then a
-burst on B while A idles (``--rounds`` times). Run twice, on the same schedule:
+(c) N vLLM OpenAI servers (vLLM 0.26's api_server, dummy Llama-3.1-8B) on one GPU, named A,
+B, C, ... on ports ``--port`` .. ``--port``+N-1, started side by side (``--start``). Schedule:
+each round a burst on A while the others idle, then on B while the others idle, ... (``--rounds``
+times). Run twice, on the same schedule:
 
-* static: two stock engines, ``gpu_memory_utilization 0.45`` each (a fixed split; their
-  KV fixed at what 0.45 gives when profiled, ``--static-kv-gib``, so they can start side by
-  side);
-* elastic: two Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
-  PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (more than half of the
-  GPU) and a minimum of 2 GiB, release delay 2 s: the busy engine takes what the idle
-  one gave back (a grow the GPU cannot back yet is retried: it never fails a request).
+* static: N stock engines with a fixed split, ``gpu_memory_utilization`` ``--static-util``
+  each (0.45 for two engines; for more, 0.9/N unless given: the log says so), their KV fixed
+  with ``--static-kv-gib`` (what that utilization gives when profiled) so that they can start
+  side by side; without it (the default for N > 2) vLLM profiles each and they start one
+  after the other (a profile run is upset by another engine loading beside it);
+* elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
+  PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
+  of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
+  shows the arithmetic) and a minimum of 2 GiB, release delay 2 s: the busy engine takes what
+  the idle ones gave back (a grow the GPU cannot back yet is retried: it never fails a
+  request).
 
 Per setup: aggregate output tokens/s over the schedule, per-burst time and tokens/s,
 preemptions (vLLM's counter, from /metrics), TTFT p50/p99, errors; for elastic also each
-engine's mapped bytes at the end of every burst and the grow/shrink counters (the
-connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, zero errors.
-``--tail N:TOKENS`` sends N long requests with each burst that the schedule does not wait
-for: they outlive it, and their blocks pin granules of the engine that went idle (issue 14's
-case for moving them: the ``compacted`` setup against ``elastic``; the idle engine's mapped
-bytes are sampled every 0.5 s during the other's burst).
+engine's mapped bytes at the end of every burst (``mapped_<X>_bytes``), sampled every 0.5 s
+during it (``mapped_during``: the idle engines' memory), and the grow/shrink counters (the
+connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, zero errors;
+the ratio is reported for any N. ``--tail N:TOKENS`` sends N long requests with each burst that
+the schedule does not wait for: they outlive it, and their blocks pin granules of the engine
+that went idle (issue 14's case for moving them: the ``compacted`` setup against ``elastic``).
 With ``--compactor module:factory`` (issue 14's compaction) the elastic servers get it in
 their elastic options (``compactor``); ``PROXIMA_PROOF_ELASTIC_OPTIONS`` (JSON) adds any
 other option.
 
+Before anything starts, the driver checks its plan: the memory (an estimate from
+``--engine-gib`` per engine besides KV on a ``--gpu-gib`` GPU: static shares that cannot fit
+are refused) and the time (every setup's start-ups, N x ``--rounds`` bursts, the stops): a
+budget too small for it is said in one line (exit 2), not run.
+
 Files in $OUT: two_engines.json (rewritten after every burst), two_engines.log, and
-two_engines-logs.tgz (the four servers' logs). The driver never touches CUDA; servers run
-in their own process groups and are killed when their time is up or the driver exits.
-About 4-5 minutes for two setups (two side-by-side start-ups of 90-130 s, four bursts of ~60 s).
+two_engines-logs.tgz (the servers' logs). The driver never touches CUDA; servers run in their
+own process groups and are killed when their time is up or the driver exits.
+About 4-5 minutes for two setups of two engines (two side-by-side start-ups of 75-130 s, four
+bursts of ~20-60 s); four engines: see docs/benchmarks.md section 7.3.
 """
 
 from __future__ import annotations
@@ -38,9 +49,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -52,22 +65,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proofkit as kit  # noqa: E402
 
 GiB = 1 << 30
+MAX_ENGINES = 8
+MIN_GIB = 2                     # each elastic engine's minimum
+# The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
+# side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
+GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
+DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "burst": 1.0, "stop": 1.0}
+
+
+def names(n: int) -> list[str]:
+    """The engines' names: A, B, C, ..."""
+    return [chr(ord("A") + i) for i in range(n)]
+
+
+def elastic_util(n: int) -> float:
+    """The elastic engines' gpu_memory_utilization: with their KV fixed it only sets vLLM's
+    start-up check (free memory >= it x total), which the engines started before must leave
+    free: 0.3 for two (as before), 0.9/N beyond."""
+    return round(min(0.3, 0.9 / n), 4)
 
 
 def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
     if args.dry_run:
         return [sys.executable, str(Path(__file__).resolve().parent / "fake_server.py"),
-                "--port", str(port)] + ([] if static else ["--stats-file", str(stats_file)])
+                "--port", str(port)] + ([] if static else [
+                    "--stats-file", str(stats_file), "--min-bytes", str(MIN_GIB * GiB),
+                    "--max-bytes", str(int(args.max_gib * GiB)), "--delay", str(args.delay)])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
            "--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--port", str(port),
            "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", "2048"] + (["--enforce-eager"] if args.enforce_eager else [])
     if static:
-        cmd += ["--gpu-memory-utilization", "0.45"]
-        if args.static_kv_gib:                  # what 0.45 gives, fixed (see --static-kv-gib)
+        cmd += ["--gpu-memory-utilization", str(args.static_util)]
+        if args.static_kv_gib:          # what --static-util gives, fixed (see --static-kv-gib)
             cmd += ["--kv-cache-memory-bytes", str(int(args.static_kv_gib * GiB))]
         return cmd
-    options = {"policy": "auto", "min_bytes": 2 * GiB, "max_bytes": int(args.max_gib * GiB),
+    options = {"policy": "auto", "min_bytes": MIN_GIB * GiB, "max_bytes": int(args.max_gib * GiB),
                "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
                "stats_file": str(stats_file)}
     if args.compactor:
@@ -76,7 +109,7 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
     ktc = {"kv_connector": "ProximaElasticConnector",
            "kv_connector_module_path": "proxima.engines.elastic_connector",
            "kv_role": "kv_producer", "kv_connector_extra_config": options}
-    return cmd + ["--gpu-memory-utilization", "0.3",
+    return cmd + ["--gpu-memory-utilization", str(elastic_util(args.engines)),
                   "--kv-cache-memory-bytes", str(int(args.max_gib * GiB)),
                   "--kv-transfer-config", json.dumps(ktc)]
 
@@ -236,17 +269,21 @@ class Sampler:
                 for k, v in self.seen.items() if v}
 
 
+def starts_together(static: bool, args) -> bool:
+    """Side by side when each engine's KV is fixed (elastic: its maximum; static: the bytes
+    --static-util gives, --static-kv-gib): no start-up profiling for another to upset.
+    Profiled static engines (--static-kv-gib 0) start one after the other."""
+    return args.start == "parallel" and (not static or bool(args.static_kv_gib))
+
+
 def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, env) -> dict:
-    """Start A then B, run the schedule, stop both. Returns the setup's figures."""
-    ports = {"A": args.port, "B": args.port + 1}
+    """Start the N engines, run the schedule, stop them. Returns the setup's figures."""
+    ports = {k: args.port + i for i, k in enumerate(names(args.engines))}
     stats = {k: out.dir / f".{name}-{k}-elastic.json" for k in ports}
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
-        # Side by side when each engine's KV is fixed (elastic: its maximum; static: the
-        # bytes 0.45 gives, --static-kv-gib): no start-up profiling for the other to upset.
-        # Profiled static engines (--static-kv-gib 0) start one after the other.
-        together = args.start == "parallel" and (not static or bool(args.static_kv_gib))
+        together = starts_together(static, args)
         result["start"] = "parallel" if together else "sequential"
         t0 = {}
 
@@ -292,23 +329,26 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 launch(key, port)
                 await_healthy(key, port)
         out.record("c", **{name: result})
-        schedule = [x for r in range(args.rounds) for x in (("A", r), ("B", r))]
+        # each round: a burst on every engine in turn (A busy while the rest idle, then B, ...)
+        schedule = [(key, r, j) for r in range(args.rounds) for j, key in enumerate(ports)]
         tail_n, tail_tokens = args.tail
         tails: list[Tail] = []
         t_all = time.perf_counter()
-        for i, (key, r) in enumerate(schedule):
-            left = budget.cap(args.burst_timeout, reserve=15)
+        floor = (DRY_PLAN if args.dry_run else GPU_PLAN)["burst"]
+        for i, (key, r, j) in enumerate(schedule):
+            # what is left, less the shortest burst for each one still to come
+            left = budget.cap(args.burst_timeout, reserve=15 + floor * (len(schedule) - i - 1))
             if left < 20:
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = ports[key]
             before = metric(port, "vllm:num_preemptions_total")
-            requests = burst_requests(args.requests, seed=100 * r + (key == "B"),
+            requests = burst_requests(args.requests, seed=100 * r + j,
                                       prompt=args.prompt, output=args.output)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
             if tail_n:          # long requests this burst leaves behind (not waited for)
                 tails.append(Tail(port, args.model, burst_requests(
-                    tail_n, seed=7000 + 100 * r + (key == "B"), prompt=args.prompt,
+                    tail_n, seed=7000 + 100 * r + j, prompt=args.prompt,
                     output=tail_tokens), left + args.burst_timeout))
             sampler = Sampler(stats)
             burst = asyncio.run(run_burst(port, args.model, requests, left))
@@ -354,17 +394,46 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     "compactor_calls", "compaction")}
         return result
     finally:
+        for proc in procs.values():      # all asked to stop at once, then waited for
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for key in list(procs):
             kit.stop(procs[key], timeout=20)
         time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class Parser(argparse.ArgumentParser):
+    """Bad input: one line (what was wrong, the value), exit 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"two_engines: {message} (see --help)\n")
+
+
+def engines_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 2 <= n <= MAX_ENGINES:
+        raise argparse.ArgumentTypeError(
+            f"--engines wants a whole number of engines from 2 to {MAX_ENGINES}, got {text!r}")
+    return n
+
+
+def parse(argv=None):
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
+    ap.add_argument("--engines", type=engines_arg, default=2, metavar="N",
+                    help=f"engines on the GPU, 2 to {MAX_ENGINES}, named A, B, C, ... on ports "
+                         f"--port .. --port+N-1; each round a burst on each in turn "
+                         f"(default: %(default)s)")
     ap.add_argument("--budget", type=float, default=410.0,
-                    help="seconds for everything (default: %(default)s)")
+                    help="seconds for everything; checked against the plan before anything "
+                         "starts (default: %(default)s)")
     ap.add_argument("--model", default=os.environ.get("PROXIMA_PROOF_MODEL", kit.MODEL),
                     help="model config directory, dummy weights (default: %(default)s)")
     ap.add_argument("--requests", type=int, default=1000,
@@ -374,11 +443,14 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=512,
                     help="output tokens per request (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="A-then-B rounds (default: %(default)s)")
+                    help="rounds of one burst per engine, A first (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="(default: %(default)s)")
-    ap.add_argument("--max-gib", type=float, default=72.0,
-                    help="each elastic engine's KV maximum, GiB (default: %(default)s, more "
-                         "than half of an H200's 140 GiB)")
+    ap.add_argument("--max-gib", type=float, default=None,
+                    help="each elastic engine's KV maximum, GiB (default: 72 for two engines, "
+                         "more than half of an H200's 139.8 GiB; for more engines what the GPU "
+                         "holds for the busy one with every other at its 2 GiB minimum: "
+                         "--gpu-gib - N x --engine-gib - (N-1) x 2 - 4 GiB of slack, e.g. 57 "
+                         "for four)")
     ap.add_argument("--delay", type=float, default=2.0,
                     help="elastic release delay, s (default: %(default)s)")
     ap.add_argument("--granule-mib", type=int, default=32,
@@ -386,20 +458,36 @@ def main() -> int:
                          "larger maps when a burst grows the pool)")
     ap.add_argument("--burst-timeout", type=float, default=120.0,
                     help="seconds a burst may take (default: %(default)s)")
-    ap.add_argument("--port", type=int, default=8300, help="A's port; B's is +1 (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=8300,
+                    help="A's port; B's is +1, C's +2, ... (default: %(default)s)")
     ap.add_argument("--compactor", default=None, metavar="MODULE:FACTORY",
                     help="issue 14's compaction hook for the elastic servers (default: none)")
     ap.add_argument("--only", default="static,elastic",
                     help="setups to run, in this order: static, elastic, compacted (elastic "
                          "with KV compaction, issue 14) (default: %(default)s)")
-    ap.add_argument("--static-kv-gib", type=float, default=46.6,
-                    help="the static engines' KV, GiB: what gpu_memory_utilization 0.45 gave "
-                         "each of two stock engines started one after the other (46.62 and "
-                         "46.85 GiB, session 6 call 2), fixed so that they can start side by "
-                         "side; 0: profile at 0.45, one after the other (default: %(default)s)")
+    ap.add_argument("--static-util", type=float, default=None,
+                    help="each static engine's gpu_memory_utilization (default: 0.45 for two "
+                         "engines; for N > 2, 0.9/N, said in the log); N x it at most 0.95")
+    ap.add_argument("--static-kv-gib", type=float, default=None,
+                    help="the static engines' KV, GiB, fixed so that they can start side by "
+                         "side: what --static-util gives each when profiled (0.45 gave two "
+                         "stock engines started one after the other 46.62 and 46.85 GiB, "
+                         "session 6 call 2); 0: vLLM profiles each, and they start one after "
+                         "the other (N start-ups in a row: safe on any GPU, slow) (default: "
+                         "46.6 for two engines; 0 for more, since what 0.9/N gives was not "
+                         "measured: give it, e.g. 15 for four on an H200: 0.225 x 139.8 less "
+                         "weights 14.96, activations 1.1, non-torch 0.22, to start them side "
+                         "by side)")
+    ap.add_argument("--engine-gib", type=float, default=18.0,
+                    help="the memory plan's estimate of each engine's GPU memory besides KV, "
+                         "GiB (dummy Llama-3.1-8B on vLLM 0.26: weights 14.96, activations up "
+                         "to 1.8, CUDA graphs 0.98, non-torch 0.22) (default: %(default)s)")
+    ap.add_argument("--gpu-gib", type=float, default=139.8,
+                    help="the GPU's memory for the memory plan, GiB (default: %(default)s, an "
+                         "H200 as vLLM sees it)")
     ap.add_argument("--start", choices=("parallel", "sequential"), default="parallel",
-                    help="start A and B side by side where their KV is fixed, or one after "
-                         "the other (default: %(default)s)")
+                    help="start the engines side by side where their KV is fixed, or one "
+                         "after the other (default: %(default)s)")
     ap.add_argument("--tail", type=tail_spec, default=(0, 0), metavar="N:TOKENS",
                     help="with each burst, N more requests of TOKENS output tokens that the "
                          "schedule does not wait for: they outlive the burst (compaction's "
@@ -410,24 +498,121 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU stand-in servers (fake_server.py): checks the orchestration, "
                          "proves nothing (default: off)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
+    """Fill the N-dependent defaults and check the memory plan. Returns (the error line or
+    None, the lines for the log)."""
+    n, notes = args.engines, []
+    static = "static" in order
+    if args.static_util is None:
+        args.static_util = 0.45 if n == 2 else math.floor(900 / n) / 1000
+        if n != 2:
+            notes.append(f"static: gpu_memory_utilization {args.static_util} each (0.9/{n}, "
+                         f"no --static-util given)")
+    if not 0 < args.static_util <= 1 or (static and n * args.static_util > 0.95 + 1e-9):
+        return (f"--static-util {args.static_util} for {n} engines asks for "
+                f"{n * args.static_util:.2f} of the GPU: give at most {0.95 / n:.3f} (N x it "
+                f"at most 0.95)"), notes
+    if args.static_kv_gib is None:
+        args.static_kv_gib = 46.6 if n == 2 else 0.0
+    if args.static_kv_gib < 0:
+        return f"--static-kv-gib wants 0 (profile) or more GiB, got {args.static_kv_gib}", notes
+    base = args.engine_gib
+    if args.max_gib is None:
+        args.max_gib = 72.0 if n == 2 else float(math.floor(
+            args.gpu_gib - n * base - (n - 1) * MIN_GIB - 4))
+        if n != 2:
+            notes.append(f"elastic: max {args.max_gib:.0f} GiB each (the busy one with the "
+                         f"other {n - 1} at {MIN_GIB} GiB: {args.gpu_gib} - {n} x {base} - "
+                         f"{n - 1} x {MIN_GIB} - 4 GiB of slack)")
+    if args.max_gib <= MIN_GIB:
+        return (f"elastic max {args.max_gib} GiB for {n} engines is not above the {MIN_GIB} "
+                f"GiB minimum: {n} engines of ~{base} GiB besides KV leave no room on a "
+                f"{args.gpu_gib} GiB GPU; give fewer --engines or --max-gib"), notes
+    if static:
+        kv = args.static_kv_gib or args.static_util * args.gpu_gib - (base - 1.0)
+        how = "fixed" if args.static_kv_gib else "profiled, about"
+        if kv <= 0:
+            return (f"--static-util {args.static_util} leaves no KV for an engine of ~{base} "
+                    f"GiB besides KV on a {args.gpu_gib} GiB GPU: give fewer --engines"), notes
+        need = n * (base + kv)
+        notes.append(f"memory plan (estimate, --engine-gib {base} each besides KV, "
+                     f"--gpu-gib {args.gpu_gib}): static {n} x ({base} + {kv:.1f} KV, {how}) "
+                     f"= {need:.1f} GiB")
+        if args.static_kv_gib and need > args.gpu_gib:
+            return (f"--static-kv-gib {args.static_kv_gib} for {n} engines needs about "
+                    f"{need:.0f} GiB ({n} x ({base} + {args.static_kv_gib})), more than the "
+                    f"GPU's {args.gpu_gib}: give at most "
+                    f"{math.floor(10 * (args.gpu_gib / n - base)) / 10}"), notes
+    if any(x in order for x in ("elastic", "compacted")):
+        peak = n * base + (n - 1) * MIN_GIB + args.max_gib
+        notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
+                     f"the other {n - 1} at {MIN_GIB} GiB: {n} x {base} + {n - 1} x {MIN_GIB} "
+                     f"+ {args.max_gib:.0f} = {peak:.1f} GiB"
+                     + ("" if peak <= args.gpu_gib else
+                        f", more than {args.gpu_gib}: the busy engine's grows beyond "
+                        f"~{args.max_gib - peak + args.gpu_gib:.0f} GiB wait and retry"))
+    return None, notes
+
+
+def setup_seconds(name: str, args) -> tuple[float, str]:
+    """The least time a setup can take: its start-ups (side by side or in a row), N x rounds
+    bursts at their shortest, its stop."""
+    c = DRY_PLAN if args.dry_run else GPU_PLAN
+    n = args.engines
+    together = starts_together(name == "static", args)
+    start = c["start"] + c["start_each_more"] * (n - 2) if together else c["start"] * n
+    bursts = n * args.rounds
+    total = start + bursts * c["burst"] + c["stop"]
+    return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {n} "
+                   f"{'side by side' if together else 'one after the other'}, {bursts} "
+                   f"bursts x {c['burst']:.0f}s, {c['stop']:.0f}s stop)")
+
+
+def main() -> int:
+    args = parse()
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"static", "elastic", "compacted"})
     if unknown:
         print(f"two_engines: unknown setup(s) {', '.join(unknown)} in --only: give static, "
               f"elastic and/or compacted", file=sys.stderr)
         return 2
+    error, notes = resolve(args, order)
+    if error:
+        print(f"two_engines: {error}", file=sys.stderr)
+        return 2
+    plan = [setup_seconds(name, args) for name in order]
+    need = sum(p[0] for p in plan)
+    if args.budget < need:
+        print(f"two_engines: --budget {args.budget:.0f}s is too little for {len(order)} "
+              f"setup(s) of {args.engines} engines, at least {need:.0f}s: "
+              f"{'; '.join(p[1] for p in plan)}; give --budget {math.ceil(need) + 30} or more, "
+              f"or fewer --engines/--rounds, or one setup in --only", file=sys.stderr)
+        return 2
     out = kit.Out(Path(args.out), "two_engines")
     budget = kit.Budget(args.budget)
     env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
-    out.log(f"two engines: budget {args.budget:.0f}s, {args.requests} requests per burst "
-            f"({args.prompt} prompt / {args.output} output tokens), elastic max "
-            f"{args.max_gib} GiB, compactor {args.compactor}")
+    keys = names(args.engines)
+    out.log(f"{args.engines} engines ({', '.join(keys)} on ports {args.port}-"
+            f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {args.requests} "
+            f"requests per burst ({args.prompt} prompt / {args.output} output tokens), "
+            f"{args.rounds} round(s) of {args.engines} bursts, static "
+            f"gpu_memory_utilization {args.static_util} with "
+            f"{f'{args.static_kv_gib} GiB of KV' if args.static_kv_gib else 'profiled KV'}, "
+            f"elastic max {args.max_gib} GiB, compactor {args.compactor}")
+    for line in notes:
+        out.log(f"  {line}")
+    out.log(f"  time plan, at least: {'; '.join(p[1] for p in plan)}")
     out.results["settings"] = vars(args)
     results = {}
-    for name in order:
-        if budget.left() < (20 if args.dry_run else 120):
-            out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left"})
+    for (name, (setup_need, _)) in zip(order, plan):
+        if budget.left() < setup_need:
+            out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left, the setup "
+                               f"needs at least {setup_need:.0f}s: give --budget "
+                               f"{math.ceil(need) + 30} or more"})
+            out.log(f"  {name}: skipped, only {budget.left():.0f}s left")
             continue
         try:
             results[name] = run_setup(out, budget, name, name == "static", args, env)
@@ -440,6 +625,26 @@ def main() -> int:
             out.log(f"  {name}: FAILED: {exc}")
         finally:
             kit.kill_all()
+
+    def idle_mapped(r) -> list[dict]:
+        # per burst, each idle engine's mapped bytes over the busy one's burst (mean of the
+        # samples), else at its end
+        rows = []
+        for b in r["bursts"]:
+            row = {}
+            for k in keys:
+                if k != b["engine"]:
+                    seen = (b.get("mapped_during") or {}).get(k)
+                    row[k] = seen["mean"] if seen else b.get(f"mapped_{k}_bytes")
+            rows.append(row)
+        return rows
+
+    def idle_total(r) -> list:
+        # the idle engines' mapped bytes together, per burst (two engines: the idle one's)
+        return [sum(v for v in row.values() if v is not None)
+                if any(v is not None for v in row.values()) else None
+                for row in idle_mapped(r)]
+
     s, e = results.get("static"), results.get("elastic")
     passed = False
     if s and e and s.get("aggregate_output_tokens_per_s") and e.get("aggregate_output_tokens_per_s"):
@@ -453,29 +658,26 @@ def main() -> int:
                    "ttft_p99_s": [s["ttft_p99_s"], e["ttft_p99_s"]]}
     else:
         summary = {"why": "a setup did not finish: see two_engines.json"}
+    summary["engines"] = args.engines
+    burst_rates = {n: [b["output_tokens_per_s"] for b in r["bursts"]] for n, r in results.items()}
+    if burst_rates:
+        summary["per_burst_tok_s"] = burst_rates
+    if e:
+        summary["idle_mapped_bytes_per_burst"] = idle_mapped(e)
     c = results.get("compacted")
     if c and c.get("aggregate_output_tokens_per_s"):
-        # issue 14: what the idle engine had given back at the end of the other's burst
-        def idle_mapped(r):
-            # the idle engine's mapped bytes over the other's burst (mean of the samples),
-            # else at its end
-            out = []
-            for b in r["bursts"]:
-                idle = "B" if b["engine"] == "A" else "A"
-                seen = (b.get("mapped_during") or {}).get(idle)
-                out.append(seen["mean"] if seen else b.get(f"mapped_{idle}_bytes"))
-            return out
+        # issue 14: what the idle engines had given back during the busy one's burst
         summary["compacted"] = {
             "tok_s": c["aggregate_output_tokens_per_s"], "errors": c["errors"],
             "preemptions": c["preemptions"],
             "ratio_to_static": round(c["aggregate_output_tokens_per_s"]
                                      / s["aggregate_output_tokens_per_s"], 3)
             if s and s.get("aggregate_output_tokens_per_s") else None,
-            "idle_engine_mapped_bytes_per_burst": idle_mapped(c),
-            "idle_engine_mapped_bytes_per_burst_without": idle_mapped(e) if e else None,
-            "bytes_returned": [c.get(f"elastic_{k}", {}).get("bytes_returned") for k in "AB"],
+            "idle_engine_mapped_bytes_per_burst": idle_total(c),
+            "idle_engine_mapped_bytes_per_burst_without": idle_total(e) if e else None,
+            "bytes_returned": [c.get(f"elastic_{k}", {}).get("bytes_returned") for k in keys],
             "bytes_returned_without": [e.get(f"elastic_{k}", {}).get("bytes_returned")
-                                       for k in "AB"] if e else None}
+                                       for k in keys] if e else None}
     out.record("c", passed=passed, summary=summary)
     line = f"(c) {'PASS' if passed else 'FAIL'}: {json.dumps(summary)}"
     out.log(line)
