@@ -36,7 +36,8 @@
 #                forced cycles, (b) release after a burst / another process takes it / regrow,
 #                (d) steady-load throughput; ~6 min; files elastic_proof.{json,log,-logs.tgz}
 #   two-engines  issue 13 driver B (tests/gpu/proof/two_engines.py): (c) two engines on one GPU,
-#                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min
+#                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min (the driver
+#                itself takes --engines N for N servers, bursts in turn: run it directly)
 #                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
