@@ -216,12 +216,13 @@ class GrowShrinkPolicy:
             wanted = max(wanted, self.forecast())
         return wanted
 
-    def spare_blocks(self) -> int:
+    def spare_blocks(self, busy: bool | None = None) -> int:
         """Free blocks of mapped memory not counting, while the engine is busy, the cached
         blocks young enough to be hit again (they earn their memory). Idle, every cached
-        block counts as spare: the release delay is what protects them."""
+        block counts as spare: the release delay is what protects them. ``busy``: the
+        caller's :meth:`_busy` of this step (None: asked here)."""
         free = self.pool.num_free_blocks
-        if self._busy():
+        if self._busy() if busy is None else busy:
             free -= self.pool.hot_cached_blocks()
         return free
 
@@ -235,7 +236,8 @@ class GrowShrinkPolicy:
         now = self.clock()
         mapped = ch.count(MAPPED)
         pending = ch.count(MAPPING)
-        free = self.spare_blocks()
+        busy = self._busy()
+        free = self.spare_blocks(busy)
         wanted = self.wanted_free()
         floor = self.min_granules
         cap = self.max_granules
@@ -252,7 +254,7 @@ class GrowShrinkPolicy:
             return
         # shrink: excess beyond wanted and two bands (or above the maximum) for the delay,
         # down to a band above wanted; an idle engine keeps no band
-        keep = band if self._busy() else 0
+        keep = band if busy else 0
         spare = (free - wanted) // G
         excess = min(spare - keep, mapped - floor) if spare >= max(1, 2 * keep) else 0
         over = mapped + pending - cap
