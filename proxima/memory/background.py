@@ -46,8 +46,6 @@ class BackgroundOps:
         self._queued = 0                   # batches handed to the thread, not yet done
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.stats = {"batches": 0, "submit_seconds": 0.0, "busy_seconds": 0.0,
-                      "wait_seconds": 0.0}
 
     # ------------------------------------------------------------------ caller's thread
     def submit(self, seq: int, ops: Sequence[Op], *, stream: int = 0,
@@ -55,7 +53,6 @@ class BackgroundOps:
         """Apply batch ``seq``: its moves now, on ``stream``, and its maps and unmaps on the
         thread, in order."""
         self._raise()
-        t0 = time.perf_counter()
         memory = self.memory
         validate(ops, memory.num_granules, memory.num_blocks)
         moves = [op for op in ops if op.code == MOVE]
@@ -69,9 +66,7 @@ class BackgroundOps:
             self._start()
             with self._lock:
                 self._queued += 1
-            self._jobs.put((seq, todo, time.perf_counter()))
-        self.stats["batches"] += 1
-        self.stats["submit_seconds"] += time.perf_counter() - t0
+            self._jobs.put((seq, todo))
 
     def poll(self) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
         """The batches done since the last call, in order, each with the ``(first,
@@ -125,13 +120,10 @@ class BackgroundOps:
                 job = self._jobs.get()
                 if job is None:
                     return
-                seq, ops, queued_at = job
-                t0 = time.perf_counter()
-                self.stats["wait_seconds"] += t0 - queued_at
+                seq, ops = job
                 failed = self.memory.apply(ops, stream=stream)
                 if any(op.code == MAP for op in ops):
                     driver.stream_synchronize(stream)     # zero-filled before reported
-                self.stats["busy_seconds"] += time.perf_counter() - t0
                 with self._lock:
                     self._done.append((seq, tuple(failed)))
                     self._queued -= 1
