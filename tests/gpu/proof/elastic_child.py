@@ -383,8 +383,17 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
     first = preemptions(llm)
     run = entry["steady"] = {"started_s": round(time.time() - t0, 2), "windows": [],
                              "preemptions_at_start": first}
+    client = None
+    if getattr(args, "profile_prefix", None):
+        import engineprof
+
+        client = engineprof.start_sampler(f"{args.profile_prefix}-client.jsonl")
+        client(True)
+    epoch = time.time()
 
     def on_window(index, window):
+        if client is not None:
+            client(True)
         now = preemptions(llm)
         run["windows"].append({**window, "preemptions": None if now is None or first is None
                                else now - first, "ended_s": round(time.time() - t0, 2)})
@@ -400,7 +409,27 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
     run.update({k: v for k, v in done.items() if k != "windows"},
                preemptions=None if last is None or first is None else last - first,
                ended_s=round(time.time() - t0, 2))
+    if client is not None:
+        entry["profile"] = profile(args.profile_prefix, epoch, run["windows"])
     save(args, result)
+
+
+def profile(prefix: str, epoch: float, windows: list) -> dict:
+    """``--profile``: the engine core's phases and stack samples, and the child's own
+    loop's samples, over the warm-up window and over the measurement windows together
+    (:mod:`engineprof`; seconds since the loop began -> wall clock at ``epoch``)."""
+    import engineprof
+
+    if not windows:
+        return {"error": "no window closed"}
+    warm_end, first, last = windows[0]["end_s"], windows[min(1, len(windows) - 1)], windows[-1]
+    out = {}
+    for side in ("engine", "client"):
+        lines = engineprof.read(f"{prefix}-{side}.jsonl")
+        out[side] = {"warmup": engineprof.window(lines, epoch, epoch + warm_end),
+                     "measure": engineprof.window(lines, epoch + first["start_s"],
+                                                  epoch + last["end_s"])}
+    return out
 
 
 def passes(llm, requests, args, entry: dict, result: dict, t0: float, sampler=None) -> None:
@@ -441,6 +470,12 @@ def job_throughput(args, result: dict) -> None:
         release = args.release and mode != "stock"
         if release:
             kw["elastic_options"] = {"min_bytes": GiB, "release_delay_s": float(args.delay)}
+        if args.profile:
+            import engineprof
+
+            args.profile_prefix = str(stats / f"{mode}-prof")
+            missing = engineprof.install(args.profile_prefix)
+            result.setdefault("profile_missing", {})[mode] = missing
         llm = build(mode, stats, max_model_len=8192, gpu_memory_utilization=0.85, **kw)
         entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1)})
         rel = None
@@ -512,6 +547,10 @@ def main() -> int:
     ap.add_argument("--release", action="store_true",
                     help="throughput: then (b)'s release protocol on the elastic engine "
                          "(--progress, --go) (default: off)")
+    ap.add_argument("--profile", action="store_true",
+                    help="throughput, steady: time the engine core's phases and sample its "
+                         "stack and this loop's (tests/gpu/proof/engineprof.py; a "
+                         "diagnostic) (default: off)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = ap.parse_args()
     result: dict = {"job": args.job, "mode": args.mode}

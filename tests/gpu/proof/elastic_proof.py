@@ -294,6 +294,7 @@ D_STEADY = {"concurrency": 256, "warmup_s": 10.0, "windows": 2, "window_s": 20.0
             "drain_s": 5.0}
 D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round twice in ~55 s
 D_ALSO: list = []          # --d-also: more engines under (d)'s load, informational
+D_PROFILE = False          # --d-profile: each (d) engine's phases and stack samples
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -347,6 +348,10 @@ def judge_d(out: kit.Out, stock_run: dict, elastic_run: dict, load: str) -> None
     e = elastic.get("elastic") or {}
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")})
     ok = ok and stock_run.get("rc") == 0 and elastic_run.get("rc") == 0
+    profiles = {m: e["profile"] for m, e in (("stock", stock), ("elastic-auto", elastic))
+                if e.get("profile")}
+    if profiles:
+        out.record("d", profile=profiles)
     out.record("d", passed=ok, summary=summary,
                error=stock_run.get("error") or elastic_run.get("error"),
                log_tail=stock_run.get("log_tail") or elastic_run.get("log_tail"))
@@ -362,6 +367,8 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
             + (" then (b) on the elastic engine" if with_b else "") + f"; budget {share:.0f}s")
     deadline = time.monotonic() + share
     job = ["throughput", "--requests", str(D_REQUESTS[load]), "--load", load]
+    if D_PROFILE and load == "steady":
+        job.append("--profile")
     if load == "steady":
         job += [a for k, v in D_STEADY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
         run_s = sum(D_STEADY[k] for k in ("warmup_s", "drain_s")) + \
@@ -417,6 +424,9 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
                       "warmup_ratio": s.get("warmup_ratio"), "rc": run.get("rc"),
                       "error": run.get("error")}
         out.log(f"  (d) also {mode}: {json.dumps(also[mode])}")
+        if entry.get("profile"):
+            rec = out.results["subproofs"].get("d", {})
+            out.record("d", profile={**(rec.get("profile") or {}), mode: entry["profile"]})
     summary = dict(out.results["subproofs"].get("d", {}).get("summary") or {}, also=also)
     out.record("d", summary=summary)
 
@@ -448,6 +458,11 @@ def main() -> int:
                          "elastic-off (connector and VMM-backed KV, whole pool mapped, no "
                          "policy), elastic-fixed (that plus the granule-aware pool's "
                          "placement), proxima (allocator alone) (default: none)")
+    ap.add_argument("--d-profile", action="store_true",
+                    help="steady (d): time each engine core's phases and sample its stack "
+                         "and the loop's, over the warm-up and the measurement windows, "
+                         "into (d)'s record as profile (engineprof.py; a diagnostic, it "
+                         "costs each engine alike) (default: off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -461,6 +476,8 @@ def main() -> int:
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
+    global D_PROFILE
+    D_PROFILE = args.d_profile
     bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "proxima"})
     if bad:
         print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "

@@ -1,0 +1,67 @@
+"""The (d) proof's diagnostic profiler (tests/gpu/proof/engineprof.py) on vLLM 0.26's real
+scheduler on CPU: its phase timers count every call of the wrapped methods, its window
+differences count what happened between two lines, and its stack sampler sees where the
+calling thread was. The engine-core phases (``step``, ``wait``) need a GPU engine; here the
+scheduler's two phases run through the CPU replay."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu" / "proof"))
+
+import engineprof  # noqa: E402
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+
+@pytest.fixture
+def installed(tmp_path):
+    prefix = str(tmp_path / "run")
+    missing = engineprof.install(prefix, period_s=0.002)
+    yield prefix, missing
+    engineprof.uninstall()
+
+
+def test_phases_count_every_scheduler_call_and_the_window_counts_what_lies_between(installed):
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.workloads import make_workload
+
+    prefix, missing = installed
+    assert "schedule" not in missing and "update_from_output" not in missing
+    engineprof.flush()
+    time.sleep(0.01)
+    began = time.time()
+    result = run_replay(make_workload("sharegpt", 150), proxima=False, num_blocks=4000)
+    time.sleep(0.01)
+    engineprof.flush()
+    lines = engineprof.read(f"{prefix}-engine.jsonl")
+    assert len(lines) == 2
+    w = engineprof.window(lines, began, time.time())
+    assert w is not None
+    steps = result.steps
+    assert w["phases"]["schedule"]["calls"] == steps
+    assert w["phases"]["update_from_output"]["calls"] == steps
+    assert 0 < w["phases"]["schedule"]["s"] < w["span_s"]
+    assert w["samples"] > 20
+    incl = dict(w["incl"])
+    assert incl.get("driver_v1.py:run_replay", 0) > 0.5      # the replay was on the stack
+    assert incl.get("scheduler.py:schedule", 0) > 0
+    # nothing is counted in a window before the first line
+    assert engineprof.window(lines, began - 60, began - 30) is None
+
+
+def test_uninstall_restores_the_scheduler(tmp_path):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__dict__["schedule"]
+    engineprof.install(str(tmp_path / "x"))
+    assert Scheduler.__dict__["schedule"] is not original
+    engineprof.install(str(tmp_path / "y"))              # a second engine: not wrapped twice
+    assert Scheduler.__dict__["schedule"].__wrapped__ is original
+    engineprof.uninstall()
+    assert Scheduler.__dict__["schedule"] is original

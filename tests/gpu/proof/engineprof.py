@@ -1,0 +1,210 @@
+"""Where an engine's time goes, for the proof drivers: a diagnostic, not a result.
+
+:func:`install` (in the proof child, before the ``LLM`` is built: vLLM forks its engine
+core from there, so the patches are inherited) wraps a few of vLLM 0.26's engine-core
+methods with wall-clock timers, and starts in the engine core a sampler of its main
+thread's Python stack. Every ``every_s`` the engine core appends one JSON line to
+``<prefix>-engine.jsonl``: the time, each phase's cumulative (calls, seconds), and the
+sampler's cumulative counts by function (where the main thread was: ``leaf``; what was on
+its stack: ``incl``). :func:`start_sampler` does the same for the calling process alone
+(the child's own loop, ``<prefix>-client.jsonl``). :func:`window` diffs two lines around
+a span of the run and keeps the top entries.
+
+Phases (vLLM 0.26, V1 engine core, async scheduling's batch queue):
+``schedule`` (the scheduler, Proxima's connector hooks included), ``execute_model`` and
+``sample_tokens`` (the in-process worker preparing and launching the step), ``wait``
+(waiting for a step's sampled tokens: the GPU-bound part), ``update_from_output``, ``input``
+(new requests and aborts taken in) and ``step`` (one ``step_with_batch_queue``, all of it).
+A method missing in this vLLM is skipped, named in the first line (``missing``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+
+PHASES = (
+    ("step", "vllm.v1.engine.core", "EngineCore", "step_with_batch_queue"),
+    ("step_sync", "vllm.v1.engine.core", "EngineCore", "step"),
+    ("input", "vllm.v1.engine.core", "EngineCore", "_process_input_queue"),
+    ("schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("execute_model", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model"),
+    ("sample_tokens", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens"),
+    ("wait", "vllm.v1.executor.uniproc_executor", "AsyncOutputFuture", "result"),
+)
+
+
+class _State:
+    def __init__(self, path: str, every_s: float, period_s: float) -> None:
+        self.path, self.every_s, self.period_s = path, every_s, period_s
+        self.pid = os.getpid()
+        self.main = threading.get_ident()
+        self.phases: dict[str, list] = {}
+        self.leaf: dict[str, int] = {}
+        self.incl: dict[str, int] = {}
+        self.samples = 0
+        self.last = 0.0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        threading.Thread(target=self._sample, name="proof-sampler", daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self.stop.wait(self.period_s):
+            frame = sys._current_frames().get(self.main)
+            if frame is None:
+                continue
+            seen = set()
+            leaf = None
+            depth = 0
+            while frame is not None and depth < 80:
+                code = frame.f_code
+                key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+                if leaf is None:
+                    leaf = key
+                seen.add(key)
+                frame = frame.f_back
+                depth += 1
+            with self.lock:
+                self.samples += 1
+                self.leaf[leaf] = self.leaf.get(leaf, 0) + 1
+                for key in seen:
+                    self.incl[key] = self.incl.get(key, 0) + 1
+
+    def add(self, name: str, seconds: float) -> None:
+        entry = self.phases.get(name)
+        if entry is None:
+            entry = self.phases[name] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += seconds
+
+    def maybe_dump(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        with self.lock:
+            line = {"t": round(now, 3), "pid": self.pid, "samples": self.samples,
+                    "phases": {k: [v[0], round(v[1], 6)] for k, v in self.phases.items()},
+                    "leaf": dict(self.leaf), "incl": dict(self.incl)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+_state: _State | None = None
+_config: dict = {}
+
+
+def _here() -> _State | None:
+    """This process's state, made on first use (a forked engine core starts its own)."""
+    global _state
+    if not _config:
+        return None
+    if _state is None or _state.pid != os.getpid():
+        _state = _State(_config["engine"], _config["every_s"], _config["period_s"])
+    return _state
+
+
+def _wrap(name: str, original):
+    def timed(*args, **kwargs):
+        state = _here()
+        if state is None or threading.get_ident() != state.main:
+            return original(*args, **kwargs)
+        began = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.add(name, time.perf_counter() - began)
+            if name in ("step", "step_sync"):
+                state.maybe_dump()
+    timed.__wrapped__ = original
+    return timed
+
+
+def install(prefix: str, every_s: float = 1.0, period_s: float = 0.004) -> list[str]:
+    """Patch the engine-core phases; lines go to ``<prefix>-engine.jsonl`` from the process
+    that runs them (the engine core). Returns the phases this vLLM lacks."""
+    _config.update(engine=f"{prefix}-engine.jsonl", every_s=every_s, period_s=period_s)
+    if "missing" in _config:              # patched already (another engine of this process)
+        return _config["missing"]
+    missing = _config["missing"] = []
+    for name, module, cls, method in PHASES:
+        try:
+            klass = getattr(importlib.import_module(module), cls)
+            original = klass.__dict__[method]
+        except (ImportError, AttributeError, KeyError):
+            missing.append(name)
+            continue
+        setattr(klass, method, _wrap(name, original))
+        _config.setdefault("patched", []).append((klass, method, original))
+    return missing
+
+
+def flush() -> None:
+    """Write this process's line now (tests; the engine core writes from its steps)."""
+    state = _here()
+    if state is not None:
+        state.maybe_dump(force=True)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    global _state
+    for klass, method, original in reversed(_config.get("patched", [])):
+        setattr(klass, method, original)
+    _config.clear()
+    if _state is not None:
+        _state.stop.set()
+    _state = None
+
+
+def start_sampler(path: str, every_s: float = 1.0, period_s: float = 0.004):
+    """Sample this process's calling thread (no phases) into ``path``; returns a
+    ``dump()`` to call from that thread now and then (it writes at most every ``every_s``)."""
+    state = _State(path, every_s, period_s)
+
+    def dump(force: bool = False) -> None:
+        state.maybe_dump(force)
+
+    dump.stop = state.stop.set
+    return dump
+
+
+def read(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def window(lines: list[dict], start: float, end: float, top: int = 40) -> dict | None:
+    """The difference between the last line at or before ``start`` and the last at or
+    before ``end`` (``time.time()`` seconds): phases as calls, total and mean ms, and the
+    ``top`` functions by samples (leaf and inclusive) as shares of the samples."""
+    before = [x for x in lines if x["t"] <= start]
+    upto = [x for x in lines if x["t"] <= end]
+    if not before or not upto or upto[-1]["t"] <= before[-1]["t"]:
+        return None
+    a, b = before[-1], upto[-1]
+    span = b["t"] - a["t"]
+    phases = {}
+    for k, (n, s) in b["phases"].items():
+        n0, s0 = a["phases"].get(k, [0, 0.0])
+        if n - n0:
+            phases[k] = {"calls": n - n0, "s": round(s - s0, 3),
+                         "mean_ms": round(1e3 * (s - s0) / (n - n0), 3),
+                         "share": round((s - s0) / span, 4)}
+    samples = b["samples"] - a["samples"]
+
+    def diff(key):
+        d = {f: c - a[key].get(f, 0) for f, c in b[key].items()}
+        best = sorted(((c, f) for f, c in d.items() if c > 0), reverse=True)[:top]
+        return [[f, round(c / samples, 4)] for c, f in best] if samples else []
+
+    return {"from_t": a["t"], "to_t": b["t"], "span_s": round(span, 3), "samples": samples,
+            "phases": phases, "leaf": diff("leaf"), "incl": diff("incl")}
