@@ -153,6 +153,22 @@ def test_driver_b_tail_requests_outlive_their_burst_and_are_counted(tmp_path):
     assert bad.returncode == 2 and "--tail wants N:TOKENS" in bad.stderr
 
 
+def test_driver_b_sizes_the_servers_context_to_its_longest_request(tmp_path):
+    done = run("two_engines.py", tmp_path, "--budget", "120", "--requests", "6",
+               "--port", "8386", "--only", "elastic", "--prompt", "3072", "--output", "1024")
+    assert "(c) " in done.stdout, done.stdout + done.stderr
+    settings = json.loads((tmp_path / "two_engines.json").read_text())["settings"]
+    assert settings["max_model_len"] == 3072 * 3 // 2 + 1024
+    short = run("two_engines.py", tmp_path / "short", "--budget", "120", "--requests", "6",
+                "--port", "8386", "--only", "elastic")
+    assert json.loads((tmp_path / "short" / "two_engines.json").read_text())[
+        "settings"]["max_model_len"] == 2048, short.stderr
+    bad = run("two_engines.py", tmp_path / "bad", "--prompt", "3072", "--max-model-len", "4096")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "--max-model-len 4096 is shorter than the longest " \
+        "request (1.5 x --prompt 3072 + 512 output tokens = 5120): give at least 5120" in bad.stderr
+
+
 def test_driver_b_four_engines_take_their_bursts_in_turn(tmp_path):
     done = run("two_engines.py", tmp_path, "--engines", "4", "--budget", "120",
                "--requests", "12", "--port", "8394", "--delay", "0.2")

@@ -94,7 +94,8 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
            "--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--port", str(port),
            "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "2048"] + (["--enforce-eager"] if args.enforce_eager else [])
+           "--max-model-len", str(args.max_model_len)] + (
+               ["--enforce-eager"] if args.enforce_eager else [])
     if static:
         cmd += ["--gpu-memory-utilization", str(args.static_util)]
         if args.static_kv_gib:          # what --static-util gives, fixed (see --static-kv-gib)
@@ -442,6 +443,10 @@ def parse(argv=None):
                     help="mean prompt tokens, uniform in [0.5, 1.5] of it (default: %(default)s)")
     ap.add_argument("--output", type=int, default=512,
                     help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="each server's --max-model-len (default: the longest request a "
+                         "burst or tail can send, 1.5 x --prompt + its output tokens, at "
+                         "least 2048)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds of one burst per engine, A first (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="(default: %(default)s)")
@@ -506,6 +511,14 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     None, the lines for the log)."""
     n, notes = args.engines, []
     static = "static" in order
+    longest = args.prompt * 3 // 2 + max(args.output, args.tail[1])
+    if args.max_model_len is None:
+        args.max_model_len = max(2048, longest)
+    elif args.max_model_len < longest:
+        return (f"--max-model-len {args.max_model_len} is shorter than the longest request "
+                f"(1.5 x --prompt {args.prompt} + {max(args.output, args.tail[1])} output "
+                f"tokens = {longest}): give at least {longest}, or shorter --prompt/--output"
+                ), notes
     if args.static_util is None:
         args.static_util = 0.45 if n == 2 else math.floor(900 / n) / 1000
         if n != 2:
