@@ -71,7 +71,7 @@ def test_driver_a_d_can_still_run_the_held_passes(tmp_path):
 
 def test_driver_a_d_also_runs_more_engines_against_stock(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "900", "--only", "d",
-               "--d-also", "elastic-off,elastic-fixed,proxima")
+               "--d-also", "elastic-off,elastic-fixed,elastic-compacted,proxima")
     assert done.returncode == 0, done.stdout + done.stderr
     d = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]["d"]
     also = d["summary"]["also"]
@@ -79,6 +79,7 @@ def test_driver_a_d_also_runs_more_engines_against_stock(tmp_path):
     assert also["elastic-off"]["ratio_to_stock"] == round(19900 / 20100, 4)
     assert also["proxima"]["ratio_to_stock"] == round(20120 / 20100, 4)
     assert also["elastic-fixed"]["tok_s"] == [9850.0, 9950.0]
+    assert also["elastic-compacted"]["ratio_to_stock"] == round(19700 / 20100, 4)
     assert d["passed"] and d["summary"]["ratio"] == round(20000 / 20100, 4)  # (d) unchanged
     bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", "--d-also", "fast")
     assert bad.returncode == 2 and "unknown engine(s) fast in --d-also" in bad.stderr

@@ -69,7 +69,8 @@ def build(mode: str, stats_dir: Path, **kw):
     strict LRU: the schedule stays stock's), elastic-auto (the default policy), elastic-off
     (the connector and the VMM-backed KV, the whole pool mapped, no policy: what elastic
     mode costs before any grow or shrink), elastic-fixed (that, plus the granule-aware
-    pool's placement and eviction, still all mapped)."""
+    pool's placement and eviction, still all mapped), elastic-compacted (the default policy
+    with KV compaction's auto mode, issue 14)."""
     os.environ["PROXIMA_STATS_FILE"] = str(stats_dir / f"{mode}-status.json")
     os.environ["PROXIMA_ALLOCATOR"] = "0" if mode == "stock" else "1"
     os.environ["PROXIMA_ELASTIC"] = "1" if mode.startswith("elastic") else "0"
@@ -88,6 +89,8 @@ def build(mode: str, stats_dir: Path, **kw):
         options = {"policy": "off", **options}
     elif mode == "elastic-fixed":
         options = {"policy": "fixed", **options}
+    elif mode == "elastic-compacted":
+        options = {"compaction": {"mode": "1"}, **options}
     if mode.startswith("elastic"):
         options.setdefault("stats_file", str(stats_dir / f"{mode}-elastic.json"))
         kw["kv_transfer_config"] = connector(options)

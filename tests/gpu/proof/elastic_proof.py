@@ -403,7 +403,8 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
            load: str, need: float) -> None:
     """``--d-also``: more engines under (d)'s load after stock's, informational (where
     elastic mode's cost lies: ``elastic-off`` maps the whole pool and runs no policy,
-    ``elastic-fixed`` adds the granule-aware pool, still all mapped; ``proxima`` is the
+    ``elastic-fixed`` adds the granule-aware pool, still all mapped; ``elastic-compacted``
+    is the default policy with KV compaction on (auto); ``proxima`` is the
     allocator alone). Each one's tok/s and its ratio to stock go into
     (d)'s record as ``also``; one that does not fit in the budget is skipped, said so."""
     if not D_ALSO:
@@ -457,7 +458,8 @@ def main() -> int:
                     help="more engines under (d)'s load after stock's, informational: "
                          "elastic-off (connector and VMM-backed KV, whole pool mapped, no "
                          "policy), elastic-fixed (that plus the granule-aware pool's "
-                         "placement), proxima (allocator alone) (default: none)")
+                         "placement, all mapped), elastic-compacted (the default policy with "
+                         "KV compaction, auto) and proxima (allocator alone) (default: none)")
     ap.add_argument("--d-profile", action="store_true",
                     help="steady (d): time each engine core's phases and sample its stack "
                          "and the loop's, over the warm-up and the measurement windows, "
@@ -478,10 +480,10 @@ def main() -> int:
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
     global D_PROFILE
     D_PROFILE = args.d_profile
-    bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "proxima"})
+    bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "elastic-compacted", "proxima"})
     if bad:
         print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "
-              f"elastic-off, elastic-fixed and/or proxima", file=sys.stderr)
+              f"elastic-off, elastic-fixed, elastic-compacted and/or proxima", file=sys.stderr)
         return 2
     if args.dry_run:
         CHILD, DRY = str(HERE / "fake_child.py"), True

@@ -67,6 +67,7 @@ def main() -> int:
         if load == "passes":
             speeds = {"stock": (1000.0, 1010.0), "elastic-auto": (990.0, 1005.0),
                       "elastic-off": (995.0, 1000.0), "elastic-fixed": (994.0, 999.0),
+                      "elastic-compacted": (992.0, 1001.0),
                       "proxima": (1001.0, 1009.0)}
             result.update({m: {"passes": [{"output_tokens_per_s": v} for v in speeds[m]]}
                            for m in modes})
@@ -77,6 +78,7 @@ def main() -> int:
                       "elastic-auto": [8500.0] + [9950.0 + 100 * i for i in range(k)],
                       "elastic-off": [8900.0] + [9900.0 + 100 * i for i in range(k)],
                       "elastic-fixed": [8900.0] + [9850.0 + 100 * i for i in range(k)],
+                      "elastic-compacted": [8800.0] + [9800.0 + 100 * i for i in range(k)],
                       "proxima": [9000.0] + [10010.0 + 100 * i for i in range(k)]}
             for m in modes:
                 edges = [0.0, warm] + [warm + span * (i + 1) for i in range(k)]
