@@ -85,6 +85,26 @@ def test_driver_a_d_also_runs_more_engines_against_stock(tmp_path):
     assert bad.returncode == 2 and "unknown engine(s) fast in --d-also" in bad.stderr
 
 
+def test_driver_a_d_together_runs_the_engines_side_by_side_and_starts_their_loads_at_once(
+        tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "300", "--only", "d,b",
+               "--d-together", "40", "--d-also", "elastic-compacted")
+    assert done.returncode == 1, done.stdout + done.stderr     # (b) is not run: FAIL
+    sub = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]
+    d = sub["d"]
+    assert d["passed"] and d["summary"]["ratio"] == round(20000 / 20100, 4)
+    assert d["together"] == {"kv_gib": 40.0, "gpu_memory_utilization": 0.3,
+                             "engines": ["elastic-auto", "stock", "elastic-compacted"]}
+    assert d["summary"]["also"]["elastic-compacted"]["ratio_to_stock"] == round(19700 / 20100, 4)
+    assert "needs the GPU to itself" in sub["b"]["skipped"]
+    log = (tmp_path / "elastic_proof.log").read_text()
+    assert "3 of 3 engines ready" in log
+    # one line for a bad value
+    bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", "--d-together", "-1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--d-together wants GiB of KV per engine (0: off), got -1" in bad.stderr
+
+
 def test_driver_a_says_when_the_budget_cannot_hold_d(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "200", "--only", "d,b")
     assert done.returncode == 1

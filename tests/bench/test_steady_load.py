@@ -138,3 +138,25 @@ def test_the_drain_is_bounded_then_what_still_runs_is_aborted():
 def test_the_closed_loop_refuses_an_empty_list():
     with pytest.raises(ValueError, match="no requests"):
         run(requests=[])
+
+
+def test_side_by_side_engines_start_their_loads_when_the_driver_says_go(tmp_path):
+    import threading
+    import time as _time
+
+    from elastic_child import start_together
+
+    go = tmp_path / "go"
+
+    def driver():                       # as elastic_proof.py: wait for ready, then go
+        while not list(tmp_path.glob("go.ready-*")):
+            _time.sleep(0.01)
+        _time.sleep(0.2)
+        go.write_text("go")
+
+    threading.Thread(target=driver, daemon=True).start()
+    waited = start_together(go, timeout=10)
+    assert go.exists() and 0.2 <= waited < 5
+    go.unlink()
+    with pytest.raises(RuntimeError, match="did not appear within 0s"):
+        start_together(go, timeout=0.1)

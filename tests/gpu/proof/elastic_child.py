@@ -479,8 +479,13 @@ def job_throughput(args, result: dict) -> None:
             args.profile_prefix = str(stats / f"{mode}-prof")
             missing = engineprof.install(args.profile_prefix)
             result.setdefault("profile_missing", {})[mode] = missing
-        llm = build(mode, stats, max_model_len=8192, gpu_memory_utilization=0.85, **kw)
+        if args.kv_gib:                 # engines side by side: each its own fixed KV
+            kw["kv_cache_memory_bytes"] = int(args.kv_gib * GiB)
+        llm = build(mode, stats, max_model_len=8192,
+                    gpu_memory_utilization=args.gpu_memory_utilization or 0.85, **kw)
         entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1)})
+        if args.start_after:
+            entry["waited_s"] = start_together(Path(args.start_after))
         rel = None
         if mode != "stock":
             rel = Release(stats / f"{mode}-elastic.json",
@@ -502,6 +507,19 @@ def job_throughput(args, result: dict) -> None:
         time.sleep(1.0)
         if mode != "stock":
             entry["elastic"] = read(stats / f"{mode}-elastic.json")
+
+
+def start_together(go: Path, timeout: float = 300.0) -> float:
+    """``--start-after FILE``: say this engine is built (``FILE.ready-<pid>``) and wait until
+    FILE exists (the driver makes it once every engine side by side is ready), so that
+    their loads run at the same time. Returns the seconds waited."""
+    began = time.monotonic()
+    Path(f"{go}.ready-{os.getpid()}").write_text("ready")
+    while not go.exists():
+        if time.monotonic() - began > timeout:
+            raise RuntimeError(f"--start-after: {go} did not appear within {timeout:.0f}s")
+        time.sleep(0.05)
+    return round(time.monotonic() - began, 2)
 
 
 def positive(kind, zero: bool = False):
@@ -555,6 +573,12 @@ def main() -> int:
                          "stack and this loop's (tests/gpu/proof/engineprof.py; a "
                          "diagnostic) (default: off)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--kv-gib", type=positive(float), default=None,
+                    help="throughput: each engine's KV fixed at this many GiB (engines side "
+                         "by side; default: gpu_memory_utilization 0.85 profiled)")
+    ap.add_argument("--start-after", default=None, metavar="FILE",
+                    help="throughput: once built, wait for FILE before the load (engines "
+                         "side by side start their loads together) (default: none)")
     args = ap.parse_args()
     result: dict = {"job": args.job, "mode": args.mode}
     code = 0

@@ -295,6 +295,7 @@ D_STEADY = {"concurrency": 256, "warmup_s": 10.0, "windows": 2, "window_s": 20.0
 D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round twice in ~55 s
 D_ALSO: list = []          # --d-also: more engines under (d)'s load, informational
 D_PROFILE = False          # --d-profile: each (d) engine's phases and stack samples
+D_TOGETHER = 0.0           # --d-together GIB: (d)'s engines side by side, KV fixed at GIB each
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -375,6 +376,8 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
             D_STEADY["windows"] * D_STEADY["window_s"]
     else:
         run_s = 45.0                      # two passes of 300 requests and the pause between
+    if D_TOGETHER:
+        return proof_d_together(out, budget, env, share, job, run_s, load)
     # the elastic engine first: it carries (b) and the timeline of its grows; stock's gets
     # what is left (at least a slow start-up, its load and a shutdown)
     stock_need = START_S + run_s + 15
@@ -399,6 +402,81 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
     also_d(out, budget, env, job, stock, load, START_S + run_s + 15)
 
 
+def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, job: list,
+                     run_s: float, load: str) -> None:
+    """``--d-together GIB``: (d)'s engines (elastic, stock, then ``--d-also``'s) side by side
+    on the GPU, each with its KV fixed at GIB, their loads started at the same moment once
+    every engine is built: stock's spread and the ratio come from the same seconds of the
+    same machine (an engine here is bound by its Python thread and takes ~15% of the GPU's
+    time, so sharing the GPU is the smaller error; against running one after the other, the
+    same host noise and GPU clocks for both). (b) needs the GPU to itself: not run."""
+    modes = ["elastic-auto", "stock"] + [m for m in D_ALSO if m not in ("elastic-auto", "stock")]
+    need = START_S + run_s + 30
+    if share < need:
+        out.record("d", passed=False, skipped=f"{share:.0f}s is too little for {len(modes)} "
+                   f"engines side by side: about {need:.0f}s (start-up, load, stop)")
+        return
+    if "b" in WANTED:
+        out.record("b", passed=False, skipped="--d-together: (b) needs the GPU to itself")
+    util = round(min(0.3, 0.9 / len(modes)), 3)
+    go = out.dir / ".d-go"
+    for stale in [go, *out.dir.glob(".d-go.ready-*")]:
+        stale.unlink(missing_ok=True)
+    out.log(f"(d) {load}-load throughput, {', '.join(modes)} side by side, KV {D_TOGETHER:g} "
+            f"GiB each; budget {share:.0f}s")
+    started = time.monotonic()
+    procs = {}
+    for mode in modes:
+        name = "d-elastic" if mode == "elastic-auto" else f"d-{mode}"
+        path = out.dir / f".{name}.json"
+        path.unlink(missing_ok=True)
+        args = [*job, "--modes", mode, "--kv-gib", f"{D_TOGETHER:g}",
+                "--gpu-memory-utilization", str(util), "--start-after", str(go)]
+        procs[mode] = (name, kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
+                                       out.child_log(name)), path)
+    deadline = started + share - 5
+    while time.monotonic() < deadline:          # every engine built (or one gave up): go
+        ready = len(list(out.dir.glob(".d-go.ready-*")))
+        if ready >= len(modes) or any(p.poll() is not None for _, p, _ in procs.values()):
+            break
+        time.sleep(0.2)
+    go.write_text("go")
+    out.log(f"  (d) {len(list(out.dir.glob('.d-go.ready-*')))} of {len(modes)} engines ready "
+            f"after {time.monotonic() - started:.0f}s: loads start")
+    runs = {}
+    for mode, (name, proc, path) in procs.items():
+        try:
+            rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: out of time
+            kit.stop(proc)
+            rc = 124
+        runs[mode] = _collect(out, name, path, rc, started)
+    judge_d(out, runs["stock"], runs["elastic-auto"], load)
+    out.record("d", together={"kv_gib": D_TOGETHER, "gpu_memory_utilization": util,
+                              "engines": modes})
+    stock = runs["stock"].get("stock") or {}
+    also = {m: also_entry(stock, runs[m], m, load) for m in modes[2:]}
+    if also:
+        summary = dict(out.results["subproofs"]["d"].get("summary") or {}, also=also)
+        out.record("d", summary=summary)
+        rec = out.results["subproofs"]["d"]
+        profiles = dict(rec.get("profile") or {})
+        profiles.update({m: (runs[m].get(m) or {})["profile"] for m in modes[2:]
+                         if (runs[m].get(m) or {}).get("profile")})
+        if profiles:
+            out.record("d", profile=profiles)
+
+
+def also_entry(stock: dict, run: dict, mode: str, load: str) -> dict:
+    """One ``--d-also`` engine against stock: its tok/s and ratios."""
+    entry = run.get(mode) or {}
+    ok, s = (steady_summary(stock, entry, int(D_STEADY["windows"])) if load == "steady"
+             else passes_summary(stock, entry))
+    return {"tok_s": s.get("elastic_tok_s"), "ratio_to_stock": s.get("ratio", s.get("ratio_mean")),
+            "warmup_ratio": s.get("warmup_ratio"), "rc": run.get("rc"),
+            "error": run.get("error")}
+
+
 def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: dict,
            load: str, need: float) -> None:
     """``--d-also``: more engines under (d)'s load after stock's, informational (where
@@ -418,12 +496,7 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
             continue
         run = child(out, f"d-{mode}", [*job, "--modes", mode], env, left)
         entry = run.get(mode) or {}
-        ok, s = (steady_summary(stock, entry, int(D_STEADY["windows"])) if load == "steady"
-                 else passes_summary(stock, entry))
-        also[mode] = {"tok_s": s.get("elastic_tok_s"), "ratio_to_stock":
-                      s.get("ratio", s.get("ratio_mean")),
-                      "warmup_ratio": s.get("warmup_ratio"), "rc": run.get("rc"),
-                      "error": run.get("error")}
+        also[mode] = also_entry(stock, run, mode, load)
         out.log(f"  (d) also {mode}: {json.dumps(also[mode])}")
         if entry.get("profile"):
             rec = out.results["subproofs"].get("d", {})
@@ -460,6 +533,11 @@ def main() -> int:
                          "policy), elastic-fixed (that plus the granule-aware pool's "
                          "placement, all mapped), elastic-compacted (the default policy with "
                          "KV compaction, auto) and proxima (allocator alone) (default: none)")
+    ap.add_argument("--d-together", type=float, default=0.0, metavar="GIB",
+                    help="(d)'s engines (elastic, stock, --d-also's) side by side on the GPU, "
+                         "KV fixed at GIB each, their loads started together: ratio and "
+                         "stock's spread from the same seconds; (b) is not run (default: 0, "
+                         "one after the other with the GPU to itself)")
     ap.add_argument("--d-profile", action="store_true",
                     help="steady (d): time each engine core's phases and sample its stack "
                          "and the loop's, over the warm-up and the measurement windows, "
@@ -478,8 +556,13 @@ def main() -> int:
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
-    global D_PROFILE
+    global D_PROFILE, D_TOGETHER
     D_PROFILE = args.d_profile
+    D_TOGETHER = args.d_together
+    if D_TOGETHER < 0:
+        print(f"elastic_proof: --d-together wants GiB of KV per engine (0: off), got "
+              f"{args.d_together:g}", file=sys.stderr)
+        return 2
     bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "elastic-compacted", "proxima"})
     if bad:
         print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "
