@@ -65,3 +65,23 @@ def test_uninstall_restores_the_scheduler(tmp_path):
     assert Scheduler.__dict__["schedule"].__wrapped__ is original
     engineprof.uninstall()
     assert Scheduler.__dict__["schedule"] is original
+
+
+def test_phase_timers_alone_take_no_samples(tmp_path):
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.workloads import make_workload
+
+    prefix = str(tmp_path / "phases")
+    engineprof.install(prefix, period_s=0.0)
+    try:
+        engineprof.flush()
+        time.sleep(0.01)                 # lines carry their time to the millisecond
+        began = time.time()
+        result = run_replay(make_workload("chat", 20), proxima=False, num_blocks=2000)
+        time.sleep(0.01)
+        engineprof.flush()
+        w = engineprof.window(engineprof.read(f"{prefix}-engine.jsonl"), began, time.time())
+    finally:
+        engineprof.uninstall()
+    assert w["phases"]["schedule"]["calls"] == result.steps
+    assert w["samples"] == 0 and w["leaf"] == [] and w["incl"] == []

@@ -390,7 +390,8 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
     if getattr(args, "profile_prefix", None):
         import engineprof
 
-        client = engineprof.start_sampler(f"{args.profile_prefix}-client.jsonl")
+        client = engineprof.start_sampler(f"{args.profile_prefix}-client.jsonl",
+                                          period_s=0.004 if args.profile else 0.0)
         client(True)
     epoch = time.time()
 
@@ -473,11 +474,12 @@ def job_throughput(args, result: dict) -> None:
         release = args.release and mode != "stock"
         if release:
             kw["elastic_options"] = {"min_bytes": GiB, "release_delay_s": float(args.delay)}
-        if args.profile:
+        if args.profile or args.phases:
             import engineprof
 
             args.profile_prefix = str(stats / f"{mode}-prof")
-            missing = engineprof.install(args.profile_prefix)
+            missing = engineprof.install(args.profile_prefix,
+                                         period_s=0.004 if args.profile else 0.0)
             result.setdefault("profile_missing", {})[mode] = missing
         if args.kv_gib:                 # engines side by side: each its own fixed KV
             kw["kv_cache_memory_bytes"] = int(args.kv_gib * GiB)
@@ -572,6 +574,9 @@ def main() -> int:
                     help="throughput, steady: time the engine core's phases and sample its "
                          "stack and this loop's (tests/gpu/proof/engineprof.py; a "
                          "diagnostic) (default: off)")
+    ap.add_argument("--phases", action="store_true",
+                    help="throughput, steady: --profile's phase timers alone, without the "
+                         "stack sampler (which slows the engine) (default: off)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--kv-gib", type=positive(float), default=None,
                     help="throughput: each engine's KV fixed at this many GiB (engines side "

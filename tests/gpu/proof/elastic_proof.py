@@ -294,7 +294,7 @@ D_STEADY = {"concurrency": 256, "warmup_s": 10.0, "windows": 2, "window_s": 20.0
             "drain_s": 5.0}
 D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round twice in ~55 s
 D_ALSO: list = []          # --d-also: more engines under (d)'s load, informational
-D_PROFILE = False          # --d-profile: each (d) engine's phases and stack samples
+D_PROFILE = ""             # --d-profile / --d-phases: "full" (phases and stack samples), "phases"
 D_TOGETHER = 0.0           # --d-together GIB: (d)'s engines side by side, KV fixed at GIB each
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
@@ -369,7 +369,7 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
     deadline = time.monotonic() + share
     job = ["throughput", "--requests", str(D_REQUESTS[load]), "--load", load]
     if D_PROFILE and load == "steady":
-        job.append("--profile")
+        job.append("--profile" if D_PROFILE == "full" else "--phases")
     if load == "steady":
         job += [a for k, v in D_STEADY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
         run_s = sum(D_STEADY[k] for k in ("warmup_s", "drain_s")) + \
@@ -538,6 +538,10 @@ def main() -> int:
                          "KV fixed at GIB each, their loads started together: ratio and "
                          "stock's spread from the same seconds; (b) is not run (default: 0, "
                          "one after the other with the GPU to itself)")
+    ap.add_argument("--d-phases", action="store_true",
+                    help="steady (d): --d-profile's phase timers alone (mean ms per step of "
+                         "schedule, execute, wait, ...), no stack sampler: costs the engines "
+                         "~nothing (default: off)")
     ap.add_argument("--d-profile", action="store_true",
                     help="steady (d): time each engine core's phases and sample its stack "
                          "and the loop's, over the warm-up and the measurement windows, "
@@ -557,7 +561,7 @@ def main() -> int:
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
     global D_PROFILE, D_TOGETHER
-    D_PROFILE = args.d_profile
+    D_PROFILE = "full" if args.d_profile else "phases" if args.d_phases else ""
     D_TOGETHER = args.d_together
     if D_TOGETHER < 0:
         print(f"elastic_proof: --d-together wants GiB of KV per engine (0: off), got "
