@@ -75,7 +75,7 @@ def test_phase_timers_alone_take_no_samples(tmp_path):
     engineprof.install(prefix, period_s=0.0)
     try:
         engineprof.flush()
-        time.sleep(0.01)                 # lines carry their time to the millisecond
+        time.sleep(0.01)
         began = time.time()
         result = run_replay(make_workload("chat", 20), proxima=False, num_blocks=2000)
         time.sleep(0.01)

@@ -89,7 +89,7 @@ class _State:
             return
         self.last = now
         with self.lock:
-            line = {"t": round(now, 3), "pid": self.pid, "samples": self.samples,
+            line = {"t": now, "pid": self.pid, "samples": self.samples,
                     "phases": {k: [v[0], round(v[1], 6)] for k, v in self.phases.items()},
                     "leaf": dict(self.leaf), "incl": dict(self.incl)}
         with open(self.path, "a") as f:
