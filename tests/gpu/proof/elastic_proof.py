@@ -119,9 +119,12 @@ def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -
     return _collect(out, name, path, rc, started)
 
 
-def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float) -> dict:
+def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float,
+             go: Path | None = None) -> dict:
     """Several children side by side (their engines share the GPU), each killed when
-    ``timeout`` s have passed; name -> result as :func:`child`'s."""
+    ``timeout`` s have passed; name -> result as :func:`child`'s. With ``go`` (children
+    started with ``--start-after go``): once every child is built (its ``go.ready-*`` file)
+    or one has exited, ``go`` is made, so that their loads start at one moment."""
     started = time.monotonic()
     procs = {}
     for name, args in jobs.items():
@@ -129,6 +132,16 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
         path.unlink(missing_ok=True)
         procs[name] = (kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
                                  out.child_log(name)), path)
+    if go is not None:
+        ready = 0
+        while time.monotonic() < started + timeout:
+            ready = len(list(go.parent.glob(f"{go.name}.ready-*")))
+            if ready >= len(procs) or any(p.poll() is not None for p, _ in procs.values()):
+                break
+            time.sleep(0.2)
+        go.write_text("go")
+        out.log(f"  {ready} of {len(procs)} engines ready after "
+                f"{time.monotonic() - started:.0f}s: loads start")
     results = {}
     for name, (proc, path) in procs.items():
         try:
@@ -424,33 +437,12 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
         stale.unlink(missing_ok=True)
     out.log(f"(d) {load}-load throughput, {', '.join(modes)} side by side, KV {D_TOGETHER:g} "
             f"GiB each; budget {share:.0f}s")
-    started = time.monotonic()
-    procs = {}
-    for mode in modes:
-        name = "d-elastic" if mode == "elastic-auto" else f"d-{mode}"
-        path = out.dir / f".{name}.json"
-        path.unlink(missing_ok=True)
-        args = [*job, "--modes", mode, "--kv-gib", f"{D_TOGETHER:g}",
-                "--gpu-memory-utilization", str(util), "--start-after", str(go)]
-        procs[mode] = (name, kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
-                                       out.child_log(name)), path)
-    deadline = started + share - 5
-    while time.monotonic() < deadline:          # every engine built (or one gave up): go
-        ready = len(list(out.dir.glob(".d-go.ready-*")))
-        if ready >= len(modes) or any(p.poll() is not None for _, p, _ in procs.values()):
-            break
-        time.sleep(0.2)
-    go.write_text("go")
-    out.log(f"  (d) {len(list(out.dir.glob('.d-go.ready-*')))} of {len(modes)} engines ready "
-            f"after {time.monotonic() - started:.0f}s: loads start")
-    runs = {}
-    for mode, (name, proc, path) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: out of time
-            kit.stop(proc)
-            rc = 124
-        runs[mode] = _collect(out, name, path, rc, started)
+    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    found = children(out, {names[m]: [*job, "--modes", m, "--kv-gib", f"{D_TOGETHER:g}",
+                                      "--gpu-memory-utilization", str(util),
+                                      "--start-after", str(go)] for m in modes},
+                     env, share - 5, go=go)
+    runs = {m: found[names[m]] for m in modes}
     judge_d(out, runs["stock"], runs["elastic-auto"], load)
     out.record("d", together={"kv_gib": D_TOGETHER, "gpu_memory_utilization": util,
                               "engines": modes})
