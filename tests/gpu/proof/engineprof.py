@@ -14,7 +14,10 @@ Phases (vLLM 0.26, V1 engine core, async scheduling's batch queue):
 ``schedule`` (the scheduler, Proxima's connector hooks included), ``execute_model`` and
 ``sample_tokens`` (the in-process worker preparing and launching the step), ``wait``
 (waiting for a step's sampled tokens: the GPU-bound part), ``update_from_output``, ``input``
-(new requests and aborts taken in) and ``step`` (one ``step_with_batch_queue``, all of it).
+(new requests and aborts taken in) and ``step`` (one ``step_with_batch_queue``, all of it);
+within them ``allocate_slots`` (called per scheduled request), ``get_new_blocks``,
+``free_blocks`` and Proxima's ``connector_meta``. A wrapper costs ~1 us a call, alike for
+every engine.
 A method missing in this vLLM is skipped, named in the first line (``missing``).
 """
 
@@ -36,6 +39,12 @@ PHASES = (
     ("execute_model", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model"),
     ("sample_tokens", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens"),
     ("wait", "vllm.v1.executor.uniproc_executor", "AsyncOutputFuture", "result"),
+    # inside schedule() / update_from_output(): where a KV pool's own work shows
+    ("allocate_slots", "vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
+    ("get_new_blocks", "vllm.v1.core.block_pool", "BlockPool", "get_new_blocks"),
+    ("free_blocks", "vllm.v1.core.block_pool", "BlockPool", "free_blocks"),
+    ("connector_meta", "proxima.engines.elastic_connector", "ProximaElasticConnector",
+     "build_connector_meta"),
 )
 
 
