@@ -52,6 +52,8 @@ LIVE, CACHED, FREE, UNMAPPED = "live", "cached", "free", "unmapped"
 FOREVER = 1 << 62                     # the end of a reserved id: never
 FINISHED, PREEMPTED = 0, 1            # why a cached block was freed (its reuse differs)
 CLASSES = 2
+# how GranuleIndex._refile last filed a granule in its emptiness sets
+_FILED_NOT_EMPTY, _FILED_VACANT, _FILED_SOME_FREE, _FILED_ALL_CACHED, _UNFILED = range(5)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,8 @@ class GranuleIndex:
         self._empty: set[int] = set()
         self._vacant: set[int] = set()        # empty, every id free
         self._empty_free: set[int] = set()    # empty, some ids free and some cached
+        # how each granule is filed in the three sets above (_FILED_*; _UNFILED: never yet)
+        self._filed = bytearray([_UNFILED]) * ng
         for g in range(ng):
             self._refile(g)
 
@@ -335,8 +339,51 @@ class GranuleIndex:
 
     def window_ids_in(self, g: int, n: int) -> list[int]:
         """Up to ``n`` window ids of granule ``g``, oldest first."""
+        if n == 1:      # the oldest: min is sorted's first (no two ids share a _seq)
+            win = self._win_ids[g]
+            return [min(win, key=self._seq.__getitem__)] if win else []
         ids = sorted(self._win_ids[g], key=self._seq.__getitem__)
         return ids if len(ids) <= n else ids[:n]
+
+    def take_window(self, g: int, n: int, end: int) -> list[int]:
+        """Up to ``n`` window ids of granule ``g``, oldest first, handed out: as
+        :meth:`window_ids_in` then :meth:`cached_to_live` (same state after, same ids)."""
+        ids = self.window_ids_in(g, n)
+        if not ids:
+            return ids
+        if not self.live[g]:
+            self.cached_to_live(ids, end)
+            return ids
+        # Fast path: ``g`` holds live ids before and after, so it stays filed as not empty
+        # (the emptiness sets do not change); only its candidate key may, filed once at the
+        # end (the candidates are a sorted list: where they are filed from does not
+        # matter). The ids are window ids, so none is a class's boundary; without a count
+        # bound taking them out of the window lets no other id in (see _unlink).
+        nxt, prev, cls, in_win = self._next, self._prev, self._cls, self._in_win
+        win_ids, win_size = self._win_ids[g], self._win_size
+        bounded = self.max_window is not None
+        ends = self.end
+        for i in ids:
+            c = cls[i]
+            in_win[i] = 0
+            win_ids.discard(i)
+            self.win[g] -= 1
+            win_size[c] -= 1
+            p, q = prev[i], nxt[i]
+            nxt[p] = q
+            prev[q] = p
+            prev[i] = nxt[i] = -1
+            if bounded:
+                self._fit_window(c)
+            ends[i] = end
+        k = len(ids)
+        self.cached[g] -= k
+        self.num_cached -= k
+        self.live[g] += k
+        if end > self.end_of_granule[g]:
+            self.end_of_granule[g] = end
+        self._refile(g)
+        return ids
 
     def empty_granules(self) -> list[tuple[int, int]]:
         """``(g, cached ids)`` of every mapped granule without a live id, ascending."""
@@ -509,8 +556,23 @@ class GranuleIndex:
         while self._win_size[c] and (self._win_size[c] > cap or stamp[prev[b]] > threshold):
             b = prev[b]
             self._leave_window(b)
-        while b != tail and self._win_size[c] < cap and stamp[b] <= threshold:
-            self._enter_window(b)
+        # Entering (inline _enter_window): a granule is refiled at its first id only. Its
+        # filing cannot change after that within this loop: entering changes only window
+        # counts, and its candidate key depends on them only through "win > 0", true from
+        # its first id on. (Its first refile may still move it between the emptiness sets
+        # -- a caller's pending change -- at the same point as before.)
+        G, win, win_ids, in_win, win_size = (self.granule_blocks, self.win, self._win_ids,
+                                             self._in_win, self._win_size)
+        seen: set[int] = set()
+        while b != tail and win_size[c] < cap and stamp[b] <= threshold:
+            g = b // G
+            in_win[b] = 1
+            win_ids[g].add(b)
+            win[g] += 1
+            win_size[c] += 1
+            if g not in seen:
+                seen.add(g)
+                self._refile(g)
             b = nxt[b]
         self._boundary[c] = b
 
@@ -549,28 +611,44 @@ class GranuleIndex:
         """File granule ``g`` as a placement candidate (or not), and as empty (or not)."""
         live = self.live[g]
         mapped = self.mapped[g]
-        if mapped and 0 < live < self.size[g] and (
-                self.size[g] - live - self.cached[g] > 0 or self.win[g]):
-            key = (self.end_of_granule[g], g)
-        else:
-            key = None
+        size = self.size[g]
+        cached = self.cached[g]
         old = self._key[g]
-        if key != old:
-            if old is not None:
+        if mapped and 0 < live < size and (size - live - cached > 0 or self.win[g]):
+            T = self.end_of_granule[g]
+            if old is None or old[0] != T:
+                key = (T, g)
                 cand = self._cand
-                del cand[bisect_left(cand, old)]
-            if key is not None:
-                insort(self._cand, key)
-            self._key[g] = key
+                if old is not None:
+                    del cand[bisect_left(cand, old)]
+                insort(cand, key)
+                self._key[g] = key
+        elif old is not None:
+            cand = self._cand
+            del cand[bisect_left(cand, old)]
+            self._key[g] = None
+        # The emptiness sets change only when the granule's filing changes. This early out
+        # is what keeps a refile cheap, and it keeps the sets' history exactly as it was
+        # when every refile added and discarded: adding a present member or discarding an
+        # absent one leaves a set untouched, so the sets see the same effective changes in
+        # the same order (empty_with_free returns the first member a set iterates, and that
+        # depends on the set's history).
         if mapped and live == 0:
+            filed = _FILED_VACANT if cached == 0 else (
+                _FILED_SOME_FREE if cached < size else _FILED_ALL_CACHED)
+        else:
+            filed = _FILED_NOT_EMPTY
+        if filed == self._filed[g]:
+            return
+        self._filed[g] = filed
+        if filed != _FILED_NOT_EMPTY:
             self._empty.add(g)
-            cached = self.cached[g]
-            if cached == 0:
+            if filed == _FILED_VACANT:
                 self._vacant.add(g)
                 self._empty_free.discard(g)
             else:
                 self._vacant.discard(g)
-                if cached < self.size[g]:
+                if filed == _FILED_SOME_FREE:
                     self._empty_free.add(g)
                 else:
                     self._empty_free.discard(g)
@@ -612,6 +690,7 @@ class GranuleIndex:
         nxt, prev, G = self._next, self._prev, self.granule_blocks
         touched = set()
         count = 0
+        bounded = self.max_window is not None
         for i in ids:
             c = self._cls[i]
             was_in = self._in_win[i]
@@ -623,8 +702,12 @@ class GranuleIndex:
             nxt[p] = q
             prev[q] = p
             prev[i] = nxt[i] = -1
-            if was_in:
-                self._fit_window(c)        # the next oldest may enter the window
+            if was_in and bounded:
+                # the next oldest may enter the window. Only a count bound can let one in:
+                # the window was fitted (its ids are the oldest cached at or before the
+                # threshold, the boundary the first that is not), and taking a window id out
+                # leaves that so, so by age alone nothing enters or leaves.
+                self._fit_window(c)
             g = i // G
             self.cached[g] -= 1
             touched.add(g)
@@ -632,14 +715,6 @@ class GranuleIndex:
         self.num_cached -= count
         for g in touched:
             self._refile(g)
-
-    def _enter_window(self, i: int) -> None:
-        g = i // self.granule_blocks
-        self._in_win[i] = 1
-        self._win_ids[g].add(i)
-        self.win[g] += 1
-        self._win_size[self._cls[i]] += 1
-        self._refile(g)
 
     def _leave_window(self, i: int) -> None:
         g = i // self.granule_blocks

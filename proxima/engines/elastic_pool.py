@@ -162,9 +162,11 @@ class GranuleFreeQueue(ProximaFreeQueue):
             ids += got
             need -= len(got)
         if need and gi.win[g]:
-            got = gi.window_ids_in(g, need)
+            got = gi.take_window(g, need, end)     # out of the window, live now
             self._note_early(got)
-            self._take_cached(got, end)
+            blocks, remove = self._blocks, self._lru.remove
+            for i in got:
+                remove(blocks[i])
             self.demoted += len(got)
             ids += got
             need -= len(got)
@@ -174,10 +176,11 @@ class GranuleFreeQueue(ProximaFreeQueue):
         """Cached blocks evicted out of LRU order: remembered (by hash) as ghosts, so that
         a later lookup missing them counts as reuse the horizon must cover."""
         blocks, gi, reuse = self._blocks, self.granules, self.reuse
+        class_of, cached_at = gi.class_of, gi.cached_at
         for i in ids:
             key = blocks[i].block_hash
             if key is not None:
-                reuse[gi.class_of(i)].on_early_eviction(key, gi.cached_at(i))
+                reuse[class_of(i)].on_early_eviction(key, cached_at(i))
         self.early_evictions += len(ids)
 
     def _take_cached(self, ids: list[int], end: int) -> None:
