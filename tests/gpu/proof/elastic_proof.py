@@ -420,9 +420,10 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
     """``--d-together GIB``: (d)'s engines (elastic, stock, then ``--d-also``'s) side by side
     on the GPU, each with its KV fixed at GIB, their loads started at the same moment once
     every engine is built: stock's spread and the ratio come from the same seconds of the
-    same machine (an engine here is bound by its Python thread and takes ~15% of the GPU's
-    time, so sharing the GPU is the smaller error; against running one after the other, the
-    same host noise and GPU clocks for both). (b) needs the GPU to itself: not run."""
+    same machine (the same host noise and GPU clocks for both). (b) needs the GPU to itself: not run.
+    Measured so (session 8): each engine then waits for the GPU for ~half of every step,
+    which hides a cost on the scheduler's thread; the run's phases are its finding and
+    (d) is recorded as not passed (``informational``), whatever the ratio."""
     modes = ["elastic-auto", "stock"] + [m for m in D_ALSO if m not in ("elastic-auto", "stock")]
     need = START_S + run_s + 30
     if share < need:
@@ -444,8 +445,15 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
                      env, share - 5, go=go)
     runs = {m: found[names[m]] for m in modes}
     judge_d(out, runs["stock"], runs["elastic-auto"], load)
-    out.record("d", together={"kv_gib": D_TOGETHER, "gpu_memory_utilization": util,
-                              "engines": modes})
+    # Not (d)'s verdict: sharing the GPU, each engine waits for it (on the H200, 21-24 ms of
+    # a 50 ms step against ~1 of 30 alone), so a cost on the scheduler's thread is hidden.
+    rec = out.results["subproofs"]["d"]
+    out.record("d", passed=False, ratio_side_by_side_passed=rec.get("passed"),
+               informational="side by side the engines share the GPU and wait for it, which "
+                             "hides costs on the scheduler's thread: the phases, not the "
+                             "ratio, are the finding; (d)'s verdict needs the GPU to itself",
+               together={"kv_gib": D_TOGETHER, "gpu_memory_utilization": util,
+                         "engines": modes})
     stock = runs["stock"].get("stock") or {}
     also = {m: also_entry(stock, runs[m], m, load) for m in modes[2:]}
     if also:
@@ -527,9 +535,11 @@ def main() -> int:
                          "KV compaction, auto) and proxima (allocator alone) (default: none)")
     ap.add_argument("--d-together", type=float, default=0.0, metavar="GIB",
                     help="(d)'s engines (elastic, stock, --d-also's) side by side on the GPU, "
-                         "KV fixed at GIB each, their loads started together: ratio and "
-                         "stock's spread from the same seconds; (b) is not run (default: 0, "
-                         "one after the other with the GPU to itself)")
+                         "KV fixed at GIB each, their loads started together, each engine's "
+                         "phases beside the others' (with --d-phases); informational: sharing "
+                         "the GPU hides the scheduler's costs, so (d) is not passed this way; "
+                         "(b) is not run (default: 0, one after the other with the GPU to "
+                         "itself)")
     ap.add_argument("--d-phases", action="store_true",
                     help="steady (d): --d-profile's phase timers alone (mean ms per step of "
                          "schedule, execute, wait, ...), no stack sampler: costs the engines "
