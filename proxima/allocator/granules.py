@@ -233,6 +233,7 @@ class GranuleIndex:
             self.live[g] += 1
             self.end[rid] = FOREVER
             self.end_of_granule[g] = FOREVER
+        self.num_live = len(self.reserved)         # sum(live), kept as it changes
         # Cached ids in LRU order, one doubly linked list per *class* of origin (FINISHED:
         # freed when its request ended; PREEMPTED: freed by a preemption, to be computed
         # again), over ids with sentinels HEAD/TAIL of class c at N + 2c, N + 2c + 1. The
@@ -380,6 +381,7 @@ class GranuleIndex:
         self.cached[g] -= k
         self.num_cached -= k
         self.live[g] += k
+        self.num_live += k
         if end > self.end_of_granule[g]:
             self.end_of_granule[g] = end
         self._refile(g)
@@ -580,13 +582,16 @@ class GranuleIndex:
     def _to_live(self, ids: Iterable[int], end: int) -> None:
         G, live, ends, T = self.granule_blocks, self.live, self.end, self.end_of_granule
         touched = set()
+        n = 0
         for i in ids:
             g = i // G
             live[g] += 1
+            n += 1
             ends[i] = end
             if end > T[g]:
                 T[g] = end
             touched.add(g)
+        self.num_live += n
         for g in touched:
             self._refile(g)
 
@@ -594,13 +599,16 @@ class GranuleIndex:
         G, live, ends, T = self.granule_blocks, self.live, self.end, self.end_of_granule
         touched = set()
         stale = set()
+        n = 0
         for i in ids:
             g = i // G
             live[g] -= 1
+            n += 1
             if ends[i] >= T[g]:
                 stale.add(g)
             ends[i] = -1
             touched.add(g)
+        self.num_live -= n
         for g in stale:
             lo = g * G
             T[g] = max(ends[lo:lo + self.size[g]]) if live[g] else -1
@@ -805,3 +813,6 @@ class GranuleIndex:
                 raise InvariantError(f"granule {g}'s emptiness is recorded wrongly")
         if self._cand != sorted(k for k in self._key if k is not None):
             raise InvariantError("the placement candidates are not the filed granules, sorted")
+        if self.num_live != sum(self.live):
+            raise InvariantError(f"num_live is {self.num_live}, the granules hold "
+                                 f"{sum(self.live)} live ids")

@@ -448,9 +448,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self._step_allocs.append(allocated - self._last_allocated)
             self._last_allocated = allocated
         if self.policy is not None:
-            self.policy.options = dataclasses.replace(
-                self.policy.options,
-                reserve_blocks=max(self.options.reserve_blocks, self._step_reserve()))
+            reserve = max(self.options.reserve_blocks, self._step_reserve())
+            if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
+                self.policy.options = dataclasses.replace(self.policy.options,
+                                                          reserve_blocks=reserve)
             self.policy.step()
         if self.cycler is not None:
             self.cycler.margin = self._step_reserve()

@@ -253,7 +253,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
     def live_blocks(self) -> int:
         """Blocks in use by requests (the null block not counted)."""
         gi = self.granules
-        return sum(gi.live) - len(gi.reserved)
+        return gi.num_live - len(gi.reserved)
 
     def hot_cached_blocks(self) -> int:
         """Cached blocks younger than the reuse horizon (not in the eviction window)."""

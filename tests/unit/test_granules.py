@@ -104,6 +104,11 @@ def test_check_finds_corruption():
     gi.cached[1] = 0
     with pytest.raises(InvariantError, match="cached ids counted"):
         gi.check()
+    gi = index()
+    gi.free_to_live([8, 9], end=4)
+    gi.num_live += 1                   # the running total the policy reads every step
+    with pytest.raises(InvariantError, match="num_live is 4, the granules hold 3"):
+        gi.check()
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -113,7 +113,9 @@ class ReferenceIndex(GranuleIndex):
 
 def state(gi: GranuleIndex) -> dict:
     return {
-        "counts": (gi.live, gi.cached, gi.win, bytes(gi.mapped), gi.num_cached),
+        "counts": (gi.live, gi.cached, gi.win, bytes(gi.mapped), gi.num_cached,
+                   # the running total against the oracle's sum of its granules
+                   gi.num_live if type(gi) is GranuleIndex else sum(gi.live)),
         "ends": (gi.end, gi.end_of_granule),
         "list": (gi._next, gi._prev, gi._stamp, gi._seq, gi._clock, bytes(gi._cls)),
         "window": (bytes(gi._in_win), [sorted(s) for s in gi._win_ids], gi._win_size,
