@@ -671,18 +671,22 @@ def activate() -> None:
                                              plain=cls is base and _plain_allocate(cls)))
 
 
+# The names vLLM 0.26.0's (and 0.33.0's, the same body) SingleTypeKVCacheManager.
+# allocate_new_blocks uses, in order: the partial-hit branch, then cdiv(num_tokens,
+# block_size) - len(req_blocks) new blocks, none when that is <= 0.
+_PLAIN_ALLOCATE_NAMES = ("_partial_hit_reqs", "pop", "block_pool", "get_new_blocks",
+                         "_apply_cow", "new_block_ids", "append", "block_id", "req_to_blocks",
+                         "cdiv", "block_size", "len", "extend", "_record_new_block_ids")
+
+
 def _plain_allocate(cls) -> bool:
-    """Whether ``cls.allocate_new_blocks`` is the one the fast path of
-    :func:`_wrap_allocate_new_blocks` was written against (vLLM 0.26's: the partial-hit
-    branch, then ``cdiv(num_tokens, block_size) - len(req_blocks)`` new blocks, none when
-    that is <= 0). Read from its code's names, so another vLLM's method keeps the plain
-    wrapper (a call straight through)."""
+    """Whether ``cls.allocate_new_blocks`` is the method the fast path of
+    :func:`_wrap_allocate_new_blocks` was written against: its code names exactly what
+    vLLM 0.26's does, in the same order, with the same arguments. Any other (another
+    vLLM's, a subclass's) keeps the plain wrapper, a call straight through."""
     code = getattr(cls.__dict__.get("allocate_new_blocks"), "__code__", None)
-    if code is None:
-        return False
-    names = set(code.co_names)
-    return {"_partial_hit_reqs", "req_to_blocks", "block_size", "get_new_blocks",
-            "cdiv"} <= names and code.co_argcount == 4
+    return (code is not None and code.co_names == _PLAIN_ALLOCATE_NAMES
+            and code.co_argcount == 4)
 
 
 def deactivate() -> None:

@@ -290,3 +290,46 @@ def test_simple_cpu_offload_decides_the_same_on_both_pools(lazy, max_num_batched
     assert len(proxima) == len(stock)
     for i, (ours, theirs) in enumerate(zip(proxima, stock)):
         assert ours == theirs, f"step {i}: Proxima {ours[1:]} vs stock {theirs[1:]}"
+
+
+# ------------------------------------------------------------------ the hot path
+
+def test_a_request_that_needs_no_block_is_answered_as_vllm_would_without_its_call():
+    """The scheduler calls allocate_new_blocks for every scheduled request every step;
+    Proxima's wrapper answers those that hold blocks enough itself (vLLM's base method
+    would return an empty list and touch nothing), and hands every other call to vLLM."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core import single_type_kv_cache_manager as managers
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    assert vllm_v1._plain_allocate(managers.SingleTypeKVCacheManager)
+    assert not vllm_v1._plain_allocate(managers.MambaManager)     # its own method: called
+    vllm_v1.activate()
+    try:
+        spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16)
+        config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+        manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=32,
+                                 hash_block_size=32, enable_caching=False)
+        r = Request(request_id="a", prompt_token_ids=list(range(100, 164)), pooling_params=None,
+                    arrival_time=0.0, sampling_params=SamplingParams(max_tokens=8))
+        manager.allocate_slots(r, r.num_tokens)
+        group = manager.coordinator.single_type_managers[0]
+        pool = manager.block_pool
+        table = list(group.req_to_blocks["a"])
+        calls = []
+        original = pool.get_new_blocks
+        pool.get_new_blocks = lambda n: calls.append(n) or original(n)
+        for n in (1, 33, 64):
+            assert group.allocate_new_blocks("a", n, n) == []
+        assert group.req_to_blocks["a"] == table and calls == []
+        grown = group.allocate_new_blocks("a", 65, 65)             # a third block: vLLM's path
+        assert calls == [1] and len(grown) == 1 and group.req_to_blocks["a"] == table + grown
+        # a request vLLM holds no list for yet goes to vLLM too (its defaultdict adds one)
+        assert group.allocate_new_blocks("z", 0, 0) == [] and "z" in group.req_to_blocks
+    finally:
+        vllm_v1.deactivate()
