@@ -391,7 +391,7 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
         import engineprof
 
         client = engineprof.start_sampler(f"{args.profile_prefix}-client.jsonl",
-                                          period_s=0.004 if args.profile else 0.0)
+                                          period_s=args.profile_period)
         client(True)
     epoch = time.time()
 
@@ -478,8 +478,8 @@ def job_throughput(args, result: dict) -> None:
             import engineprof
 
             args.profile_prefix = str(stats / f"{mode}-prof")
-            missing = engineprof.install(args.profile_prefix,
-                                         period_s=0.004 if args.profile else 0.0)
+            args.profile_period = 0.004 if args.profile else 0.0     # 0: phases alone
+            missing = engineprof.install(args.profile_prefix, period_s=args.profile_period)
             result.setdefault("profile_missing", {})[mode] = missing
         if args.kv_gib:                 # engines side by side: each its own fixed KV
             kw["kv_cache_memory_bytes"] = int(args.kv_gib * GiB)

@@ -126,6 +126,9 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
     started with ``--start-after go``): once every child is built (its ``go.ready-*`` file)
     or one has exited, ``go`` is made, so that their loads start at one moment."""
     started = time.monotonic()
+    if go is not None:                      # a go or ready file of an earlier run
+        for stale in [go, *go.parent.glob(f"{go.name}.ready-*")]:
+            stale.unlink(missing_ok=True)
     procs = {}
     for name, args in jobs.items():
         path = out.dir / f".{name}.json"
@@ -362,10 +365,8 @@ def judge_d(out: kit.Out, stock_run: dict, elastic_run: dict, load: str) -> None
     e = elastic.get("elastic") or {}
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")})
     ok = ok and stock_run.get("rc") == 0 and elastic_run.get("rc") == 0
-    profiles = {m: e["profile"] for m, e in (("stock", stock), ("elastic-auto", elastic))
-                if e.get("profile")}
-    if profiles:
-        out.record("d", profile=profiles)
+    record_profile(out, "stock", stock)
+    record_profile(out, "elastic-auto", elastic)
     out.record("d", passed=ok, summary=summary,
                error=stock_run.get("error") or elastic_run.get("error"),
                log_tail=stock_run.get("log_tail") or elastic_run.get("log_tail"))
@@ -434,8 +435,6 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
         out.record("b", passed=False, skipped="--d-together: (b) needs the GPU to itself")
     util = round(min(0.3, 0.9 / len(modes)), 3)
     go = out.dir / ".d-go"
-    for stale in [go, *out.dir.glob(".d-go.ready-*")]:
-        stale.unlink(missing_ok=True)
     out.log(f"(d) {load}-load throughput, {', '.join(modes)} side by side, KV {D_TOGETHER:g} "
             f"GiB each; budget {share:.0f}s")
     names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
@@ -456,15 +455,19 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
                          "engines": modes})
     stock = runs["stock"].get("stock") or {}
     also = {m: also_entry(stock, runs[m], m, load) for m in modes[2:]}
+    for m in modes[2:]:
+        record_profile(out, m, runs[m].get(m) or {})
     if also:
         summary = dict(out.results["subproofs"]["d"].get("summary") or {}, also=also)
         out.record("d", summary=summary)
-        rec = out.results["subproofs"]["d"]
-        profiles = dict(rec.get("profile") or {})
-        profiles.update({m: (runs[m].get(m) or {})["profile"] for m in modes[2:]
-                         if (runs[m].get(m) or {}).get("profile")})
-        if profiles:
-            out.record("d", profile=profiles)
+
+
+def record_profile(out: kit.Out, mode: str, entry: dict) -> None:
+    """A (d) engine's ``--d-profile`` / ``--d-phases`` result (its child entry's
+    ``profile``), added to (d)'s record under ``profile``; none: nothing."""
+    if entry.get("profile"):
+        rec = out.results["subproofs"].get("d", {})
+        out.record("d", profile={**(rec.get("profile") or {}), mode: entry["profile"]})
 
 
 def also_entry(stock: dict, run: dict, mode: str, load: str) -> dict:
@@ -498,9 +501,7 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
         entry = run.get(mode) or {}
         also[mode] = also_entry(stock, run, mode, load)
         out.log(f"  (d) also {mode}: {json.dumps(also[mode])}")
-        if entry.get("profile"):
-            rec = out.results["subproofs"].get("d", {})
-            out.record("d", profile={**(rec.get("profile") or {}), mode: entry["profile"]})
+        record_profile(out, mode, entry)
     summary = dict(out.results["subproofs"].get("d", {}).get("summary") or {}, also=also)
     out.record("d", summary=summary)
 
@@ -553,7 +554,7 @@ def main() -> int:
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
     args = ap.parse_args()
-    global CHILD, DRY, WANTED
+    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"a", "a2", "b", "d"})
     if unknown:
@@ -562,7 +563,6 @@ def main() -> int:
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
-    global D_PROFILE, D_TOGETHER
     D_PROFILE = "full" if args.d_profile else "phases" if args.d_phases else ""
     D_TOGETHER = args.d_together
     if D_TOGETHER < 0:

@@ -63,15 +63,10 @@ def main() -> int:
         result = {}
     if job == "throughput":
         modes = str(opts.get("--modes", "stock,elastic-auto")).split(",")
-        if opts.get("--start-after"):       # side by side: ready, then wait for the go
-            import os
+        if opts.get("--start-after"):       # side by side: the real child's protocol
+            from elastic_child import start_together
 
-            go = Path(opts["--start-after"])
-            Path(f"{go}.ready-{os.getpid()}").write_text("ready")
-            end = time.monotonic() + 30
-            while not go.exists() and time.monotonic() < end:
-                time.sleep(0.05)
-            result["waited_for_go"] = go.exists()
+            result["waited_s"] = start_together(Path(opts["--start-after"]), timeout=30)
             result["kv_gib"] = float(opts.get("--kv-gib") or 0)
         result["load"] = load = opts.get("--load", "steady")
         if load == "passes":

@@ -511,12 +511,13 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     None, the lines for the log)."""
     n, notes = args.engines, []
     static = "static" in order
-    longest = args.prompt * 3 // 2 + max(args.output, args.tail[1])
+    output = max(args.output, args.tail[1])
+    longest = args.prompt * 3 // 2 + output
     if args.max_model_len is None:
         args.max_model_len = max(2048, longest)
     elif args.max_model_len < longest:
         return (f"--max-model-len {args.max_model_len} is shorter than the longest request "
-                f"(1.5 x --prompt {args.prompt} + {max(args.output, args.tail[1])} output "
+                f"(1.5 x --prompt {args.prompt} + {output} output "
                 f"tokens = {longest}): give at least {longest}, or shorter --prompt/--output"
                 ), notes
     if args.static_util is None:
