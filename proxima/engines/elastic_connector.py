@@ -479,7 +479,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         state = ch.state
         # Every granule mapped (a fixed pool, a grown one): no block can be in an unmapped
         # granule, nothing to look at (one C-speed count over the granules' states).
-        if state.count(MAPPED) == len(state):
+        if ch.count(MAPPED) == ch.num_granules:
             return
         G = ch.granule_blocks
         lists = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]

@@ -19,6 +19,21 @@ import engineprof  # noqa: E402
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 
+def replay_between_two_lines(prefix: str, workload: str, n: int, blocks: int):
+    """A stock replay with a line written just before and just after it: (the replay's
+    result, the lines, the time it began)."""
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.workloads import make_workload
+
+    engineprof.flush()
+    time.sleep(0.01)
+    began = time.time()
+    result = run_replay(make_workload(workload, n), proxima=False, num_blocks=blocks)
+    time.sleep(0.01)
+    engineprof.flush()
+    return result, engineprof.read(f"{prefix}-engine.jsonl"), began
+
+
 @pytest.fixture
 def installed(tmp_path):
     prefix = str(tmp_path / "run")
@@ -28,18 +43,9 @@ def installed(tmp_path):
 
 
 def test_phases_count_every_scheduler_call_and_the_window_counts_what_lies_between(installed):
-    from proxima.replay.driver_v1 import run_replay
-    from proxima.workloads import make_workload
-
     prefix, missing = installed
     assert "schedule" not in missing and "update_from_output" not in missing
-    engineprof.flush()
-    time.sleep(0.01)
-    began = time.time()
-    result = run_replay(make_workload("sharegpt", 150), proxima=False, num_blocks=4000)
-    time.sleep(0.01)
-    engineprof.flush()
-    lines = engineprof.read(f"{prefix}-engine.jsonl")
+    result, lines, began = replay_between_two_lines(prefix, "sharegpt", 150, 4000)
     assert len(lines) == 2
     w = engineprof.window(lines, began, time.time())
     assert w is not None
@@ -68,19 +74,11 @@ def test_uninstall_restores_the_scheduler(tmp_path):
 
 
 def test_phase_timers_alone_take_no_samples(tmp_path):
-    from proxima.replay.driver_v1 import run_replay
-    from proxima.workloads import make_workload
-
     prefix = str(tmp_path / "phases")
     engineprof.install(prefix, period_s=0.0)
     try:
-        engineprof.flush()
-        time.sleep(0.01)
-        began = time.time()
-        result = run_replay(make_workload("chat", 20), proxima=False, num_blocks=2000)
-        time.sleep(0.01)
-        engineprof.flush()
-        w = engineprof.window(engineprof.read(f"{prefix}-engine.jsonl"), began, time.time())
+        result, lines, began = replay_between_two_lines(prefix, "chat", 20, 2000)
+        w = engineprof.window(lines, began, time.time())
     finally:
         engineprof.uninstall()
     assert w["phases"]["schedule"]["calls"] == result.steps
