@@ -566,7 +566,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             out["events"] = self.policy.stats.events[-20:]     # (time, grow/shrink/fail, n)
         else:
             live = self.queue.live_blocks() if self.queue is not None else None
-            releasable = len(self.queue.releasable()) if self.queue is not None else 0
+            releasable = self.queue.num_releasable() if self.queue is not None else 0
             out.update(mapped_bytes=ch.count(MAPPED) * B,
                        used_bytes=None if live is None else live * B // ch.granule_blocks,
                        reclaimable_bytes=releasable * B, pool_bytes=ch.num_granules * B)
@@ -585,8 +585,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._stats_written = time.monotonic()
         tmp = f"{path}.tmp{os.getpid()}"
+        text = json.dumps(self.status())      # one write (json.dump writes piece by piece)
         with open(tmp, "w") as f:
-            json.dump(self.status(), f)
+            f.write(text)
         os.replace(tmp, path)
 
     def shutdown(self) -> None:

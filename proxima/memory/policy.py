@@ -89,6 +89,7 @@ class PoolView(Protocol):
     def live_blocks(self) -> int: ...
     def hot_cached_blocks(self) -> int: ...          # cached blocks young enough to be hit
     def releasable(self) -> list[tuple[int, int]]: ...   # (granule, cached), cheapest first
+    def num_releasable(self) -> int: ...                 # len(releasable()), cheaply
     def release(self, granules) -> int: ...              # returns cached blocks evicted
 
 
@@ -361,7 +362,7 @@ class GrowShrinkPolicy:
         """Mapped / used / reclaimable bytes and the counters, for the status file."""
         ch, G, B = self.channel, self.channel.granule_blocks, self.bytes_per_granule
         live = self.pool.live_blocks()
-        releasable = len(self.pool.releasable())
+        releasable = self.pool.num_releasable()
         return {
             "granule_blocks": G, "bytes_per_granule": B, "num_granules": ch.num_granules,
             "mapped_granules": ch.count(MAPPED), "mapping_granules": ch.count(MAPPING),

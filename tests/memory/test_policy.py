@@ -42,6 +42,9 @@ class Pool:
         return [(g, self.cached[g]) for g in range(1, self.ch.num_granules)
                 if self.ch.state[g] == MAPPED and not self.live[g]]
 
+    def num_releasable(self):
+        return len(self.releasable())
+
     def release(self, granules):
         self.released += list(granules)
         evicted = sum(self.cached[g] for g in granules)

@@ -79,7 +79,11 @@ class QueueMachine(RuleBasedStateMachine):
             assert self.state[i] in ("free", "cached"), (i, self.state[i])
             self.state[i] = "live"
         out_of_window = [i for i in taken_cached if i not in window]
-        assert len(out_of_window) <= max(0, n - free_before)
+        # A window bounded by count (window:W) slides: each window id taken lets at most
+        # one more cached id in (the next oldest), which may then be taken in the same call.
+        slid_in = (len(taken_cached) - len(out_of_window)
+                   if self.policy.max_window and not self.policy.strict else 0)
+        assert len(out_of_window) <= max(0, n - free_before) + slid_in
         if self.policy.strict:        # stock: free ids first, then the oldest cached
             assert taken_cached == self.cached[:max(0, n - free_before)]
         self.cached = [i for i in self.cached if i not in set(got)]
@@ -125,6 +129,7 @@ class QueueMachine(RuleBasedStateMachine):
         model_empty = sorted(g for g in self.mapped - {0} if not any(
             self.state[i] == "live" for i in range(g * self.G, min((g + 1) * self.G, self.n))))
         assert sorted(empty) == model_empty
+        assert self.q.num_releasable() == len(model_empty)
         if not empty:
             return
         chosen = data.draw(st.lists(st.sampled_from(empty), min_size=1, unique=True))
