@@ -422,9 +422,9 @@ class GranuleIndex:
         return {
             "granule_blocks": G, "num_granules": self.num_granules,
             "mapped_granules": self.num_mapped, "live_blocks": live_ids - len(self.reserved),
-            "cached_blocks": self.num_cached, "window_blocks": sum(self._win_size),
+            "cached_blocks": self.num_cached, "window_blocks": self.window_size,
             "live_granules": self.num_granules - self.live.count(0),
-            "empty_granules": len(self._empty),
+            "empty_granules": self.num_empty,
             "empty_free_only_granules": sum(1 for g in self._empty if not self.cached[g]),
             "packed_granules": -(-live_ids // G),
         }
