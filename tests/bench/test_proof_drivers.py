@@ -107,6 +107,60 @@ def test_driver_a_d_together_runs_the_engines_side_by_side_and_starts_their_load
     assert "--d-together wants GiB of KV per engine (0: off), got -1" in bad.stderr
 
 
+def test_driver_a_d_turns_alternates_the_engines_on_one_gpu_round_by_round(tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "520", "--only", "d,b",
+               "--d-turns", "3")
+    assert done.returncode == 1, done.stdout + done.stderr     # (b) is not run: FAIL
+    sub = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]
+    d = sub["d"]
+    assert d["passed"], d
+    s = d["summary"]
+    assert s["order"] == [["stock", "elastic-auto"], ["elastic-auto", "stock"],
+                          ["stock", "elastic-auto"]]
+    # one measured window of 20 s a turn: the stand-in's 10,000 and 9,950 tok/s
+    assert s["stock_tok_s"] == [10000.0] * 3 and s["elastic_tok_s"] == [9950.0] * 3
+    assert s["ratio"] == 0.995 and s["ratio_per_round"] == [0.995] * 3
+    assert s["stock_spread_pct"] == 0.0 and s["kv_gib"] == 40.0
+    assert [(r, m) for r, m, _ in s["turns_played"]] == [
+        (r, m) for r, pair in enumerate(s["order"]) for m in pair]
+    assert "needs the GPU to itself" in sub["b"]["skipped"]
+    log = (tmp_path / "elastic_proof.log").read_text()
+    assert "2 of 2 engines ready" in log and log.count("'s turn took") == 6
+    # one line for a bad value
+    bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", "--d-turns", "2",
+              "--d-together", "40")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--d-turns wants a number of rounds" in bad.stderr
+
+
+def test_d_turns_summary_counts_every_round_and_fails_a_missing_turn():
+    proof = _elastic_proof()
+    order = proof.turn_order(2)
+    assert order == [["stock", "elastic-auto"], ["elastic-auto", "stock"]]
+
+    def turns(*rates):
+        return {"turns": [{"turn": k, "steady": {
+            "completed": 900, "preemptions": 0,
+            "windows": [{"kind": "warmup", "start_s": 0.0, "end_s": 10.0,
+                         "output_tokens_per_s": warm},
+                        {"kind": "measure", "start_s": 10.0, "end_s": 30.0,
+                         "output_tokens": int(rate * 20)}]}}
+            for k, (warm, rate) in enumerate(rates)]}
+    ok, s = proof.turns_summary(turns((8000.0, 10000.0), (8000.0, 11000.0)),
+                                turns((6000.0, 9900.0), (7000.0, 10900.0)), order)
+    assert ok and s["ratio"] == round(20800 / 21000, 4)
+    assert s["ratio_per_round"] == [0.99, round(10900 / 11000, 4)]
+    assert s["stock_spread_pct"] == round(100 * 1000 / 10500, 2)
+    assert s["warmup_ratio"] == round(13000 / 16000, 4)
+    ok, s = proof.turns_summary(turns((8000.0, 10000.0), (8000.0, 11000.0)),
+                                turns((6000.0, 9000.0), (7000.0, 10000.0)), order)
+    assert not ok and s["ratio"] < 0.99
+    # elastic's second turn never ran: no ratio, FAIL
+    ok, s = proof.turns_summary(turns((8000.0, 10000.0), (8000.0, 11000.0)),
+                                turns((6000.0, 9900.0)), order)
+    assert not ok and s["ratio"] is None and s["elastic_tok_s"] == [9900.0]
+
+
 def test_driver_a_says_when_the_budget_cannot_hold_d(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "200", "--only", "d,b")
     assert done.returncode == 1

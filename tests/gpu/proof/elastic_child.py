@@ -4,7 +4,7 @@
     python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
     python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
         [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
-        [--release --progress F --go F]
+        [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
@@ -493,8 +493,11 @@ def job_throughput(args, result: dict) -> None:
             rel = Release(stats / f"{mode}-elastic.json",
                           Path(args.progress) if release else None,
                           Path(args.go) if release else None, t0)
-        (steady if args.load == "steady" else passes)(llm, requests, args, entry, result, t0,
-                                                      rel)
+        if args.turns:
+            take_turns(llm, requests, args, entry, result, t0, rel, mode)
+        else:
+            (steady if args.load == "steady" else passes)(llm, requests, args, entry, result,
+                                                          t0, rel)
         if rel is not None:
             entry["timeline"] = thin(rel.samples)
             save(args, result)
@@ -511,17 +514,47 @@ def job_throughput(args, result: dict) -> None:
             entry["elastic"] = read(stats / f"{mode}-elastic.json")
 
 
+def take_turns(llm, requests, args, entry: dict, result: dict, t0: float, sampler,
+               mode: str) -> None:
+    """``--turns N``: engines side by side take turns with the GPU: this one runs its
+    :func:`steady` load only in its turns, idle (no request) while the others run theirs.
+    For each k < N it waits for ``TURN_DIR/turn-k-MODE`` (the driver makes it), runs the
+    load on the k-th of N equal parts of ``requests`` (no prompt comes round twice, so no
+    turn is served from what another turn cached), then makes ``TURN_DIR/done-k-MODE``.
+    ``entry["turns"]``: each turn's run, as :func:`steady` records one."""
+    turn_dir = Path(args.turn_dir)
+    part = len(requests) // args.turns
+    entry["turns"] = []
+    for k in range(args.turns):
+        wait_for(turn_dir / f"turn-{k}-{mode}", TURN_TIMEOUT_S)
+        turn = {"turn": k, "began_s": round(time.time() - t0, 2)}
+        entry["turns"].append(turn)            # saved with the result as steady goes
+        steady(llm, requests[k * part:(k + 1) * part], args, turn, result, t0, sampler)
+        (turn_dir / f"done-{k}-{mode}").write_text("done")
+
+
+TURN_TIMEOUT_S = 900.0     # the longest a turn's engine waits for its turn
+
+
+def wait_for(path: Path, timeout: float) -> float:
+    """Wait until ``path`` exists (RuntimeError after ``timeout`` s); the seconds waited."""
+    began = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - began > timeout:
+            raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
+        time.sleep(0.05)
+    return round(time.monotonic() - began, 2)
+
+
 def start_together(go: Path, timeout: float = 300.0) -> float:
     """``--start-after FILE``: say this engine is built (``FILE.ready-<pid>``) and wait until
     FILE exists (the driver makes it once every engine side by side is ready), so that
     their loads run at the same time. Returns the seconds waited."""
-    began = time.monotonic()
     Path(f"{go}.ready-{os.getpid()}").write_text("ready")
-    while not go.exists():
-        if time.monotonic() - began > timeout:
-            raise RuntimeError(f"--start-after: {go} did not appear within {timeout:.0f}s")
-        time.sleep(0.05)
-    return round(time.monotonic() - began, 2)
+    try:
+        return wait_for(go, timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(f"--start-after: {exc}") from None
 
 
 def positive(kind, zero: bool = False):
@@ -584,7 +617,17 @@ def main() -> int:
     ap.add_argument("--start-after", default=None, metavar="FILE",
                     help="throughput: once built, wait for FILE before the load (engines "
                          "side by side start their loads together) (default: none)")
+    ap.add_argument("--turns", type=positive(int, zero=True), default=0,
+                    help="throughput, steady, with --start-after: the load in N turns, each "
+                         "begun when the driver makes --turn-dir's turn-K-MODE file (engines "
+                         "side by side take turns with the GPU) (default: 0, one load)")
+    ap.add_argument("--turn-dir", default=None, metavar="DIR",
+                    help="--turns: where the turn and done files are (default: none)")
     args = ap.parse_args()
+    if args.turns and not (args.turn_dir and args.start_after and args.load == "steady"
+                           and len(args.modes.split(",")) == 1):
+        ap.error("--turns needs --turn-dir, --start-after, --load steady and one engine in "
+                 "--modes")
     result: dict = {"job": args.job, "mode": args.mode}
     code = 0
     try:

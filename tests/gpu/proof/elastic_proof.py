@@ -2,6 +2,7 @@
 
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
+        [--d-turns ROUNDS | --d-together GIB] [--d-also M,...] [--d-phases]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
@@ -120,11 +121,12 @@ def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -
 
 
 def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float,
-             go: Path | None = None) -> dict:
+             go: Path | None = None, after_go=None) -> dict:
     """Several children side by side (their engines share the GPU), each killed when
     ``timeout`` s have passed; name -> result as :func:`child`'s. With ``go`` (children
     started with ``--start-after go``): once every child is built (its ``go.ready-*`` file)
-    or one has exited, ``go`` is made, so that their loads start at one moment."""
+    or one has exited, ``go`` is made, so that their loads start at one moment; then
+    ``after_go(alive, deadline)`` runs, if given (``alive(name)``: that child runs)."""
     started = time.monotonic()
     if go is not None:                      # a go or ready file of an earlier run
         for stale in [go, *go.parent.glob(f"{go.name}.ready-*")]:
@@ -145,6 +147,8 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
         go.write_text("go")
         out.log(f"  {ready} of {len(procs)} engines ready after "
                 f"{time.monotonic() - started:.0f}s: loads start")
+        if after_go is not None:
+            after_go(lambda name: procs[name][0].poll() is None, started + timeout)
     results = {}
     for name, (proc, path) in procs.items():
         try:
@@ -312,6 +316,9 @@ D_REQUESTS = {"steady": 3000, "passes": 300}   # steady: no prompt comes round t
 D_ALSO: list = []          # --d-also: more engines under (d)'s load, informational
 D_PROFILE = ""             # --d-profile / --d-phases: "full" (phases and stack samples), "phases"
 D_TOGETHER = 0.0           # --d-together GIB: (d)'s engines side by side, KV fixed at GIB each
+D_TURNS = 0                # --d-turns ROUNDS: side by side, taking turns with the GPU
+D_TURN = {"warmup_s": 10.0, "windows": 1, "window_s": 20.0, "drain_s": 0.0}   # one turn
+D_TURN_GIB = 40.0          # --d-turns: each engine's KV (elastic: its pool, mapped on demand)
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -390,6 +397,8 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
             D_STEADY["windows"] * D_STEADY["window_s"]
     else:
         run_s = 45.0                      # two passes of 300 requests and the pause between
+    if D_TURNS:
+        return proof_d_turns(out, budget, env, share, load)
     if D_TOGETHER:
         return proof_d_together(out, budget, env, share, job, run_s, load)
     # the elastic engine first: it carries (b) and the timeline of its grows; stock's gets
@@ -460,6 +469,120 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
     if also:
         summary = dict(out.results["subproofs"]["d"].get("summary") or {}, also=also)
         out.record("d", summary=summary)
+
+
+def turn_order(rounds: int) -> list[list[str]]:
+    """``--d-turns``: who runs when, round by round: stock then elastic, then the other way
+    round (ABBA...), so that neither always follows the other."""
+    pair = ["stock", "elastic-auto"]
+    return [pair if r % 2 == 0 else pair[::-1] for r in range(rounds)]
+
+
+def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
+                  load: str) -> None:
+    """``--d-turns ROUNDS``: stock and elastic side by side (KV ``D_TURN_GIB`` each; the
+    elastic engine's pool maps on demand), built together, then taking turns with the GPU
+    (:func:`turn_order`): in each turn one engine runs the steady load (a warm-up window,
+    then a measurement window) while the other has no request. Each round's two turns come
+    from the same minutes of the same machine, which engines run one after the other (the
+    default) do not give: there, stock's own spread between runs was 2-15% (sessions 7-10).
+    The elastic engine, idle through the other's turn, gives its memory back (12 s delay)
+    and grows again in its own warm-up window. (b) is not run."""
+    if load != "steady":
+        out.record("d", passed=False, skipped="--d-turns needs the steady load")
+        return
+    rounds = D_TURNS
+    turn_s = D_TURN["warmup_s"] + D_TURN["windows"] * D_TURN["window_s"] + 5
+    need = START_S + 2 * rounds * turn_s + 30
+    if share < need:
+        out.record("d", passed=False, skipped=f"{share:.0f}s is too little for {rounds} "
+                   f"rounds of turns: about {need:.0f}s (start-up, {2 * rounds} turns, stop)")
+        return
+    if "b" in WANTED:
+        out.record("b", passed=False, skipped="--d-turns: (b) needs the GPU to itself")
+    modes = ["elastic-auto", "stock"]
+    order = turn_order(rounds)
+    go = out.dir / ".d-go"
+    turns = out.dir / ".d-turns"
+    if turns.exists():
+        for stale in turns.iterdir():
+            stale.unlink()
+    turns.mkdir(exist_ok=True)
+    out.log(f"(d) steady load in turns: {rounds} rounds ({', '.join('/'.join(r) for r in order)})"
+            f", KV {D_TURN_GIB:g} GiB each, side by side; budget {share:.0f}s")
+    job = ["throughput", "--requests", str(D_REQUESTS["steady"] * rounds), "--load", "steady",
+           "--turns", str(rounds), "--turn-dir", str(turns), "--start-after", str(go),
+           "--kv-gib", f"{D_TURN_GIB:g}", "--gpu-memory-utilization", "0.3"]
+    job += [a for k, v in {"concurrency": D_STEADY["concurrency"], **D_TURN}.items()
+            for a in (f"--{k.replace('_', '-')}", str(v))]
+    if D_PROFILE:
+        job.append("--profile" if D_PROFILE == "full" else "--phases")
+    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    played: list = []
+
+    def conduct(alive, deadline) -> None:
+        for r, pair in enumerate(order):
+            for m in pair:
+                began = time.monotonic()
+                (turns / f"turn-{r}-{m}").write_text("go")
+                while not (turns / f"done-{r}-{m}").exists():
+                    if not alive(names[m]) or time.monotonic() > deadline:
+                        out.log(f"  turn {r} of {m}: stopped (its engine exited or time "
+                                "ran out)")
+                        return
+                    time.sleep(0.1)
+                played.append((r, m, round(time.monotonic() - began, 1)))
+                out.log(f"  round {r}: {m}'s turn took {played[-1][2]}s")
+
+    found = children(out, {names[m]: [*job, "--modes", m] for m in modes}, env, share - 5,
+                     go=go, after_go=conduct)
+    runs = {m: found[names[m]] for m in modes}
+    ok, summary = turns_summary(runs["stock"].get("stock") or {},
+                                runs["elastic-auto"].get("elastic-auto") or {}, order)
+    e = (runs["elastic-auto"].get("elastic-auto") or {}).get("elastic") or {}
+    summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")},
+                   turns_played=played, kv_gib=D_TURN_GIB)
+    ok = ok and all(r.get("rc") == 0 for r in runs.values())
+    for m in modes:
+        record_profile(out, m, {"profile": [t.get("profile") for t in
+                                            (runs[m].get(m) or {}).get("turns") or []
+                                            if t.get("profile")]})
+    out.record("d", passed=ok, summary=summary,
+               error=runs["stock"].get("error") or runs["elastic-auto"].get("error"),
+               log_tail=runs["stock"].get("log_tail") or runs["elastic-auto"].get("log_tail"))
+
+
+def turns_summary(stock: dict, elastic: dict, order: list) -> tuple[bool, dict]:
+    """(d) in turns: each engine's output tok/s per turn (its measurement windows' tokens
+    over their seconds; warm-up windows apart), in rounds; the ratio is elastic's tokens
+    over stock's over all rounds, with each round's own ratio, stock's spread between its
+    turns and the warm-up windows' ratio. Passes when every turn was measured and the ratio
+    is at least D_TARGET."""
+    def per_turn(entry):
+        rates, warm = [], []
+        for t in entry.get("turns") or []:
+            w = (t.get("steady") or {}).get("windows") or []
+            m = [x for x in w if x.get("kind") == "measure"]
+            rates.append(round(sum(x["output_tokens"] for x in m) /
+                               sum(x["end_s"] - x["start_s"] for x in m), 1) if m else None)
+            warm.append(w[0].get("output_tokens_per_s") if w else None)
+        return rates, warm
+    (s, s_warm), (e, e_warm) = per_turn(stock), per_turn(elastic)
+    rounds = len(order)
+    summary = {"load": "steady, in turns", "target": f"ratio >= {D_TARGET}", "ratio": None,
+               "rounds": rounds, "order": order, "stock_tok_s": s, "elastic_tok_s": e,
+               "stock_warmup_tok_s": s_warm, "elastic_warmup_tok_s": e_warm,
+               "stock_spread_pct": None, "ratio_per_round": None, "warmup_ratio": None}
+    complete = (len(s) == len(e) == rounds and all(s + e) and all(s_warm + e_warm))
+    if complete:
+        summary.update(ratio=round(sum(e) / sum(s), 4),
+                       ratio_per_round=[round(b / a, 4) for a, b in zip(s, e)],
+                       stock_spread_pct=round(100 * (max(s) - min(s)) / (sum(s) / len(s)), 2),
+                       warmup_ratio=round(sum(e_warm) / sum(s_warm), 4))
+    runs = [[t.get("steady") or {} for t in x.get("turns") or []] for x in (stock, elastic)]
+    summary.update(preemptions=[[r.get("preemptions") for r in x] for x in runs],
+                   requests_completed=[[r.get("completed") for r in x] for x in runs])
+    return bool(complete and summary["ratio"] >= D_TARGET), summary
 
 
 def record_profile(out: kit.Out, mode: str, entry: dict) -> None:
@@ -541,6 +664,14 @@ def main() -> int:
                          "the GPU hides the scheduler's costs, so (d) is not passed this way; "
                          "(b) is not run (default: 0, one after the other with the GPU to "
                          "itself)")
+    ap.add_argument("--d-turns", type=int, default=0, metavar="ROUNDS",
+                    help="(d) with stock and elastic side by side (KV %g GiB each), taking "
+                         "turns with the GPU, ROUNDS rounds of one turn each (stock first in "
+                         "even rounds, elastic in odd ones; a turn: a %gs warm-up window, "
+                         "then %gs measured, while the other engine idles): each round's "
+                         "pair comes from the same minutes of the same machine; (b) is not "
+                         "run (default: 0, one engine after the other)" % (
+                             D_TURN_GIB, D_TURN["warmup_s"], D_TURN["window_s"]))
     ap.add_argument("--d-phases", action="store_true",
                     help="steady (d): --d-profile's phase timers alone (mean ms per step of "
                          "schedule, execute, wait, ...), no stack sampler: costs the engines "
@@ -554,7 +685,7 @@ def main() -> int:
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
     args = ap.parse_args()
-    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER
+    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"a", "a2", "b", "d"})
     if unknown:
@@ -568,6 +699,11 @@ def main() -> int:
     if D_TOGETHER < 0:
         print(f"elastic_proof: --d-together wants GiB of KV per engine (0: off), got "
               f"{args.d_together:g}", file=sys.stderr)
+        return 2
+    D_TURNS = args.d_turns
+    if D_TURNS < 0 or (D_TURNS and (D_TOGETHER or D_ALSO)):
+        print(f"elastic_proof: --d-turns wants a number of rounds (0: off) and neither "
+              f"--d-together nor --d-also, got --d-turns {args.d_turns}", file=sys.stderr)
         return 2
     bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "elastic-compacted", "proxima"})
     if bad:

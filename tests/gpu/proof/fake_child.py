@@ -92,10 +92,23 @@ def main() -> int:
                             "output_tokens_per_s": v,
                             "output_tokens": int(v * (edges[i + 1] - edges[i]))}
                            for i, v in enumerate(speeds[m])]
-                result[m] = {"steady": {
-                    "windows": windows, "concurrency": int(opts["--concurrency"]),
-                    "completed": 1500 if m == "stock" else 1480, "submitted": 1756,
-                    "preemptions": 0, "drain": {"aborted": 200, "seconds": 5.0}}}
+                run = {"windows": windows, "concurrency": int(opts["--concurrency"]),
+                       "completed": 1500 if m == "stock" else 1480, "submitted": 1756,
+                       "preemptions": 0, "drain": {"aborted": 200, "seconds": 5.0}}
+                if int(opts.get("--turns") or 0):   # the real child's turn protocol
+                    from elastic_child import wait_for
+
+                    turns, where = [], Path(opts["--turn-dir"])
+                    for t in range(int(opts["--turns"])):
+                        wait_for(where / f"turn-{t}-{m}", 30)
+                        began = time.time()
+                        time.sleep(0.3)
+                        turns.append({"turn": t, "began": began, "ended": time.time(),
+                                      "steady": run})
+                        (where / f"done-{t}-{m}").write_text("done")
+                    result[m] = {"turns": turns}
+                else:
+                    result[m] = {"steady": run}
     time.sleep(0.2)
     out.write_text(json.dumps(result))
     return 0
