@@ -9,6 +9,7 @@ Nothing here proves anything about elastic KV memory (tests/gpu/proof/*.py on th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -109,7 +110,7 @@ def test_driver_a_d_together_runs_the_engines_side_by_side_and_starts_their_load
 
 def test_driver_a_d_turns_alternates_the_engines_on_one_gpu_round_by_round(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "520", "--only", "d,b",
-               "--d-turns", "3")
+               "--d-turns", "3", "--d-cpus", "auto")
     assert done.returncode == 1, done.stdout + done.stderr     # (b) is not run: FAIL
     sub = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]
     d = sub["d"]
@@ -121,6 +122,11 @@ def test_driver_a_d_turns_alternates_the_engines_on_one_gpu_round_by_round(tmp_p
     assert s["stock_tok_s"] == [10000.0] * 3 and s["elastic_tok_s"] == [9950.0] * 3
     assert s["ratio"] == 0.995 and s["ratio_per_round"] == [0.995] * 3
     assert s["stock_spread_pct"] == 0.0 and s["kv_gib"] == 40.0
+    mine = sorted(os.sched_getaffinity(0))
+    assert s["cpus"] == ",".join(map(str, mine[:max(1, len(mine) // 2)]))
+    # the turn and go files are gone: $OUT keeps the results, the log and the logs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elastic_proof-logs.tgz", "elastic_proof.json", "elastic_proof.log"]
     assert [(r, m) for r, m, _ in s["turns_played"]] == [
         (r, m) for r, pair in enumerate(s["order"]) for m in pair]
     assert "needs the GPU to itself" in sub["b"]["skipped"]
@@ -131,6 +137,10 @@ def test_driver_a_d_turns_alternates_the_engines_on_one_gpu_round_by_round(tmp_p
               "--d-together", "40")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--d-turns wants a number of rounds" in bad.stderr
+    bad = run("elastic_proof.py", tmp_path / "bad2", "--only", "d", "--d-turns", "2",
+              "--d-cpus", "0-x")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--d-cpus '0-x': not a CPU list" in bad.stderr
 
 
 def test_d_turns_summary_counts_every_round_and_fails_a_missing_turn():

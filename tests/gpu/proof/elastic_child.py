@@ -557,6 +557,19 @@ def start_together(go: Path, timeout: float = 300.0) -> float:
         raise RuntimeError(f"--start-after: {exc}") from None
 
 
+def cpu_list(text: str) -> set[int]:
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8} (ValueError for anything else)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list (want e.g. 0-7 or 0,2,4): {part!r}")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    if not cpus:
+        raise ValueError("no CPU listed")
+    return cpus
+
+
 def positive(kind, zero: bool = False):
     """An argparse type: a number of ``kind`` above zero (or zero too), else one clear error
     line."""
@@ -623,7 +636,15 @@ def main() -> int:
                          "side by side take turns with the GPU) (default: 0, one load)")
     ap.add_argument("--turn-dir", default=None, metavar="DIR",
                     help="--turns: where the turn and done files are (default: none)")
+    ap.add_argument("--cpus", default=None, metavar="LIST",
+                    help="run on these CPUs only, e.g. 0-7 or 0,2,4 (the engine core's "
+                         "process inherits them) (default: wherever the OS puts it)")
     args = ap.parse_args()
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, cpu_list(args.cpus))
+        except (ValueError, OSError) as exc:
+            ap.error(f"--cpus {args.cpus!r}: {exc}")
     if args.turns and not (args.turn_dir and args.start_after and args.load == "steady"
                            and len(args.modes.split(",")) == 1):
         ap.error("--turns needs --turn-dir, --start-after, --load steady and one engine in "

@@ -319,6 +319,7 @@ D_TOGETHER = 0.0           # --d-together GIB: (d)'s engines side by side, KV fi
 D_TURNS = 0                # --d-turns ROUNDS: side by side, taking turns with the GPU
 D_TURN = {"warmup_s": 10.0, "windows": 1, "window_s": 20.0, "drain_s": 0.0}   # one turn
 D_TURN_GIB = 40.0          # --d-turns: each engine's KV (elastic: its pool, mapped on demand)
+D_CPUS = ""                # --d-cpus: the CPUs (d)'s engines run on ("" : the OS decides)
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -517,6 +518,8 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
             for a in (f"--{k.replace('_', '-')}", str(v))]
     if D_PROFILE:
         job.append("--profile" if D_PROFILE == "full" else "--phases")
+    if D_CPUS:                  # the same CPUs for both: a turn's engine has them to itself
+        job += ["--cpus", D_CPUS]
     names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
     played: list = []
 
@@ -536,12 +539,15 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
 
     found = children(out, {names[m]: [*job, "--modes", m] for m in modes}, env, share - 5,
                      go=go, after_go=conduct)
+    for f in [go, *go.parent.glob(f"{go.name}.ready-*"), *turns.iterdir()]:
+        f.unlink(missing_ok=True)
+    turns.rmdir()
     runs = {m: found[names[m]] for m in modes}
     ok, summary = turns_summary(runs["stock"].get("stock") or {},
                                 runs["elastic-auto"].get("elastic-auto") or {}, order)
     e = (runs["elastic-auto"].get("elastic-auto") or {}).get("elastic") or {}
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")},
-                   turns_played=played, kv_gib=D_TURN_GIB)
+                   turns_played=played, kv_gib=D_TURN_GIB, cpus=D_CPUS or None)
     ok = ok and all(r.get("rc") == 0 for r in runs.values())
     for m in modes:
         record_profile(out, m, {"profile": [t.get("profile") for t in
@@ -672,6 +678,12 @@ def main() -> int:
                          "pair comes from the same minutes of the same machine; (b) is not "
                          "run (default: 0, one engine after the other)" % (
                              D_TURN_GIB, D_TURN["warmup_s"], D_TURN["window_s"]))
+    ap.add_argument("--d-cpus", default="", metavar="LIST",
+                    help="--d-turns: both engines on these CPUs (e.g. 0-7; auto: the lower "
+                         "half of the CPUs this driver may use), so that whichever has its "
+                         "turn runs on the same cores; engines one after the other were "
+                         "found to run 10-15%% apart from one start to the next (session 10) "
+                         "(default: none, the OS places them)")
     ap.add_argument("--d-phases", action="store_true",
                     help="steady (d): --d-profile's phase timers alone (mean ms per step of "
                          "schedule, execute, wait, ...), no stack sampler: costs the engines "
@@ -685,7 +697,7 @@ def main() -> int:
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
     args = ap.parse_args()
-    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS
+    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS, D_CPUS
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"a", "a2", "b", "d"})
     if unknown:
@@ -705,6 +717,23 @@ def main() -> int:
         print(f"elastic_proof: --d-turns wants a number of rounds (0: off) and neither "
               f"--d-together nor --d-also, got --d-turns {args.d_turns}", file=sys.stderr)
         return 2
+    D_CPUS = args.d_cpus
+    if D_CPUS == "auto":
+        mine = sorted(os.sched_getaffinity(0))
+        D_CPUS = ",".join(map(str, mine[:max(1, len(mine) // 2)]))
+    if D_CPUS and not D_TURNS:
+        print("elastic_proof: --d-cpus needs --d-turns (engines taking turns share the CPUs)",
+              file=sys.stderr)
+        return 2
+    if D_CPUS:
+        sys.path.insert(0, str(HERE))
+        from elastic_child import cpu_list
+
+        try:
+            cpu_list(D_CPUS)
+        except ValueError as exc:
+            print(f"elastic_proof: --d-cpus {args.d_cpus!r}: {exc}", file=sys.stderr)
+            return 2
     bad = sorted(set(D_ALSO) - {"elastic-off", "elastic-fixed", "elastic-compacted", "proxima"})
     if bad:
         print(f"elastic_proof: unknown engine(s) {', '.join(bad)} in --d-also: give "
