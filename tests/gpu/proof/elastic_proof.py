@@ -426,6 +426,20 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
     also_d(out, budget, env, job, stock, load, START_S + run_s + 15)
 
 
+def side_by_side_fits(out: kit.Out, share: float, need: float, what: str, parts: str,
+                      flag: str) -> bool:
+    """(d)'s engines side by side (``flag``): False, (d) recorded as skipped, when ``share``
+    s cannot hold ``need`` s (``what``, made of ``parts``); else True, and (b), asked for, is
+    recorded as not run (it needs the GPU to itself)."""
+    if share < need:
+        out.record("d", passed=False, skipped=f"{share:.0f}s is too little for {what}: about "
+                   f"{need:.0f}s ({parts})")
+        return False
+    if "b" in WANTED:
+        out.record("b", passed=False, skipped=f"{flag}: (b) needs the GPU to itself")
+    return True
+
+
 def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, job: list,
                      run_s: float, load: str) -> None:
     """``--d-together GIB``: (d)'s engines (elastic, stock, then ``--d-also``'s) side by side
@@ -436,13 +450,10 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
     which hides a cost on the scheduler's thread; the run's phases are its finding and
     (d) is recorded as not passed (``informational``), whatever the ratio."""
     modes = ["elastic-auto", "stock"] + [m for m in D_ALSO if m not in ("elastic-auto", "stock")]
-    need = START_S + run_s + 30
-    if share < need:
-        out.record("d", passed=False, skipped=f"{share:.0f}s is too little for {len(modes)} "
-                   f"engines side by side: about {need:.0f}s (start-up, load, stop)")
+    if not side_by_side_fits(out, share, START_S + run_s + 30,
+                             f"{len(modes)} engines side by side", "start-up, load, stop",
+                             "--d-together"):
         return
-    if "b" in WANTED:
-        out.record("b", passed=False, skipped="--d-together: (b) needs the GPU to itself")
     util = round(min(0.3, 0.9 / len(modes)), 3)
     go = out.dir / ".d-go"
     out.log(f"(d) {load}-load throughput, {', '.join(modes)} side by side, KV {D_TOGETHER:g} "
@@ -494,13 +505,10 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
         return
     rounds = D_TURNS
     turn_s = D_TURN["warmup_s"] + D_TURN["windows"] * D_TURN["window_s"] + 5
-    need = START_S + 2 * rounds * turn_s + 30
-    if share < need:
-        out.record("d", passed=False, skipped=f"{share:.0f}s is too little for {rounds} "
-                   f"rounds of turns: about {need:.0f}s (start-up, {2 * rounds} turns, stop)")
+    if not side_by_side_fits(out, share, START_S + 2 * rounds * turn_s + 30,
+                             f"{rounds} rounds of turns", f"start-up, {2 * rounds} turns, stop",
+                             "--d-turns"):
         return
-    if "b" in WANTED:
-        out.record("b", passed=False, skipped="--d-turns: (b) needs the GPU to itself")
     modes = ["elastic-auto", "stock"]
     order = turn_order(rounds)
     go = out.dir / ".d-go"
