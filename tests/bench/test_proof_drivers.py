@@ -102,6 +102,9 @@ def test_driver_a_d_together_runs_the_engines_side_by_side_and_starts_their_load
     assert "needs the GPU to itself" in sub["b"]["skipped"]
     log = (tmp_path / "elastic_proof.log").read_text()
     assert "3 of 3 engines ready" in log
+    # the go and ready files are gone: $OUT keeps the results, the log and the logs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elastic_proof-logs.tgz", "elastic_proof.json", "elastic_proof.log"]
     # one line for a bad value
     bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", "--d-together", "-1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,8 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
     ``timeout`` s have passed; name -> result as :func:`child`'s. With ``go`` (children
     started with ``--start-after go``): once every child is built (its ``go.ready-*`` file)
     or one has exited, ``go`` is made, so that their loads start at one moment; then
-    ``after_go(alive, deadline)`` runs, if given (``alive(name)``: that child runs)."""
+    ``after_go(alive, deadline)`` runs, if given (``alive(name)``: that child runs). The go
+    and ready files are removed once the children are done."""
     started = time.monotonic()
     if go is not None:                      # a go or ready file of an earlier run
         for stale in [go, *go.parent.glob(f"{go.name}.ready-*")]:
@@ -157,6 +159,9 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
             kit.stop(proc)
             rc = 124
         results[name] = _collect(out, name, path, rc, started)
+    if go is not None:                      # the protocol's files do not stay in $OUT
+        for used in [go, *go.parent.glob(f"{go.name}.ready-*")]:
+            used.unlink(missing_ok=True)
     return results
 
 
@@ -513,10 +518,8 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
     order = turn_order(rounds)
     go = out.dir / ".d-go"
     turns = out.dir / ".d-turns"
-    if turns.exists():
-        for stale in turns.iterdir():
-            stale.unlink()
-    turns.mkdir(exist_ok=True)
+    shutil.rmtree(turns, ignore_errors=True)        # an earlier run's turn files
+    turns.mkdir()
     out.log(f"(d) steady load in turns: {rounds} rounds ({', '.join('/'.join(r) for r in order)})"
             f", KV {D_TURN_GIB:g} GiB each, side by side; budget {share:.0f}s")
     job = ["throughput", "--requests", str(D_REQUESTS["steady"] * rounds), "--load", "steady",
@@ -547,9 +550,7 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
 
     found = children(out, {names[m]: [*job, "--modes", m] for m in modes}, env, share - 5,
                      go=go, after_go=conduct)
-    for f in [go, *go.parent.glob(f"{go.name}.ready-*"), *turns.iterdir()]:
-        f.unlink(missing_ok=True)
-    turns.rmdir()
+    shutil.rmtree(turns, ignore_errors=True)
     runs = {m: found[names[m]] for m in modes}
     ok, summary = turns_summary(runs["stock"].get("stock") or {},
                                 runs["elastic-auto"].get("elastic-auto") or {}, order)
