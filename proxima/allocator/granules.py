@@ -171,6 +171,16 @@ class ReuseHorizon:
         if len(ghosts) > self._max_ghosts:
             ghosts.popitem(last=False)
 
+    def on_early_evictions(self, pairs) -> None:
+        """:meth:`on_early_eviction` for each ``(key, cached_at)`` of ``pairs``, in order."""
+        ghosts = self._ghosts
+        move, cap = ghosts.move_to_end, self._max_ghosts
+        for key, cached_at in pairs:
+            ghosts[key] = cached_at
+            move(key)
+            if len(ghosts) > cap:
+                ghosts.popitem(last=False)
+
     def on_miss(self, key, now: int) -> bool:
         """A lookup missed ``key``; True (and counted as a reuse) when it was a ghost."""
         cached_at = self._ghosts.pop(key, None)
@@ -351,6 +361,43 @@ class GranuleIndex:
         ids = sorted(self._win_ids[g], key=self._seq.__getitem__)
         return ids if len(ids) <= n else ids[:n]
 
+    def take_window_one(self, g: int, end: int) -> int:
+        """The oldest window id of granule ``g``, handed out (-1 if it has none): as
+        :meth:`take_window` with ``n=1``, without the lists (a decoding request's next
+        block, the queue's most frequent call)."""
+        win_ids = self._win_ids[g]
+        if not win_ids:
+            return -1
+        i = min(win_ids, key=self._seq.__getitem__)
+        if not self.live[g]:
+            self.cached_to_live((i,), end)
+            return i
+        # as take_window's fast path, for one id
+        c = self._cls[i]
+        self._in_win[i] = 0
+        win_ids.discard(i)
+        self.win[g] -= 1
+        self._win_size[c] -= 1
+        nxt, prev = self._next, self._prev
+        p, q = prev[i], nxt[i]
+        nxt[p] = q
+        prev[q] = p
+        prev[i] = nxt[i] = -1
+        if self.max_window is not None:
+            self._fit_window(c)
+        self.end[i] = end
+        self.cached[g] -= 1
+        self.num_cached -= 1
+        live = self.live[g] = self.live[g] + 1
+        self.num_live += 1
+        if end > self.end_of_granule[g]:
+            self.end_of_granule[g] = end
+            self._refile(g)
+        elif not self.win[g] and live + self.cached[g] == self.size[g]:
+            self._refile(g)            # no room left: it stops being a candidate
+        # (otherwise _refile would change nothing: see _refile_after_take)
+        return i
+
     def take_window(self, g: int, n: int, end: int) -> list[int]:
         """Up to ``n`` window ids of granule ``g``, oldest first, handed out: as
         :meth:`window_ids_in` then :meth:`cached_to_live` (same state after, same ids)."""
@@ -385,12 +432,21 @@ class GranuleIndex:
         k = len(ids)
         self.cached[g] -= k
         self.num_cached -= k
-        self.live[g] += k
+        live = self.live[g] = self.live[g] + k
         self.num_live += k
         if end > self.end_of_granule[g]:
             self.end_of_granule[g] = end
-        self._refile(g)
+            self._refile(g)
+        elif live == self.size[g] or (not self.win[g] and live + self.cached[g] == self.size[g]):
+            self._refile(g)
+        # (otherwise _refile would change nothing: see _refile_after_take)
         return ids
+
+    # _refile_after_take: why the two takes above may skip _refile. Before the take ``g``
+    # held live ids and a window id, so it was a placement candidate filed under (T[g], g)
+    # and filed as not empty. After it, it still holds live ids (not empty, no change to
+    # the emptiness sets), and its candidate key changes only if T[g] grew or it has no
+    # room left (no free id and no window id); _refile runs in exactly those cases.
 
     def empty_granules(self) -> list[tuple[int, int]]:
         """``(g, cached ids)`` of every mapped granule without a live id, ascending."""
@@ -563,6 +619,9 @@ class GranuleIndex:
         while self._win_size[c] and (self._win_size[c] > cap or stamp[prev[b]] > threshold):
             b = prev[b]
             self._leave_window(b)
+        if b == tail or self._win_size[c] >= cap or stamp[b] > threshold:
+            self._boundary[c] = b         # nothing enters (most ticks)
+            return
         # Entering (inline _enter_window): a granule is refiled at its first id only. Its
         # filing cannot change after that within this loop: entering changes only window
         # counts, and its candidate key depends on them only through "win > 0", true from
@@ -677,6 +736,38 @@ class GranuleIndex:
         stamp, seq, now = self._stamp, self._seq, self.now
         kind = self._cls
         clock = self._clock
+        cached = self.cached
+        if (self._boundary[cls] == tail and now <= self._threshold[cls]
+                and self.max_window is None):
+            # Every cached id of the class is in the window and the window takes ids as
+            # young as now (horizon 0): all of ``ids`` enter it. As the general path below
+            # (append, then _fit_window enters them in order and refiles each granule at
+            # its first id, after which the refiles of the touched granules change
+            # nothing), in one pass: the same state, the same refiles in the same order.
+            win, win_ids, in_win = self.win, self._win_ids, self._in_win
+            order: dict[int, None] = {}
+            for i in ids:
+                clock += 1
+                seq[i] = clock
+                stamp[i] = now
+                kind[i] = cls
+                prev[i] = last
+                nxt[last] = i
+                last = i
+                g = i // G
+                cached[g] += 1
+                in_win[i] = 1
+                win_ids[g].add(i)
+                win[g] += 1
+                order[g] = None
+            nxt[last] = tail
+            prev[tail] = last
+            self._clock = clock
+            self.num_cached += len(ids)
+            self._win_size[cls] += len(ids)
+            for g in order:
+                self._refile(g)
+            return
         touched = set()
         for i in ids:
             clock += 1
@@ -687,7 +778,7 @@ class GranuleIndex:
             nxt[last] = i
             last = i
             g = i // G
-            self.cached[g] += 1
+            cached[g] += 1
             touched.add(g)
         nxt[last] = tail
         prev[tail] = last
