@@ -1,0 +1,75 @@
+"""Scheduler time per steady step in the CPU replay of issue 13's proof (d).
+
+    ./dev python -m tests.bench.steady_scheduler stock|proxima|elastic [REQUESTS] [BLOCKS]
+
+Replays ShareGPT-like requests (default 1,500) in a closed loop of 256 through vLLM's real
+(async) scheduler over BLOCKS blocks (default 20,480: the 40 GiB of Llama-3.1-8B KV each
+engine of ``elastic_proof.py --d-turns`` has), stock vLLM, Proxima, or Proxima elastic
+with the default policy, and prints the time ``Scheduler.schedule`` and
+``update_from_output`` take per step, counting only steps with at least 250 requests
+running (the replay's ramp and drain, and elastic's idle steps while it waits to release
+memory, are left out). A measurement script, not a test: compare runs made one after the
+other on the same machine (docs/benchmarks.md section 7.3).
+"""
+
+from __future__ import annotations
+
+import sys
+from time import perf_counter
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("stock", "proxima", "elastic") or len(argv) > 3:
+        print("usage: python -m tests.bench.steady_scheduler stock|proxima|elastic "
+              "[REQUESTS] [BLOCKS]", file=sys.stderr)
+        return 2
+    which = argv[0]
+    requests = int(argv[1]) if len(argv) > 1 else 1500
+    blocks = int(argv[2]) if len(argv) > 2 else 20480
+    import vllm.v1.core.sched.scheduler as sched
+
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import Workload, make_workload
+
+    acc = {"schedule": 0.0, "update": 0.0, "steps": 0}
+    schedule, update = sched.Scheduler.schedule, sched.Scheduler.update_from_output
+
+    def timed_schedule(self):
+        t0 = perf_counter()
+        out = schedule(self)
+        if len(self.running) >= 250:
+            acc["schedule"] += perf_counter() - t0
+            acc["steps"] += 1
+        return out
+
+    def timed_update(self, *args):
+        steady = len(self.running) >= 250
+        t0 = perf_counter()
+        out = update(self, *args)
+        if steady:
+            acc["update"] += perf_counter() - t0
+        return out
+
+    workload = make_workload("sharegpt", requests)
+    workload = Workload(workload.name, workload.requests, 256)
+    kw = dict(proxima=which != "stock")
+    if which == "elastic":
+        kw["elastic"] = ElasticReplay(policy="auto", release_delay_s=12)
+    sched.Scheduler.schedule, sched.Scheduler.update_from_output = timed_schedule, timed_update
+    try:
+        run_replay(workload, num_blocks=blocks, async_scheduling=True, max_num_seqs=256, **kw)
+    finally:
+        sched.Scheduler.schedule, sched.Scheduler.update_from_output = schedule, update
+    k = acc["steps"]
+    if not k:
+        print(f"{which}: no step had 250 requests running", file=sys.stderr)
+        return 1
+    print(f"{which:8s} steady steps {k} schedule {1e3 * acc['schedule'] / k:.3f} "
+          f"update {1e3 * acc['update'] / k:.3f} "
+          f"total {1e3 * (acc['schedule'] + acc['update']) / k:.3f} ms/step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
