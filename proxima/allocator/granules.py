@@ -737,38 +737,15 @@ class GranuleIndex:
         kind = self._cls
         clock = self._clock
         cached = self.cached
-        if (self._boundary[cls] == tail and now <= self._threshold[cls]
-                and self.max_window is None):
-            # Every cached id of the class is in the window and the window takes ids as
-            # young as now (horizon 0): all of ``ids`` enter it. As the general path below
-            # (append, then _fit_window enters them in order and refiles each granule at
-            # its first id, after which the refiles of the touched granules change
-            # nothing), in one pass: the same state, the same refiles in the same order.
-            win, win_ids, in_win = self.win, self._win_ids, self._in_win
-            order: dict[int, None] = {}
-            for i in ids:
-                clock += 1
-                seq[i] = clock
-                stamp[i] = now
-                kind[i] = cls
-                prev[i] = last
-                nxt[last] = i
-                last = i
-                g = i // G
-                cached[g] += 1
-                in_win[i] = 1
-                win_ids[g].add(i)
-                win[g] += 1
-                order[g] = None
-            nxt[last] = tail
-            prev[tail] = last
-            self._clock = clock
-            self.num_cached += len(ids)
-            self._win_size[cls] += len(ids)
-            for g in order:
-                self._refile(g)
-            return
-        touched = set()
+        # Every cached id of the class in the window, and a window that takes ids as young
+        # as now (horizon 0): all of ``ids`` enter it here, in the append's own pass. The
+        # general path (append, then _fit_window enters them in order and refiles each
+        # granule at its first id, after which the refiles of the touched granules change
+        # nothing) leaves the same state after the same refiles in the same order.
+        enter = (self._boundary[cls] == tail and now <= self._threshold[cls]
+                 and self.max_window is None)
+        win, win_ids, in_win = self.win, self._win_ids, self._in_win
+        granules = []
         for i in ids:
             clock += 1
             seq[i] = clock
@@ -779,15 +756,24 @@ class GranuleIndex:
             last = i
             g = i // G
             cached[g] += 1
-            touched.add(g)
+            granules.append(g)
+            if enter:
+                in_win[i] = 1
+                win_ids[g].add(i)
+                win[g] += 1
         nxt[last] = tail
         prev[tail] = last
         self._clock = clock
         self.num_cached += len(ids)
+        if enter:
+            self._win_size[cls] += len(ids)
+            for g in dict.fromkeys(granules):        # in order of first id
+                self._refile(g)
+            return
         if self._boundary[cls] == tail:
             self._boundary[cls] = ids[0]
             self._fit_window(cls)
-        for g in touched:
+        for g in set(granules):      # (a set built as before: the same order of refiles)
             self._refile(g)
 
     def _unlink(self, ids: Iterable[int]) -> None:
