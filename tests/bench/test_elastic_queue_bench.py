@@ -25,6 +25,11 @@ ROUNDS = 5
 
 @pytest.fixture(scope="module")
 def trace():
+    from proxima.engines import elastic_v1
+
+    reason = elastic_v1.unsupported_reason()     # (vLLM 0.33: the KV hook is not ported)
+    if reason:
+        pytest.skip(reason)
     return record(REQUESTS)
 
 
