@@ -233,27 +233,16 @@ class GrowShrinkPolicy:
 
     def step(self) -> None:
         """One step boundary: grow, or shrink after the delay, or nothing."""
-        # (the values wanted_free, _busy, spare_blocks and the limits give, each read
-        # once: this runs on the scheduler's thread every step)
-        ch, pool, o = self.channel, self.pool, self.options
-        G = ch.granule_blocks
+        ch, G = self.channel, self.channel.granule_blocks
         now = self.clock()
         mapped = ch.count(MAPPED)
         pending = ch.count(MAPPING)
-        live = pool.live_blocks()
-        forecast = self.forecast
-        ahead = forecast() if forecast is not None and (o.forecast or not live) else 0
-        busy = bool(live or ahead)
-        free = pool.num_free_blocks - (pool.hot_cached_blocks() if busy else 0)
-        wanted = max(o.reserve_blocks, int(o.headroom * live + 0.5))
-        if o.forecast and forecast is not None:
-            wanted = max(wanted, ahead)
-        floor = max(1, -(-o.min_bytes // self.bytes_per_granule))        # min_granules
-        if o.max_bytes is None:                                         # max_granules
-            cap = ch.num_granules
-        else:
-            cap = max(floor, min(ch.num_granules, o.max_bytes // self.bytes_per_granule))
-        band = max(1, int(o.band * (mapped + pending)))                 # band_granules
+        busy = self._busy()
+        free = self.spare_blocks(busy)
+        wanted = self.wanted_free()
+        floor = self.min_granules
+        cap = self.max_granules
+        band = self.band_granules(mapped + pending)
         # grow: below wanted free memory (then by a band more), or below the minimum
         short_blocks = wanted - free - pending * G
         grow = max(-(-short_blocks // G) + band - 1 if short_blocks > 0 else 0,
