@@ -171,16 +171,6 @@ class ReuseHorizon:
         if len(ghosts) > self._max_ghosts:
             ghosts.popitem(last=False)
 
-    def on_early_evictions(self, pairs) -> None:
-        """:meth:`on_early_eviction` for each ``(key, cached_at)`` of ``pairs``, in order."""
-        ghosts = self._ghosts
-        move, cap = ghosts.move_to_end, self._max_ghosts
-        for key, cached_at in pairs:
-            ghosts[key] = cached_at
-            move(key)
-            if len(ghosts) > cap:
-                ghosts.popitem(last=False)
-
     def on_miss(self, key, now: int) -> bool:
         """A lookup missed ``key``; True (and counted as a reuse) when it was a ghost."""
         cached_at = self._ghosts.pop(key, None)
@@ -361,43 +351,6 @@ class GranuleIndex:
         ids = sorted(self._win_ids[g], key=self._seq.__getitem__)
         return ids if len(ids) <= n else ids[:n]
 
-    def take_window_one(self, g: int, end: int) -> int:
-        """The oldest window id of granule ``g``, handed out (-1 if it has none): as
-        :meth:`take_window` with ``n=1``, without the lists (a decoding request's next
-        block, the queue's most frequent call)."""
-        win_ids = self._win_ids[g]
-        if not win_ids:
-            return -1
-        i = min(win_ids, key=self._seq.__getitem__)
-        if not self.live[g]:
-            self.cached_to_live((i,), end)
-            return i
-        # as take_window's fast path, for one id
-        c = self._cls[i]
-        self._in_win[i] = 0
-        win_ids.discard(i)
-        self.win[g] -= 1
-        self._win_size[c] -= 1
-        nxt, prev = self._next, self._prev
-        p, q = prev[i], nxt[i]
-        nxt[p] = q
-        prev[q] = p
-        prev[i] = nxt[i] = -1
-        if self.max_window is not None:
-            self._fit_window(c)
-        self.end[i] = end
-        self.cached[g] -= 1
-        self.num_cached -= 1
-        live = self.live[g] = self.live[g] + 1
-        self.num_live += 1
-        if end > self.end_of_granule[g]:
-            self.end_of_granule[g] = end
-            self._refile(g)
-        elif not self.win[g] and live + self.cached[g] == self.size[g]:
-            self._refile(g)            # no room left: it stops being a candidate
-        # (otherwise _refile would change nothing: see _refile_after_take)
-        return i
-
     def take_window(self, g: int, n: int, end: int) -> list[int]:
         """Up to ``n`` window ids of granule ``g``, oldest first, handed out: as
         :meth:`window_ids_in` then :meth:`cached_to_live` (same state after, same ids)."""
@@ -434,19 +387,16 @@ class GranuleIndex:
         self.num_cached -= k
         live = self.live[g] = self.live[g] + k
         self.num_live += k
+        # Before the take ``g`` held live ids and a window id: a placement candidate filed
+        # under (T[g], g), and not empty. After it, it still holds live ids (the emptiness
+        # sets do not change), and its key changes only if T[g] grew or no room is left (no
+        # free id, no window id): _refile runs in exactly those cases.
         if end > self.end_of_granule[g]:
             self.end_of_granule[g] = end
             self._refile(g)
-        elif live == self.size[g] or (not self.win[g] and live + self.cached[g] == self.size[g]):
+        elif not self.win[g] and live + self.cached[g] == self.size[g]:
             self._refile(g)
-        # (otherwise _refile would change nothing: see _refile_after_take)
         return ids
-
-    # _refile_after_take: why the two takes above may skip _refile. Before the take ``g``
-    # held live ids and a window id, so it was a placement candidate filed under (T[g], g)
-    # and filed as not empty. After it, it still holds live ids (not empty, no change to
-    # the emptiness sets), and its candidate key changes only if T[g] grew or it has no
-    # room left (no free id and no window id); _refile runs in exactly those cases.
 
     def empty_granules(self) -> list[tuple[int, int]]:
         """``(g, cached ids)`` of every mapped granule without a live id, ascending."""

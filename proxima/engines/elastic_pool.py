@@ -112,34 +112,18 @@ class GranuleFreeQueue(ProximaFreeQueue):
         if self._revived:
             gi.set_end(self._revived, end)
             self._revived = []
-        if n == 1:
-            # A decoding request's next block, most calls: steps 1 and 2 below for one id
-            # (the same choice), without the lists.
-            i = -1 if after is None else self._take_one(after // G, end, after)
-            if i < 0:
-                g = gi.place(end)
-                if g is not None:
-                    i = self._take_one(g, end, None)
-            if i >= 0:
-                ids = [i]
-                need = 0
-            else:
-                ids = []
-                need = 1
-        else:
-            ids = []
-            need = n
-            # 1. the request's own granule: in place first, then its other free and
-            #    window ids
-            if after is not None:
-                need = self._take_in(after // G, need, ids, end, after)
-            # 2. the granule holding live blocks whose life covers this block's best (free
-            #    ids, then window ids: cached blocks old enough to go out of LRU order)
-            while need:
-                g = gi.place(end)
-                if g is None:
-                    break
-                need = self._take_in(g, need, ids, end, None)
+        ids: list[int] = []
+        need = n
+        # 1. the request's own granule: in place first, then its other free and window ids
+        if after is not None:
+            need = self._take_in(after // G, need, ids, end, after)
+        # 2. the granule holding live blocks whose life covers this block's best (free ids,
+        #    then window ids: cached blocks old enough to go out of LRU order)
+        while need:
+            g = gi.place(end)
+            if g is None:
+                break
+            need = self._take_in(g, need, ids, end, None)
         # 3. free ids in a granule without live blocks (stock, too, hands out free ids
         #    before it evicts a cached block)
         while need and buddy.num_free:
@@ -164,30 +148,9 @@ class GranuleFreeQueue(ProximaFreeQueue):
             self._walk_low = free
         self.num_free_blocks -= n
         self.allocated_total += n
-        out = [self._blocks[ids[0]]] if n == 1 else list(map(self._blocks.__getitem__, ids))
+        out = list(map(self._blocks.__getitem__, ids))
         self.alloc_seconds += _clock() - t0
         return out
-
-    def _take_one(self, g: int, end: int, after: int | None) -> int:
-        """:meth:`_take_in` for one id: the id taken from granule ``g``, or -1."""
-        gi = self.granules
-        size = gi.size[g]
-        if gi.mapped[g] and size - gi.live[g] - gi.cached[g]:      # gi.free_count(g)
-            lo = g * gi.granule_blocks
-            got = self.buddy.allocate_within(1, lo, lo + size, after)
-            gi.free_to_live(got, end)
-            return got[0]
-        if not gi.win[g]:
-            return -1
-        i = gi.take_window_one(g, end)           # out of the window, live now
-        block = self._blocks[i]
-        key = block.block_hash                  # as _note_early, for one id
-        if key is not None:
-            self.reuse[gi._cls[i]].on_early_eviction(key, gi._stamp[i])
-        self.early_evictions += 1
-        self._lru.remove(block)
-        self.demoted += 1
-        return i
 
     def _take_in(self, g: int, need: int, ids: list[int], end: int, after: int | None) -> int:
         """Free ids of granule ``g`` (those after ``after`` first), then its window ids;
@@ -213,16 +176,12 @@ class GranuleFreeQueue(ProximaFreeQueue):
     def _note_early(self, ids: list[int]) -> None:
         """Cached blocks evicted out of LRU order: remembered (by hash) as ghosts, so that
         a later lookup missing them counts as reuse the horizon must cover."""
-        blocks, gi = self._blocks, self.granules
-        cls, stamp = gi._cls, gi._stamp
-        pairs: list[list] = [[] for _ in self.reuse]       # per class, in order
+        blocks, gi, reuse = self._blocks, self.granules, self.reuse
+        class_of, cached_at = gi.class_of, gi.cached_at
         for i in ids:
             key = blocks[i].block_hash
             if key is not None:
-                pairs[cls[i]].append((key, stamp[i]))
-        for reuse, todo in zip(self.reuse, pairs):
-            if todo:
-                reuse.on_early_evictions(todo)
+                reuse[class_of(i)].on_early_eviction(key, cached_at(i))
         self.early_evictions += len(ids)
 
     def _take_cached(self, ids: list[int], end: int) -> None:

@@ -22,12 +22,25 @@ import collections
 from time import perf_counter
 
 
-def record(requests: int = 400, num_blocks: int = 20480) -> dict:
-    """The queue's calls in the replay of ``requests`` requests (a dict: ``init``, ``ops``)."""
-    from proxima.engines import elastic_pool
+def replay_d(which: str, requests: int, num_blocks: int):
+    """(d)'s closed loop in the CPU replay: ``requests`` ShareGPT-like requests, 256 in
+    flight, async scheduling, ``num_blocks`` blocks; ``which`` is stock, proxima or elastic
+    (the default policy, a 12 s release delay)."""
     from proxima.replay.driver_v1 import run_replay
     from proxima.replay.elastic import ElasticReplay
     from proxima.workloads import Workload, make_workload
+
+    workload = make_workload("sharegpt", requests)
+    workload = Workload(workload.name, workload.requests, 256)
+    kw = {"elastic": ElasticReplay(policy="auto", release_delay_s=12)} \
+        if which == "elastic" else {}
+    return run_replay(workload, proxima=which != "stock", num_blocks=num_blocks,
+                      async_scheduling=True, max_num_seqs=256, **kw)
+
+
+def record(requests: int = 400, num_blocks: int = 20480) -> dict:
+    """The queue's calls in the replay of ``requests`` requests (a dict: ``init``, ``ops``)."""
+    from proxima.engines import elastic_pool
 
     Q = elastic_pool.GranuleFreeQueue
     ops: list[tuple] = []
@@ -73,14 +86,10 @@ def record(requests: int = 400, num_blocks: int = 20480) -> dict:
         "release": recorded("release", lambda q, a, o, p: ("release", list(a[0]), o)),
         "on_mapped": recorded("on_mapped", lambda q, a, o, p: ("mapped", list(a[0]))),
     }
-    workload = make_workload("sharegpt", requests)
-    workload = Workload(workload.name, workload.requests, 256)
     try:
         for name, fn in patches.items():
             setattr(Q, name, fn)
-        run_replay(workload, proxima=True, num_blocks=num_blocks, async_scheduling=True,
-                   max_num_seqs=256,
-                   elastic=ElasticReplay(policy="auto", release_delay_s=12))
+        replay_d("elastic", requests, num_blocks)
     finally:
         for name, fn in saved.items():
             setattr(Q, name, fn)

@@ -28,9 +28,7 @@ def main(argv: list[str]) -> int:
     blocks = int(argv[2]) if len(argv) > 2 else 20480
     import vllm.v1.core.sched.scheduler as sched
 
-    from proxima.replay.driver_v1 import run_replay
-    from proxima.replay.elastic import ElasticReplay
-    from proxima.workloads import Workload, make_workload
+    from tests.bench.elastic_trace import replay_d
 
     acc = {"schedule": 0.0, "update": 0.0, "steps": 0}
     schedule, update = sched.Scheduler.schedule, sched.Scheduler.update_from_output
@@ -51,14 +49,9 @@ def main(argv: list[str]) -> int:
             acc["update"] += perf_counter() - t0
         return out
 
-    workload = make_workload("sharegpt", requests)
-    workload = Workload(workload.name, workload.requests, 256)
-    kw = dict(proxima=which != "stock")
-    if which == "elastic":
-        kw["elastic"] = ElasticReplay(policy="auto", release_delay_s=12)
     sched.Scheduler.schedule, sched.Scheduler.update_from_output = timed_schedule, timed_update
     try:
-        run_replay(workload, num_blocks=blocks, async_scheduling=True, max_num_seqs=256, **kw)
+        replay_d(which, requests, blocks)
     finally:
         sched.Scheduler.schedule, sched.Scheduler.update_from_output = schedule, update
     k = acc["steps"]

@@ -3,9 +3,8 @@
 ``ReferenceIndex`` is :class:`GranuleIndex` with the plain versions of what was made fast
 (every refile adds to and discards from the emptiness sets; the window is entered id by id,
 each refiling its granule, also for ids just cached; ``_unlink`` refits the window after
-every window id; window ids are handed out by ``window_ids_in`` + ``cached_to_live``, one
-as a list of one). A hypothesis state machine
-drives both through the same transitions the way the elastic free queue does and compares
+every window id; window ids are handed out by ``window_ids_in`` + ``cached_to_live``). A
+hypothesis state machine drives both through the same transitions the way the elastic free queue does and compares
 their whole state after each, down to the order in which the emptiness sets iterate
 (``empty_with_free`` hands out the first member a set iterates, so that order is a
 decision).
@@ -17,25 +16,20 @@ from bisect import bisect_left, insort
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxima.allocator.granules import CLASSES, GranuleIndex, ReuseHorizon
+from proxima.allocator.granules import CLASSES, GranuleIndex
 
 
 class ReferenceIndex(GranuleIndex):
-    """The plain code (commit 9f879c3's; ``_append`` and ``take_window_one`` 25d59ed's),
-    kept here as the oracle."""
+    """The plain code (commit 9f879c3's; ``_append`` 25d59ed's), kept here as the oracle."""
 
     def take_window(self, g, n, end):
         ids = self.window_ids_in(g, n)
         if ids:
             self.cached_to_live(ids, end)
         return ids
-
-    def take_window_one(self, g, end):
-        ids = self.take_window(g, 1, end)
-        return ids[0] if ids else -1
 
     def _append(self, ids, cls):
         # append at the tail, then (if the class's boundary was at the tail) fit the window
@@ -212,18 +206,6 @@ class Twins(RuleBasedStateMachine):
             del self.cached[i]
             self.live[i] = None
 
-    @rule(data=st.data(), end=st.integers(0, 40))
-    def take_window_one(self, data, end):
-        gi = self.fast       # mostly a granule with window ids and live ones (the fast path)
-        likely = [g for g, w in enumerate(gi.win) if w and gi.live[g]] or \
-            [g for g, w in enumerate(gi.win) if w]
-        g = data.draw(st.sampled_from(likely) if likely and data.draw(st.booleans())
-                      else st.integers(0, self.n // self.G - 1))
-        i = self.both("take_window_one", g, end)
-        if i >= 0:
-            del self.cached[i]
-            self.live[i] = None
-
     @rule(data=st.data(), cls=st.integers(0, CLASSES - 1), to_cache=st.booleans())
     def give_back(self, data, cls, to_cache):
         ids = self.pick(data, self.live, 8)
@@ -288,37 +270,16 @@ Twins.TestCase.settings = settings(max_examples=300, stateful_step_count=60, dea
 test_fast_paths_decide_as_the_plain_code = Twins.TestCase
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 50)), max_size=80),
-       chunks=st.lists(st.integers(1, 7), min_size=1, max_size=20), cap=st.integers(1, 8))
-def test_ghosts_recorded_in_a_batch_as_one_by_one(ops, chunks, cap):
-    """``on_early_evictions`` (the queue's batched call) leaves the same ghosts, in the same
-    order and with the same ages, as ``on_early_eviction`` per key, keys recurring and the
-    cap reached mid-batch included."""
-    one, batch = ReuseHorizon(ghosts=cap), ReuseHorizon(ghosts=cap)
-    for key, at in ops:
-        one.on_early_eviction(key, at)
-    i = 0
-    for size in chunks * (len(ops) + 1):
-        if i >= len(ops):
-            break
-        batch.on_early_evictions(ops[i:i + size])
-        i += size
-    assert list(batch._ghosts.items()) == list(one._ghosts.items())
-    assert len(one._ghosts) == min(cap, len({k for k, _ in ops}))
-
-
 @pytest.mark.parametrize("G", [2, 4])
-@pytest.mark.parametrize("one", [True, False])
-def test_takes_that_fill_or_keep_a_granule_refile_as_the_plain_code(G, one):
+def test_takes_that_fill_or_keep_a_granule_refile_as_the_plain_code(G):
     """Every shape of granule 1 a take can meet (live, window and free ids; an end below,
-    at and above its T): the state after the take is the plain code's. The takes skip
-    their refile when it would change nothing, and not when the granule fills up or its
+    at and above its T; one id or more): the state after the take is the plain code's. A take
+    skips its refile when it would change nothing, and not when the granule fills up or its
     T grows."""
     cases = 0
     for live in range(1, G):
         for cached in range(1, G - live + 1):
-            for n in ([1] if one else range(2, cached + 2)):
+            for n in range(1, cached + 2):
                 for end in (3, 5, 7):
                     twins = []
                     for cls in (GranuleIndex, ReferenceIndex):
@@ -327,7 +288,7 @@ def test_takes_that_fill_or_keep_a_granule_refile_as_the_plain_code(G, one):
                         gi.free_to_live(ids, 5)
                         gi.live_to_cached(ids[live:])
                         gi.tick(1, (0, 0))
-                        got = gi.take_window_one(1, end) if one else gi.take_window(1, n, end)
+                        got = gi.take_window(1, n, end)
                         twins.append((got, state(gi)))
                     assert twins[0] == twins[1], (live, cached, n, end)
                     cases += 1
