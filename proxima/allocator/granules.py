@@ -44,6 +44,8 @@ import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from heapq import merge
+from itertools import islice
 from typing import Iterable, Iterator
 
 from proxima.allocator.buddy import InvariantError
@@ -51,7 +53,7 @@ from proxima.allocator.buddy import InvariantError
 LIVE, CACHED, FREE, UNMAPPED = "live", "cached", "free", "unmapped"
 FOREVER = 1 << 62                     # the end of a reserved id: never
 FINISHED, PREEMPTED = 0, 1            # why a cached block was freed (its reuse differs)
-CLASSES = 2
+CLASSES = 2                           # (window_ids_in merges exactly two)
 # how GranuleIndex._refile last filed a granule in its emptiness sets
 _FILED_NOT_EMPTY, _FILED_VACANT, _FILED_SOME_FREE, _FILED_ALL_CACHED, _UNFILED = range(5)
 
@@ -249,7 +251,10 @@ class GranuleIndex:
         self._clock = 0
         self._cls = bytearray(num_blocks)
         self._in_win = bytearray(num_blocks)
-        self._win_ids: list[set[int]] = [set() for _ in range(ng)]
+        # window ids of class c in granule g, oldest first, at _win_lists[c * ng + g]: ids
+        # enter a class's window in LRU order and leave it from the young end (a longer
+        # horizon) or anywhere (a hit), so each list stays in LRU order by appending
+        self._win_lists: list[list[int]] = [[] for _ in range(CLASSES * ng)]
         self._win_size = [0] * CLASSES
         # per class: the oldest cached id outside the window, the window's threshold
         self._boundary = [num_blocks + 2 * c + 1 for c in range(CLASSES)]
@@ -345,11 +350,13 @@ class GranuleIndex:
 
     def window_ids_in(self, g: int, n: int) -> list[int]:
         """Up to ``n`` window ids of granule ``g``, oldest first."""
-        if n == 1:      # the oldest: min is sorted's first (no two ids share a _seq)
-            win = self._win_ids[g]
-            return [min(win, key=self._seq.__getitem__)] if win else []
-        ids = sorted(self._win_ids[g], key=self._seq.__getitem__)
-        return ids if len(ids) <= n else ids[:n]
+        lists = self._win_lists
+        done, again = lists[g], lists[self.num_granules + g]    # FINISHED, PREEMPTED
+        if not again:
+            return done[:n]
+        if not done:
+            return again[:n]
+        return list(islice(merge(done, again, key=self._seq.__getitem__), n))
 
     def take_window(self, g: int, n: int, end: int) -> list[int]:
         """Up to ``n`` window ids of granule ``g``, oldest first, handed out: as
@@ -366,13 +373,13 @@ class GranuleIndex:
         # matter). The ids are window ids, so none is a class's boundary; without a count
         # bound taking them out of the window lets no other id in (see _unlink).
         nxt, prev, cls, in_win = self._next, self._prev, self._cls, self._in_win
-        win_ids, win_size = self._win_ids[g], self._win_size
+        lists, ng, win_size = self._win_lists, self.num_granules, self._win_size
         bounded = self.max_window is not None
         ends = self.end
         for i in ids:
             c = cls[i]
             in_win[i] = 0
-            win_ids.discard(i)
+            del lists[c * ng + g][0]        # the ids are the oldest of their class's list
             self.win[g] -= 1
             win_size[c] -= 1
             p, q = prev[i], nxt[i]
@@ -484,7 +491,7 @@ class GranuleIndex:
         the LRU order, class, age and window membership go with its content. O(moves)."""
         if not moves:
             return
-        G, nxt, prev = self.granule_blocks, self._next, self._prev
+        G, nxt, prev, ng = self.granule_blocks, self._next, self._prev, self.num_granules
         ends = self.end
         cached = {x: y for x, y in moves.items() if prev[x] != -1}
         live = {x: y for x, y in moves.items() if x not in cached}
@@ -506,7 +513,7 @@ class GranuleIndex:
             if self._in_win[x]:
                 g = x // G
                 self._in_win[x] = 0
-                self._win_ids[g].discard(x)
+                self._win_lists[self._cls[x] * ng + g].remove(x)
                 self.win[g] -= 1
             prev[x] = nxt[x] = -1
             self.cached[x // G] -= 1
@@ -522,7 +529,7 @@ class GranuleIndex:
             self.cached[g] += 1
             if in_win:
                 self._in_win[y] = 1
-                self._win_ids[g].add(y)
+                insort(self._win_lists[cls * ng + g], y, key=self._seq.__getitem__)
                 self.win[g] += 1
             touched.add(g)
         # live: off their ids, then onto the destinations with the same expected ends
@@ -577,13 +584,13 @@ class GranuleIndex:
         # counts, and its candidate key depends on them only through "win > 0", true from
         # its first id on. (Its first refile may still move it between the emptiness sets
         # -- a caller's pending change -- at the same point as before.)
-        G, win, win_ids, in_win, win_size = (self.granule_blocks, self.win, self._win_ids,
-                                             self._in_win, self._win_size)
+        G, win, in_win, win_size = self.granule_blocks, self.win, self._in_win, self._win_size
+        lists, base = self._win_lists, c * self.num_granules
         seen: set[int] = set()
         while b != tail and win_size[c] < cap and stamp[b] <= threshold:
             g = b // G
             in_win[b] = 1
-            win_ids[g].add(b)
+            lists[base + g].append(b)
             win[g] += 1
             win_size[c] += 1
             if g not in seen:
@@ -694,7 +701,8 @@ class GranuleIndex:
         # nothing) leaves the same state after the same refiles in the same order.
         enter = (self._boundary[cls] == tail and now <= self._threshold[cls]
                  and self.max_window is None)
-        win, win_ids, in_win = self.win, self._win_ids, self._in_win
+        win, in_win = self.win, self._in_win
+        lists, base = self._win_lists, cls * self.num_granules
         granules = []
         for i in ids:
             clock += 1
@@ -709,7 +717,7 @@ class GranuleIndex:
             granules.append(g)
             if enter:
                 in_win[i] = 1
-                win_ids[g].add(i)
+                lists[base + g].append(i)
                 win[g] += 1
         nxt[last] = tail
         prev[tail] = last
@@ -759,7 +767,7 @@ class GranuleIndex:
     def _leave_window(self, i: int) -> None:
         g = i // self.granule_blocks
         self._in_win[i] = 0
-        self._win_ids[g].discard(i)
+        self._win_lists[self._cls[i] * self.num_granules + g].remove(i)
         self.win[g] -= 1
         self._win_size[self._cls[i]] -= 1
         self._refile(g)
@@ -810,8 +818,14 @@ class GranuleIndex:
         win = [0] * ng
         for i in window:
             win[i // G] += 1
-        if win != self.win or any(len(self._win_ids[g]) != win[g] for g in range(ng)):
+        if win != self.win:
             raise InvariantError("per-granule window counts are wrong")
+        lists = [[] for _ in range(CLASSES * ng)]
+        for i in window:                   # each class's window ids in LRU order
+            lists[self._cls[i] * ng + i // G].append(i)
+        if lists != self._win_lists:
+            raise InvariantError("the per-granule window lists are not the window ids of "
+                                 "their class and granule, oldest first")
         if live_ids is not None:
             live = [0] * ng
             for i in (*live_ids, *self.reserved):

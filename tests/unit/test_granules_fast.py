@@ -3,7 +3,8 @@
 ``ReferenceIndex`` is :class:`GranuleIndex` with the plain versions of what was made fast
 (every refile adds to and discards from the emptiness sets; the window is entered id by id,
 each refiling its granule, also for ids just cached; ``_unlink`` refits the window after
-every window id; window ids are handed out by ``window_ids_in`` + ``cached_to_live``). A
+every window id; window ids are found by membership and handed out by ``window_ids_in`` +
+``cached_to_live``). A
 hypothesis state machine drives both through the same transitions the way the elastic free queue does and compares
 their whole state after each, down to the order in which the emptiness sets iterate
 (``empty_with_free`` hands out the first member a set iterates, so that order is a
@@ -58,7 +59,8 @@ class ReferenceIndex(GranuleIndex):
             self._refile(g)
 
     def window_ids_in(self, g, n):
-        ids = sorted(self._win_ids[g], key=self._seq.__getitem__)
+        # by membership, not from the per-granule lists the fast code keeps in order
+        ids = sorted((i for i in self.ids_of(g) if self._in_win[i]), key=self._seq.__getitem__)
         return ids if len(ids) <= n else ids[:n]
 
     def _refile(self, g):
@@ -105,7 +107,7 @@ class ReferenceIndex(GranuleIndex):
         while b != tail and self._win_size[c] < cap and stamp[b] <= threshold:
             g = b // self.granule_blocks
             self._in_win[b] = 1
-            self._win_ids[g].add(b)
+            self._win_lists[c * self.num_granules + g].append(b)
             self.win[g] += 1
             self._win_size[self._cls[b]] += 1
             self._refile(g)
@@ -145,7 +147,7 @@ def state(gi: GranuleIndex) -> dict:
                    gi.num_live if type(gi) is GranuleIndex else sum(gi.live)),
         "ends": (gi.end, gi.end_of_granule),
         "list": (gi._next, gi._prev, gi._stamp, gi._seq, gi._clock, bytes(gi._cls)),
-        "window": (bytes(gi._in_win), [sorted(s) for s in gi._win_ids], gi._win_size,
+        "window": (bytes(gi._in_win), gi._win_lists, gi._win_size,
                    gi._boundary, gi._threshold),
         "candidates": (gi._cand, gi._key),
         # iteration order, not just membership: it is what empty_with_free returns
