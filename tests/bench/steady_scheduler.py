@@ -10,6 +10,11 @@ with the default policy, and prints the time ``Scheduler.schedule`` and
 running (the replay's ramp and drain, and elastic's idle steps while it waits to release
 memory, are left out). A measurement script, not a test: compare runs made one after the
 other on the same machine (docs/benchmarks.md section 7.3).
+
+A second line gives the same steps by phase, as the H200 proof's ``--d-phases`` names them
+(``tests/gpu/proof/engineprof.py``): ``allocate_slots`` (per scheduled request), within it
+``get_new_blocks`` and the rest (``allocate_other``), ``free_blocks``, and Proxima's
+``connector_meta`` (the elastic connector's step), in ms per steady step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main(argv: list[str]) -> int:
     schedule, update = sched.Scheduler.schedule, sched.Scheduler.update_from_output
 
     def timed_schedule(self):
+        acc["steady"] = len(self.running) >= 250      # the inner phases count this step
         t0 = perf_counter()
         out = schedule(self)
         if len(self.running) >= 250:
@@ -42,18 +48,21 @@ def main(argv: list[str]) -> int:
         return out
 
     def timed_update(self, *args):
-        steady = len(self.running) >= 250
+        steady = acc["steady"] = len(self.running) >= 250
         t0 = perf_counter()
         out = update(self, *args)
         if steady:
             acc["update"] += perf_counter() - t0
         return out
 
+    inner = _inner_phases(acc, lambda: acc.get("steady", False))
     sched.Scheduler.schedule, sched.Scheduler.update_from_output = timed_schedule, timed_update
     try:
         replay_d(which, requests, blocks)
     finally:
         sched.Scheduler.schedule, sched.Scheduler.update_from_output = schedule, update
+        for owner, name, original in inner:
+            setattr(owner, name, original)
     k = acc["steps"]
     if not k:
         print(f"{which}: no step had 250 requests running", file=sys.stderr)
@@ -61,7 +70,44 @@ def main(argv: list[str]) -> int:
     print(f"{which:8s} steady steps {k} schedule {1e3 * acc['schedule'] / k:.3f} "
           f"update {1e3 * acc['update'] / k:.3f} "
           f"total {1e3 * (acc['schedule'] + acc['update']) / k:.3f} ms/step")
+    per = {name: 1e3 * acc.get(name, 0.0) / k for name, *_ in INNER}
+    per["allocate_other"] = per["allocate_slots"] - per["get_new_blocks"]
+    print(f"{which:8s} by phase, ms/step: " + " ".join(
+        f"{name} {value:.3f}" for name, value in per.items()))
     return 0
+
+
+# phases inside schedule() / update_from_output(), as engineprof.py's PHASES name them
+INNER = (
+    ("allocate_slots", "vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+    ("get_new_blocks", "vllm.v1.core.block_pool", "BlockPool"),
+    ("free_blocks", "vllm.v1.core.block_pool", "BlockPool"),
+    ("connector_meta", "proxima.engines.elastic_connector", "ProximaElasticConnector"),
+)
+_METHOD = {"connector_meta": "build_connector_meta"}
+
+
+def _inner_phases(acc: dict, steady) -> list:
+    """Time INNER's methods into ``acc`` while ``steady()``; returns what to restore."""
+    import importlib
+
+    saved = []
+    for name, module, cls in INNER:
+        owner = getattr(importlib.import_module(module), cls)
+        method = _METHOD.get(name, name)
+        original = owner.__dict__[method]
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            t0 = perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                if steady():
+                    acc[_name] = acc.get(_name, 0.0) + perf_counter() - t0
+
+        setattr(owner, method, timed)
+        saved.append((owner, method, original))
+    return saved
 
 
 if __name__ == "__main__":
