@@ -16,8 +16,11 @@ Phases (vLLM 0.26, V1 engine core, async scheduling's batch queue):
 (waiting for a step's sampled tokens: the GPU-bound part), ``update_from_output``, ``input``
 (new requests and aborts taken in) and ``step`` (one ``step_with_batch_queue``, all of it);
 within them ``allocate_slots`` (called per scheduled request), ``get_new_blocks``,
-``free_blocks`` and Proxima's ``connector_meta``. A wrapper costs ~1 us a call, alike for
-every engine.
+``free_blocks`` and Proxima's ``connector_meta``; within ``allocate_slots`` the
+coordinator's ``num_blocks_to_allocate``, ``allocate_new_blocks`` (the managers', Proxima's
+wrapper included, so ``get_new_blocks`` too) and ``cache_blocks``; Proxima's status
+snapshots (``status_publish``, every call, most of which only look at the clock) and the
+connector's ``write_stats``. A wrapper costs ~1 us a call, alike for every engine.
 A method missing in this vLLM is skipped, named in the first line (``missing``).
 """
 
@@ -45,6 +48,17 @@ PHASES = (
     ("free_blocks", "vllm.v1.core.block_pool", "BlockPool", "free_blocks"),
     ("connector_meta", "proxima.engines.elastic_connector", "ProximaElasticConnector",
      "build_connector_meta"),
+    # inside allocate_slots (per scheduled request): the coordinator's three calls
+    ("num_blocks_to_allocate", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+     "get_num_blocks_to_allocate"),
+    ("allocate_new_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+     "allocate_new_blocks"),
+    ("cache_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+     "cache_blocks"),
+    # Proxima's status snapshots (PROXIMA_STATS_FILE) and the connector's stats file
+    ("status_publish", "proxima.engines.status", "StatusWriter", "publish"),
+    ("write_stats", "proxima.engines.elastic_connector", "ProximaElasticConnector",
+     "write_stats"),
 )
 
 
