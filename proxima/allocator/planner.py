@@ -73,6 +73,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Iterable, Sequence
 
+from proxima.allocator.buddy import count_runs
+
 FREE, CACHED, LIVE, FIXED = 0, 1, 2, 3
 KIND_NAMES = {FREE: "free", CACHED: "cached", LIVE: "live", FIXED: "fixed"}
 _CONTENT = (CACHED, LIVE)
@@ -572,15 +574,6 @@ def plan_run(view: PoolView, blocks: Sequence[int], budget: int, *,
     return Plan()
 
 
-def _count_runs(ids: Sequence[int]) -> int:
-    runs, prev = 0, None
-    for x in ids:
-        if prev is None or x != prev + 1:
-            runs += 1
-        prev = x
-    return runs
-
-
 def plan_merge(view: PoolView, blocks: Sequence[int], owner, tables: dict,
                where: dict, budget: int, *, max_phases: int | None = None
                ) -> tuple[Plan, int]:
@@ -614,7 +607,7 @@ def plan_merge(view: PoolView, blocks: Sequence[int], owner, tables: dict,
     if any(x in pinned for x in blocks):
         return Plan(), 0
     own_table = tables[owner]
-    before_own = _count_runs(own_table)
+    before_own = count_runs(own_table)
     index = {x: i for i, x in enumerate(blocks)}
     ordered = sorted(blocks)
     # candidate windows, each keeping one of the segment's runs in place, the cheapest
@@ -645,7 +638,7 @@ def plan_merge(view: PoolView, blocks: Sequence[int], owner, tables: dict,
         new_own = list(own_table)
         for j, x in enumerate(blocks):
             new_own[pos[x]] = w + j
-        delta = _count_runs(new_own) - before_own + delta_others
+        delta = count_runs(new_own) - before_own + delta_others
         if delta < 0 and moves <= budget and (best is None or (delta, moves) < best[:2]):
             best = (delta, moves, w, assign)
     if best is None:
@@ -731,7 +724,7 @@ def _merge_window(view, blocks, index, w, owner, tables, where):
     delta = 0
     for req in pieces:
         table = tables[req]
-        delta += _count_runs([assign.get(x, x) for x in table]) - _count_runs(table)
+        delta += count_runs([assign.get(x, x) for x in table]) - count_runs(table)
     moves = parked + sum(1 for j, x in enumerate(blocks) if x != w + j) + len(assign)
     return moves, assign, delta
 
