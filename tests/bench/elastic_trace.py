@@ -19,6 +19,8 @@ mostly out of the cache when it is called.
 from __future__ import annotations
 
 import collections
+import json
+import sys
 from time import perf_counter
 
 
@@ -168,9 +170,6 @@ def main(argv: list[str]) -> int:
     requests), replay them on fresh queues warm and cold (``thrash`` 100,000 and 400,000
     floats between calls; best of 5, 3 and 2 rounds) and print one JSON line each: the
     hand-outs' mean in us, the frees' (with a hash) and ticks' totals in ms."""
-    import json
-    import sys
-
     if len(argv) > 1 or (argv and not argv[0].isdigit()):
         print("usage: python -m tests.bench.elastic_trace [REQUESTS]", file=sys.stderr)
         return 2
@@ -195,6 +194,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

@@ -70,31 +70,30 @@ def main(argv: list[str]) -> int:
     print(f"{which:8s} steady steps {k} schedule {1e3 * acc['schedule'] / k:.3f} "
           f"update {1e3 * acc['update'] / k:.3f} "
           f"total {1e3 * (acc['schedule'] + acc['update']) / k:.3f} ms/step")
-    per = {name: 1e3 * acc.get(name, 0.0) / k for name, *_ in INNER}
+    per = {name: 1e3 * acc.get(name, 0.0) / k for name in INNER}
     per["allocate_other"] = per["allocate_slots"] - per["get_new_blocks"]
     print(f"{which:8s} by phase, ms/step: " + " ".join(
         f"{name} {value:.3f}" for name, value in per.items()))
     return 0
 
 
-# phases inside schedule() / update_from_output(), as engineprof.py's PHASES name them
-INNER = (
-    ("allocate_slots", "vllm.v1.core.kv_cache_manager", "KVCacheManager"),
-    ("get_new_blocks", "vllm.v1.core.block_pool", "BlockPool"),
-    ("free_blocks", "vllm.v1.core.block_pool", "BlockPool"),
-    ("connector_meta", "proxima.engines.elastic_connector", "ProximaElasticConnector"),
-)
-_METHOD = {"connector_meta": "build_connector_meta"}
+# phases inside schedule() / update_from_output(): these rows of engineprof.py's PHASES
+INNER = ("allocate_slots", "get_new_blocks", "free_blocks", "connector_meta")
 
 
 def _inner_phases(acc: dict, steady) -> list:
     """Time INNER's methods into ``acc`` while ``steady()``; returns what to restore."""
     import importlib
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
+    import engineprof
 
     saved = []
-    for name, module, cls in INNER:
+    for name, module, cls, method in engineprof.PHASES:
+        if name not in INNER:
+            continue
         owner = getattr(importlib.import_module(module), cls)
-        method = _METHOD.get(name, name)
         original = owner.__dict__[method]
 
         def timed(*args, _original=original, _name=name, **kwargs):
