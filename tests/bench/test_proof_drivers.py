@@ -259,6 +259,51 @@ def test_driver_b_sizes_the_servers_context_to_its_longest_request(tmp_path):
         "request (1.5 x --prompt 3072 + 512 output tokens = 5120): give at least 5120" in bad.stderr
 
 
+def test_driver_b_reuse_bursts_ask_each_context_once_a_round():
+    te = _two_engines()
+    reqs = te.burst_requests(0, seed=3, prompt=16, output=8, contexts=(5, 64, 3))
+    assert len(reqs) == 15 and all(out == 8 for _, out in reqs)
+    docs = [tuple(p[:64]) for p, _ in reqs]
+    assert len(set(docs)) == 5
+    for r in range(3):          # every round asks each context once, rounds in their own order
+        assert sorted(docs[5 * r:5 * r + 5]) == sorted(set(docs))
+    assert docs[:5] != docs[5:10] or docs[5:10] != docs[10:]
+    assert all(8 <= len(p) - 64 < 24 for p, _ in reqs)          # a question of 0.5-1.5 x 16
+    other = te.burst_requests(0, seed=4, prompt=16, output=8, contexts=(5, 64, 3))
+    assert not set(docs) & {tuple(p[:64]) for p, _ in other}    # no burst shares a context
+    assert len(te.burst_requests(7, seed=3, prompt=16, output=8)) == 7
+
+
+def test_driver_b_reports_each_setups_prefix_hits_on_a_reuse_workload(tmp_path):
+    done = run("two_engines.py", tmp_path, "--budget", "120", "--contexts", "4:64:3",
+               "--prompt", "16", "--output", "8", "--port", "8394")
+    assert "(c) " in done.stdout, done.stdout + done.stderr
+    data = json.loads((tmp_path / "two_engines.json").read_text())
+    c, settings = data["subproofs"]["c"], data["settings"]
+    assert settings["requests"] == 12 and settings["max_model_len"] == 2048
+    te = _two_engines()
+    for setup in ("static", "elastic"):
+        for j, burst in enumerate(c[setup]["bursts"]):
+            reqs = te.burst_requests(0, seed=j, prompt=16, output=8, contexts=(4, 64, 3))
+            assert burst["requests"] == 12 and burst["output_tokens"] == 12 * 8
+            # the stand-in caches everything: the second and third visits hit the context
+            assert burst["prefix_cache_queries"] == sum(len(p) for p, _ in reqs)
+            assert burst["prefix_cache_hits"] == 4 * 2 * 64
+        assert c[setup]["prefix_hit_rate"] == round(
+            2 * 512 / sum(b["prefix_cache_queries"] for b in c[setup]["bursts"]), 4)
+    assert c["summary"]["prefix_hit_rate"] == [c["static"]["prefix_hit_rate"],
+                                               c["elastic"]["prefix_hit_rate"]]
+    bad = run("two_engines.py", tmp_path / "bad", "--contexts", "4:64:3", "--requests", "5")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--requests 5 and --contexts 4:64:3 disagree" in bad.stderr and "12" in bad.stderr
+    bad = run("two_engines.py", tmp_path / "bad2", "--contexts", "4:64")
+    assert bad.returncode == 2 and "--contexts wants COUNT:TOKENS:VISITS" in bad.stderr
+    bad = run("two_engines.py", tmp_path / "bad3", "--contexts", "10:4096:2",
+              "--max-model-len", "4096")
+    assert bad.returncode == 2 and "a 4096-token context + 1.5 x --prompt 256 + 512 " \
+        "output tokens = 4992" in bad.stderr
+
+
 def test_driver_b_four_engines_take_their_bursts_in_turn(tmp_path):
     done = run("two_engines.py", tmp_path, "--engines", "4", "--budget", "120",
                "--requests", "12", "--port", "8394", "--delay", "0.2")

@@ -20,7 +20,11 @@ within them ``allocate_slots`` (called per scheduled request), ``get_new_blocks`
 coordinator's ``num_blocks_to_allocate``, ``allocate_new_blocks`` (the managers', Proxima's
 wrapper included, so ``get_new_blocks`` too) and ``cache_blocks``; Proxima's status
 snapshots (``status_publish``, every call, most of which only look at the clock) and the
-connector's ``write_stats``. A wrapper costs ~1 us a call, alike for every engine.
+connector's ``write_stats``; within ``execute_model`` the V2 model runner's
+``prepare_inputs``, its forward by CUDA-graph mode (``forward_full_graph``,
+``forward_piecewise``: the latter runs each attention layer eagerly, and with a KV
+connector that layer's two hooks) and a connector's ``kv_pre_forward`` and
+``kv_post_forward``. A wrapper costs ~1 us a call, alike for every engine.
 A method missing in this vLLM is skipped, named in the first line (``missing``).
 """
 
@@ -55,6 +59,16 @@ PHASES = (
      "allocate_new_blocks"),
     ("cache_blocks", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
      "cache_blocks"),
+    # inside the worker's execute_model (the V2 model runner): its input preparation, the
+    # forward by CUDA-graph mode (a piecewise one runs each attention layer eagerly, with a KV
+    # connector's two per-layer hooks), and a connector's calls around the forward
+    ("prepare_inputs", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs"),
+    ("forward_full_graph", "vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager",
+     "run_fullgraph"),
+    ("forward_piecewise", "vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager",
+     "run_pw_graph"),
+    ("kv_pre_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "pre_forward"),
+    ("kv_post_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "post_forward"),
     # Proxima's status snapshots (PROXIMA_STATS_FILE) and the connector's stats file
     ("status_publish", "proxima.engines.status", "StatusWriter", "publish"),
     ("write_stats", "proxima.engines.elastic_connector", "ProximaElasticConnector",

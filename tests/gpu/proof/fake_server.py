@@ -1,5 +1,6 @@
 """A CPU stand-in for vLLM's OpenAI server (``two_engines.py --dry-run``): /health, /metrics
-(a preemption counter), streamed /v1/completions with usage. With ``--stats-file`` it plays
+(a preemption counter; vLLM's prefix-cache counters over an unbounded cache of 16-token blocks),
+streamed /v1/completions with usage. With ``--stats-file`` it plays
 an elastic engine's stats file: mapped bytes start at ``--min-bytes``, grow by 64 MiB per
 request in flight (up to ``--max-bytes``), and fall back to the minimum ``--delay`` s after
 the last request ended (a shrink, its bytes counted as returned). One process per port, so
@@ -17,6 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PER_REQUEST = 64 << 20
+BLOCK = 16
 
 
 def main() -> int:
@@ -33,6 +35,8 @@ def main() -> int:
              "bytes_returned": 0, "pool_bytes": args.max_bytes}
     active = [0]
     last_end = [time.monotonic()]
+    cached: set = set()                 # prefixes seen, whole blocks (a cache that never evicts)
+    cache = {"queries": 0, "hits": 0}
 
     def write_stats() -> None:          # under the lock; atomic, the driver samples it
         if not args.stats_file:
@@ -76,7 +80,9 @@ def main() -> int:
             if self.path == "/health":
                 self._send(200, b"")
             elif self.path == "/metrics":
-                self._send(200, f"vllm:num_preemptions_total{{engine=\"0\"}} {served[0]}.0\n"
+                self._send(200, (f"vllm:num_preemptions_total{{engine=\"0\"}} {served[0]}.0\n"
+                                 f"vllm:prefix_cache_queries_total {cache['queries']}.0\n"
+                                 f"vllm:prefix_cache_hits_total {cache['hits']}.0\n")
                            .encode(), "text/plain")
             else:
                 self._send(404, b"{}")
@@ -84,8 +90,16 @@ def main() -> int:
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = int(body.get("max_tokens", 4))
+            prompt = body.get("prompt") or []
             with lock:
                 active[0] += 1
+                keys = [tuple(prompt[:i]) for i in range(BLOCK, len(prompt) + 1, BLOCK)]
+                hit = 0
+                while hit < len(keys) and keys[hit] in cached:
+                    hit += 1
+                cached.update(keys)
+                cache["queries"] += len(prompt)
+                cache["hits"] += hit * BLOCK
                 want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
                 if want > state["mapped_bytes"]:
                     state["mapped_bytes"] = want

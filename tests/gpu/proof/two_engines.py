@@ -69,6 +69,8 @@ MAX_ENGINES = 8
 MIN_GIB = 2                     # each elastic engine's minimum
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
 # side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
+# vLLM's prefix-cache counters (tokens looked up, tokens found), read around each burst
+PREFIX_METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
 DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "burst": 1.0, "stop": 1.0}
 
@@ -115,6 +117,18 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
                   "--kv-transfer-config", json.dumps(ktc)]
 
 
+def contexts_spec(text: str) -> tuple[int, int, int]:
+    try:
+        count, tokens, visits = (int(x) for x in text.split(":"))
+    except ValueError:
+        count = tokens = visits = 0
+    if count < 1 or tokens < 16 or visits < 1:
+        raise argparse.ArgumentTypeError(
+            f"--contexts wants COUNT:TOKENS:VISITS (whole numbers, COUNT and VISITS at least "
+            f"1, TOKENS at least 16), e.g. 100:4096:4, got {text!r}")
+    return count, tokens, visits
+
+
 def tail_spec(text: str) -> tuple[int, int]:
     try:
         n, tokens = (int(x) for x in text.split(":"))
@@ -146,10 +160,28 @@ def metric(port: int, name: str) -> float | None:
     return sum(values) if values else None
 
 
-def burst_requests(n: int, seed: int, prompt: int, output: int) -> list[tuple[list[int], int]]:
+def burst_requests(n: int, seed: int, prompt: int, output: int,
+                   contexts: tuple[int, int, int] | None = None) -> list[tuple[list[int], int]]:
+    """A burst's requests: ``n`` random prompts of [0.5, 1.5] x ``prompt`` tokens; with
+    ``contexts`` (count, tokens, visits), ``count`` x ``visits`` requests instead, each one of
+    ``count`` contexts of ``tokens`` random tokens (drawn for this burst: no burst shares
+    them) followed by a question of its own (``prompt`` tokens as above), in ``visits``
+    rounds, each round every context once in an order of its own."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, 32000) for _ in range(rng.randrange(prompt // 2, prompt * 3 // 2))],
-             output) for _ in range(n)]
+
+    def question() -> list[int]:
+        return [rng.randrange(3, 32000) for _ in range(rng.randrange(prompt // 2, prompt * 3 // 2))]
+
+    if contexts is None:
+        return [(question(), output) for _ in range(n)]
+    count, tokens, visits = contexts
+    docs = [[rng.randrange(3, 32000) for _ in range(tokens)] for _ in range(count)]
+    out = []
+    for _ in range(visits):
+        order = list(range(count))
+        rng.shuffle(order)
+        out += [(docs[d] + question(), output) for d in order]
+    return out
 
 
 async def one(client, port: int, model: str, prompt: list[int], max_tokens: int,
@@ -344,8 +376,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 break
             port = ports[key]
             before = metric(port, "vllm:num_preemptions_total")
-            requests = burst_requests(args.requests, seed=100 * r + j,
-                                      prompt=args.prompt, output=args.output)
+            cache_before = [metric(port, m) for m in PREFIX_METRICS]
+            requests = burst_requests(args.requests, seed=100 * r + j, prompt=args.prompt,
+                                      output=args.output, contexts=args.contexts)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
             if tail_n:          # long requests this burst leaves behind (not waited for)
                 tails.append(Tail(port, args.model, burst_requests(
@@ -357,6 +390,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             after = metric(port, "vllm:num_preemptions_total")
             burst.update(engine=key, round=r, preemptions=None if before is None or after is None
                          else after - before)
+            cache_after = [metric(port, m) for m in PREFIX_METRICS]
+            if None not in cache_before + cache_after:
+                burst["prefix_cache_queries"], burst["prefix_cache_hits"] = (
+                    int(a - b) for a, b in zip(cache_after, cache_before))
             for k, path in stats.items():
                 e = kit.read_json(path)
                 if e:
@@ -384,6 +421,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             aggregate_output_tokens_per_s=round(tokens / wall, 1) if wall else None,
             errors=sum(b["errors"] for b in result["bursts"]),
             preemptions=sum(b["preemptions"] or 0 for b in result["bursts"]),
+            prefix_hit_rate=hit_rate(result["bursts"]),
             ttft_p50_s=round(statistics.median(ttft), 3) if ttft else None,
             ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3) if ttft else None)
         for k, path in stats.items():
@@ -404,6 +442,13 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
         for key in list(procs):
             kit.stop(procs[key], timeout=20)
         time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
+
+
+def hit_rate(bursts: list[dict]) -> float | None:
+    """vLLM's prefix-cache hit rate over ``bursts`` (tokens hit / tokens looked up; None
+    where the servers did not report it)."""
+    asked = sum(b.get("prefix_cache_queries", 0) for b in bursts)
+    return round(sum(b.get("prefix_cache_hits", 0) for b in bursts) / asked, 4) if asked else None
 
 
 class Parser(argparse.ArgumentParser):
@@ -437,10 +482,17 @@ def parse(argv=None):
                          "starts (default: %(default)s)")
     ap.add_argument("--model", default=os.environ.get("PROXIMA_PROOF_MODEL", kit.MODEL),
                     help="model config directory, dummy weights (default: %(default)s)")
-    ap.add_argument("--requests", type=int, default=1000,
-                    help="requests per burst (default: %(default)s)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per burst (default: 1000; with --contexts, COUNT x VISITS)")
     ap.add_argument("--prompt", type=int, default=256,
-                    help="mean prompt tokens, uniform in [0.5, 1.5] of it (default: %(default)s)")
+                    help="mean prompt tokens, uniform in [0.5, 1.5] of it; with --contexts, "
+                         "the question after the context (default: %(default)s)")
+    ap.add_argument("--contexts", type=contexts_spec, default=None, metavar="COUNT:TOKENS:VISITS",
+                    help="a reuse workload: each burst COUNT contexts of TOKENS tokens (new ones "
+                         "each burst), each asked VISITS times, a round of every context at a "
+                         "time in its own order; whether a visit finds its context still "
+                         "cached is what an engine's KV memory decides (default: none, every "
+                         "prompt its own)")
     ap.add_argument("--output", type=int, default=512,
                     help="output tokens per request (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, default=None,
@@ -512,14 +564,23 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     n, notes = args.engines, []
     static = "static" in order
     output = max(args.output, args.tail[1])
-    longest = args.prompt * 3 // 2 + output
+    context = args.contexts[1] if args.contexts else 0
+    longest = context + args.prompt * 3 // 2 + output
+    if args.contexts:
+        if args.requests is not None and args.requests != args.contexts[0] * args.contexts[2]:
+            return (f"--requests {args.requests} and --contexts {':'.join(map(str, args.contexts))} "
+                    f"disagree: with --contexts a burst is COUNT x VISITS = "
+                    f"{args.contexts[0] * args.contexts[2]} requests; leave --requests out"), notes
+        args.requests = args.contexts[0] * args.contexts[2]
+    elif args.requests is None:
+        args.requests = 1000
     if args.max_model_len is None:
         args.max_model_len = max(2048, longest)
     elif args.max_model_len < longest:
         return (f"--max-model-len {args.max_model_len} is shorter than the longest request "
-                f"(1.5 x --prompt {args.prompt} + {output} output "
-                f"tokens = {longest}): give at least {longest}, or shorter --prompt/--output"
-                ), notes
+                f"({f'a {context}-token context + ' if context else ''}1.5 x --prompt "
+                f"{args.prompt} + {output} output tokens = {longest}): give at least "
+                f"{longest}, or shorter --prompt/--output"), notes
     if args.static_util is None:
         args.static_util = 0.45 if n == 2 else math.floor(900 / n) / 1000
         if n != 2:
@@ -611,7 +672,8 @@ def main() -> int:
     keys = names(args.engines)
     out.log(f"{args.engines} engines ({', '.join(keys)} on ports {args.port}-"
             f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {args.requests} "
-            f"requests per burst ({args.prompt} prompt / {args.output} output tokens), "
+            f"requests per burst ({args.prompt} prompt / {args.output} output tokens"
+            f"{f', after {args.contexts[0]} contexts of {args.contexts[1]} tokens, each asked {args.contexts[2]} times' if args.contexts else ''}), "
             f"{args.rounds} round(s) of {args.engines} bursts, static "
             f"gpu_memory_utilization {args.static_util} with "
             f"{f'{args.static_kv_gib} GiB of KV' if args.static_kv_gib else 'profiled KV'}, "
@@ -668,6 +730,7 @@ def main() -> int:
                    "elastic_tok_s": e["aggregate_output_tokens_per_s"],
                    "errors": [s["errors"], e["errors"]],
                    "preemptions": [s["preemptions"], e["preemptions"]],
+                   "prefix_hit_rate": [s.get("prefix_hit_rate"), e.get("prefix_hit_rate")],
                    "ttft_p50_s": [s["ttft_p50_s"], e["ttft_p50_s"]],
                    "ttft_p99_s": [s["ttft_p99_s"], e["ttft_p99_s"]]}
     else:
