@@ -7,7 +7,7 @@ Replays ShareGPT-like requests (default 1,500) in a closed loop of 256 through v
 engine of ``elastic_proof.py --d-turns`` has), stock vLLM, Proxima, or Proxima elastic
 with the default policy, and prints the time ``Scheduler.schedule`` and
 ``update_from_output`` take per step, counting only steps with at least 250 requests
-running (the replay's ramp and drain, and elastic's idle steps while it waits to release
+running as the step (or the update) starts (the replay's ramp and drain, and elastic's idle steps while it waits to release
 memory, are left out). A measurement script, not a test: compare runs made one after the
 other on the same machine (docs/benchmarks.md section 7.3).
 
@@ -39,10 +39,11 @@ def main(argv: list[str]) -> int:
     schedule, update = sched.Scheduler.schedule, sched.Scheduler.update_from_output
 
     def timed_schedule(self):
-        acc["steady"] = len(self.running) >= 250      # the inner phases count this step
+        # one choice per step, as it starts, for schedule() and the phases inside it
+        steady = acc["steady"] = len(self.running) >= 250
         t0 = perf_counter()
         out = schedule(self)
-        if len(self.running) >= 250:
+        if steady:
             acc["schedule"] += perf_counter() - t0
             acc["steps"] += 1
         return out
