@@ -1,0 +1,59 @@
+"""What KV capacity does to a reuse burst of ``two_engines.py --contexts`` (CPU replay).
+
+    ./dev python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS]
+
+For each context count (default 50,75,100,125,150; contexts of TOKENS tokens, default
+4,096, each asked VISITS times, default 4, after a 64-token question, 128 output tokens:
+one burst of driver B's reuse workload, seed 0), replays the burst through vLLM 0.26's
+real (async) scheduler with stock pools the size of a static 0.45 share (46.6 GiB of
+Llama-3.1-8B KV: 23,859 blocks) and of an elastic engine's maximum (90 GiB: 46,080 blocks),
+and prints one JSON line per count: the working set (GiB of the contexts' KV), and per pool
+its steps, prefix-hit rate and preemptions. A measurement script, not a test: the steps
+are scheduler steps (prefill and decode tokens per step differ), not time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BLOCK_BYTES = 16 * 128 * 1024           # 16 tokens of Llama-3.1-8B KV (128 KiB a token)
+POOLS = (("static", int(46.6 * (1 << 30)) // BLOCK_BYTES), ("elastic", 90 * (1 << 30) // BLOCK_BYTES))
+
+
+def main(argv: list[str]) -> int:
+    try:
+        counts = [int(x) for x in (argv[0] if argv else "50,75,100,125,150").split(",")]
+        tokens = int(argv[1]) if len(argv) > 1 else 4096
+        visits = int(argv[2]) if len(argv) > 2 else 4
+    except ValueError:
+        print("usage: python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS]",
+              file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
+    import two_engines
+
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.workloads import RequestSpec, Workload
+
+    for count in counts:
+        burst = two_engines.burst_requests(0, seed=0, prompt=64, output=128,
+                                           contexts=(count, tokens, visits))
+        workload = Workload("contexts", [RequestSpec(f"r{i}", p, m)
+                                         for i, (p, m) in enumerate(burst)])
+        row = {"contexts": count, "tokens": tokens, "visits": visits,
+               "working_set_gib": round(count * tokens * BLOCK_BYTES / 16 / (1 << 30), 1)}
+        for name, blocks in POOLS:
+            r = run_replay(workload, proxima=False, num_blocks=blocks,
+                           max_model_len=tokens + 96 + 128, async_scheduling=True,
+                           max_num_batched_tokens=8192)
+            row[name] = {"blocks": blocks, "steps": r.steps,
+                         "prefix_hit_rate": round(r.prefix_hit_rate, 4),
+                         "preemptions": r.preemptions}
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
