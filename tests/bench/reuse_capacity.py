@@ -7,9 +7,14 @@ For each context count (default 50,75,100,125,150; contexts of TOKENS tokens, de
 one burst of driver B's reuse workload, seed 0), replays the burst through vLLM 0.26's
 real (async) scheduler with stock pools the size of a static 0.45 share (46.6 GiB of
 Llama-3.1-8B KV: 23,859 blocks) and of an elastic engine's maximum (90 GiB: 46,080 blocks),
-and prints one JSON line per count: the working set (GiB of the contexts' KV), and per pool
-its steps, prefix-hit rate and preemptions. A measurement script, not a test: the steps
-are scheduler steps (prefill and decode tokens per step differ), not time.
+and then as driver B's elastic engine runs it (``proxima_elastic``: Proxima's pool with the
+real connector and grow/shrink policy, min 2 GiB, max 90 GiB, 2 s release delay, 32 MiB
+granules a layer, starting at its minimum; a step is 25 ms on the policy's clock, the
+worker a stand-in: :mod:`proxima.replay.elastic`), and prints one JSON line per count: the
+working set (GiB of the contexts' KV), and per pool its steps, prefix-hit rate and
+preemptions (the elastic one also its mean mapped size, its grows and shrinks and the cached blocks its releases evicted). A
+measurement script, not a test: the steps are scheduler steps (prefill and decode tokens
+per step differ), not time.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main(argv: list[str]) -> int:
     import two_engines
 
     from proxima.replay.driver_v1 import run_replay
+    from proxima.replay.elastic import ElasticReplay
     from proxima.workloads import RequestSpec, Workload
 
     for count in counts:
@@ -51,6 +57,18 @@ def main(argv: list[str]) -> int:
             row[name] = {"blocks": blocks, "steps": r.steps,
                          "prefix_hit_rate": round(r.prefix_hit_rate, 4),
                          "preemptions": r.preemptions}
+        spec = ElasticReplay(min_bytes=2 << 30, max_bytes=90 << 30, release_delay_s=2.0,
+                             extra={"initial_bytes": 2 << 30})
+        r = run_replay(workload, proxima=True, num_blocks=POOLS[1][1],
+                       max_model_len=tokens + 96 + 128, async_scheduling=True,
+                       max_num_batched_tokens=8192, elastic=spec, granule_blocks=512)
+        e = r.details["elastic"]
+        row["proxima_elastic"] = {"steps": r.steps, "prefix_hit_rate": round(r.prefix_hit_rate, 4),
+                                  "preemptions": r.preemptions,
+                                  "mean_mapped_gib": round(r.details["mapped_granule_fraction"]
+                                                           * 90, 1),
+                                  "grows": e.get("grows"), "shrinks": e.get("shrinks"),
+                                  "evicted_cached": e.get("evicted_cached")}
         print(json.dumps(row), flush=True)
     return 0
 
