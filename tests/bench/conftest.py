@@ -182,12 +182,14 @@ class FakeOpenAIServer:
                 if usage_final:
                     emit({"choices": [], "usage": {"prompt_tokens": prompt_tokens,
                                                    "completion_tokens": sent}})
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
+                # counted before [DONE]: a client that has read it (and then reads /metrics)
+                # must find this request's preemptions there, as a server's counter has them
                 with state.lock:
                     state.tokens_streamed += sent
                     state.chunks_streamed += chunks
                     state.preemptions += cfg.preemptions_per_request
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
 
         return Handler
 
