@@ -12,9 +12,9 @@ real connector and grow/shrink policy, min 2 GiB, max 90 GiB, 2 s release delay,
 granules a layer, starting at its minimum; a step is 25 ms on the policy's clock, the
 worker a stand-in: :mod:`proxima.replay.elastic`), and prints one JSON line per count: the
 working set (GiB of the contexts' KV), and per pool its steps, prefix-hit rate and
-preemptions (the elastic one also its mean mapped size, its grows and shrinks and the cached blocks its releases evicted). A
-measurement script, not a test: the steps are scheduler steps (prefill and decode tokens
-per step differ), not time.
+preemptions (the elastic one also its mean mapped size, its grows and shrinks and the
+cached blocks its releases evicted). A measurement script, not a test: the steps are
+scheduler steps (prefill and decode tokens per step differ), not time.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-BLOCK_BYTES = 16 * 128 * 1024           # 16 tokens of Llama-3.1-8B KV (128 KiB a token)
-POOLS = (("static", int(46.6 * (1 << 30)) // BLOCK_BYTES), ("elastic", 90 * (1 << 30) // BLOCK_BYTES))
+GiB = 1 << 30
+TOKEN_BYTES = 128 * 1024                # Llama-3.1-8B's KV a token
+BLOCK_BYTES = 16 * TOKEN_BYTES          # a block of 16 tokens
+MAX_GIB = 90                            # driver B's elastic maximum (--max-gib 90)
+POOLS = (("static", int(46.6 * GiB) // BLOCK_BYTES), ("elastic", MAX_GIB * GiB // BLOCK_BYTES))
 
 
 def main(argv: list[str]) -> int:
@@ -49,24 +52,25 @@ def main(argv: list[str]) -> int:
         workload = Workload("contexts", [RequestSpec(f"r{i}", p, m)
                                          for i, (p, m) in enumerate(burst)])
         row = {"contexts": count, "tokens": tokens, "visits": visits,
-               "working_set_gib": round(count * tokens * BLOCK_BYTES / 16 / (1 << 30), 1)}
+               "working_set_gib": round(count * tokens * TOKEN_BYTES / GiB, 1)}
+        # as driver B's servers: the longest request fits, vLLM 0.26's async scheduling
+        # and its 8,192-token step
+        engine = dict(max_model_len=tokens + 96 + 128, async_scheduling=True,
+                      max_num_batched_tokens=8192)
         for name, blocks in POOLS:
-            r = run_replay(workload, proxima=False, num_blocks=blocks,
-                           max_model_len=tokens + 96 + 128, async_scheduling=True,
-                           max_num_batched_tokens=8192)
+            r = run_replay(workload, proxima=False, num_blocks=blocks, **engine)
             row[name] = {"blocks": blocks, "steps": r.steps,
                          "prefix_hit_rate": round(r.prefix_hit_rate, 4),
                          "preemptions": r.preemptions}
-        spec = ElasticReplay(min_bytes=2 << 30, max_bytes=90 << 30, release_delay_s=2.0,
-                             extra={"initial_bytes": 2 << 30})
-        r = run_replay(workload, proxima=True, num_blocks=POOLS[1][1],
-                       max_model_len=tokens + 96 + 128, async_scheduling=True,
-                       max_num_batched_tokens=8192, elastic=spec, granule_blocks=512)
+        spec = ElasticReplay(min_bytes=2 * GiB, max_bytes=MAX_GIB * GiB, release_delay_s=2.0,
+                             extra={"initial_bytes": 2 * GiB})
+        r = run_replay(workload, proxima=True, num_blocks=POOLS[1][1], elastic=spec,
+                       granule_blocks=512, **engine)
         e = r.details["elastic"]
         row["proxima_elastic"] = {"steps": r.steps, "prefix_hit_rate": round(r.prefix_hit_rate, 4),
                                   "preemptions": r.preemptions,
                                   "mean_mapped_gib": round(r.details["mapped_granule_fraction"]
-                                                           * 90, 1),
+                                                           * MAX_GIB, 1),
                                   "grows": e.get("grows"), "shrinks": e.get("shrinks"),
                                   "evicted_cached": e.get("evicted_cached")}
         print(json.dumps(row), flush=True)

@@ -7,8 +7,8 @@ Replays ShareGPT-like requests (default 1,500) in a closed loop of 256 through v
 engine of ``elastic_proof.py --d-turns`` has), stock vLLM, Proxima, or Proxima elastic
 with the default policy, and prints the time ``Scheduler.schedule`` and
 ``update_from_output`` take per step, counting only steps with at least 250 requests
-running as the step (or the update) starts (the replay's ramp and drain, and elastic's idle steps while it waits to release
-memory, are left out). A measurement script, not a test: compare runs made one after the
+running as the step (or the update) starts (the replay's ramp and drain, and elastic's
+idle steps while it waits to release memory, are left out). A measurement script, not a test: compare runs made one after the
 other on the same machine (docs/benchmarks.md section 7.3).
 
 A second line gives the same steps by phase, as the H200 proof's ``--d-phases`` names them

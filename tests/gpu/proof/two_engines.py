@@ -67,10 +67,11 @@ import proofkit as kit  # noqa: E402
 GiB = 1 << 30
 MAX_ENGINES = 8
 MIN_GIB = 2                     # each elastic engine's minimum
+# vLLM's counters read around each burst: preemptions, prefix-cache tokens looked up, found
+BURST_METRICS = ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total")
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
 # side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
-# vLLM's prefix-cache counters (tokens looked up, tokens found), read around each burst
-PREFIX_METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
 DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "burst": 1.0, "stop": 1.0}
 
@@ -148,16 +149,21 @@ def healthy(port: int) -> bool:
         return False
 
 
-def metric(port: int, name: str) -> float | None:
+def metrics(port: int, names) -> list[float | None]:
+    """Each of ``names`` from one scrape of the server's /metrics (summed over its labels;
+    None where absent or the server did not answer)."""
     import urllib.request
 
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
-        return None
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
-                                                     text, re.M)]
-    return sum(values) if values else None
+        return [None] * len(names)
+    out = []
+    for name in names:
+        values = [float(m.group(1)) for m in re.finditer(
+            rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        out.append(sum(values) if values else None)
+    return out
 
 
 def burst_requests(n: int, seed: int, prompt: int, output: int,
@@ -375,8 +381,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = ports[key]
-            before = metric(port, "vllm:num_preemptions_total")
-            cache_before = [metric(port, m) for m in PREFIX_METRICS]
+            before = metrics(port, BURST_METRICS)
             requests = burst_requests(args.requests, seed=100 * r + j, prompt=args.prompt,
                                       output=args.output, contexts=args.contexts)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
@@ -387,13 +392,12 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             sampler = Sampler(stats)
             burst = asyncio.run(run_burst(port, args.model, requests, left))
             burst["mapped_during"] = sampler.stop()
-            after = metric(port, "vllm:num_preemptions_total")
-            burst.update(engine=key, round=r, preemptions=None if before is None or after is None
-                         else after - before)
-            cache_after = [metric(port, m) for m in PREFIX_METRICS]
-            if None not in cache_before + cache_after:
+            after = metrics(port, BURST_METRICS)
+            burst.update(engine=key, round=r, preemptions=None if None in (before[0], after[0])
+                         else after[0] - before[0])
+            if None not in before[1:] + after[1:]:
                 burst["prefix_cache_queries"], burst["prefix_cache_hits"] = (
-                    int(a - b) for a, b in zip(cache_after, cache_before))
+                    int(a - b) for a, b in zip(after[1:], before[1:]))
             for k, path in stats.items():
                 e = kit.read_json(path)
                 if e:
@@ -568,8 +572,8 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     longest = context + args.prompt * 3 // 2 + output
     if args.contexts:
         if args.requests is not None and args.requests != args.contexts[0] * args.contexts[2]:
-            return (f"--requests {args.requests} and --contexts {':'.join(map(str, args.contexts))} "
-                    f"disagree: with --contexts a burst is COUNT x VISITS = "
+            return (f"--requests {args.requests} and --contexts "
+                    f"{':'.join(map(str, args.contexts))} disagree: with --contexts a burst is COUNT x VISITS = "
                     f"{args.contexts[0] * args.contexts[2]} requests; leave --requests out"), notes
         args.requests = args.contexts[0] * args.contexts[2]
     elif args.requests is None:
@@ -670,10 +674,11 @@ def main() -> int:
     budget = kit.Budget(args.budget)
     env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
     keys = names(args.engines)
+    reuse = (f", after {args.contexts[0]} contexts of {args.contexts[1]} tokens, each asked "
+             f"{args.contexts[2]} times" if args.contexts else "")
     out.log(f"{args.engines} engines ({', '.join(keys)} on ports {args.port}-"
             f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {args.requests} "
-            f"requests per burst ({args.prompt} prompt / {args.output} output tokens"
-            f"{f', after {args.contexts[0]} contexts of {args.contexts[1]} tokens, each asked {args.contexts[2]} times' if args.contexts else ''}), "
+            f"requests per burst ({args.prompt} prompt / {args.output} output tokens{reuse}), "
             f"{args.rounds} round(s) of {args.engines} bursts, static "
             f"gpu_memory_utilization {args.static_util} with "
             f"{f'{args.static_kv_gib} GiB of KV' if args.static_kv_gib else 'profiled KV'}, "
