@@ -1,9 +1,10 @@
 """What KV capacity does to a reuse burst of ``two_engines.py --contexts`` (CPU replay).
 
-    ./dev python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS]
+    ./dev python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS] [OUTPUT]
 
 For each context count (default 50,75,100,125,150; contexts of TOKENS tokens, default
-4,096, each asked VISITS times, default 4, after a 64-token question, 128 output tokens:
+4,096, each asked VISITS times, default 4, after a 64-token question, OUTPUT output tokens,
+default 128:
 one burst of driver B's reuse workload, seed 0), replays the burst through vLLM 0.26's
 real (async) scheduler with stock pools the size of a static 0.45 share (46.6 GiB of
 Llama-3.1-8B KV: 23,859 blocks) and of an elastic engine's maximum (90 GiB: 46,080 blocks),
@@ -35,8 +36,10 @@ def main(argv: list[str]) -> int:
         counts = [int(x) for x in (argv[0] if argv else "50,75,100,125,150").split(",")]
         tokens = int(argv[1]) if len(argv) > 1 else 4096
         visits = int(argv[2]) if len(argv) > 2 else 4
+        output = int(argv[3]) if len(argv) > 3 else 128
     except ValueError:
-        print("usage: python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS]",
+        print("usage: python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS] "
+              "[OUTPUT]",
               file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
@@ -47,19 +50,20 @@ def main(argv: list[str]) -> int:
     from proxima.workloads import RequestSpec, Workload
 
     for count in counts:
-        burst = two_engines.burst_requests(0, seed=0, prompt=64, output=128,
+        burst = two_engines.burst_requests(0, seed=0, prompt=64, output=output,
                                            contexts=(count, tokens, visits))
         workload = Workload("contexts", [RequestSpec(f"r{i}", p, m)
                                          for i, (p, m) in enumerate(burst)])
-        row = {"contexts": count, "tokens": tokens, "visits": visits,
+        row = {"contexts": count, "tokens": tokens, "visits": visits, "output": output,
                "working_set_gib": round(count * tokens * TOKEN_BYTES / GiB, 1)}
         # as driver B's servers: the longest request fits, vLLM 0.26's async scheduling
         # and its 8,192-token step
-        engine = dict(max_model_len=tokens + 96 + 128, async_scheduling=True,
+        engine = dict(max_model_len=tokens + 96 + output, async_scheduling=True,
                       max_num_batched_tokens=8192)
         for name, blocks in POOLS:
             r = run_replay(workload, proxima=False, num_blocks=blocks, **engine)
             row[name] = {"blocks": blocks, "steps": r.steps,
+                         "scheduled_tokens": r.details["scheduled_tokens"],
                          "prefix_hit_rate": round(r.prefix_hit_rate, 4),
                          "preemptions": r.preemptions}
         spec = ElasticReplay(min_bytes=2 * GiB, max_bytes=MAX_GIB * GiB, release_delay_s=2.0,
@@ -67,7 +71,9 @@ def main(argv: list[str]) -> int:
         r = run_replay(workload, proxima=True, num_blocks=POOLS[1][1], elastic=spec,
                        granule_blocks=512, **engine)
         e = r.details["elastic"]
-        row["proxima_elastic"] = {"steps": r.steps, "prefix_hit_rate": round(r.prefix_hit_rate, 4),
+        row["proxima_elastic"] = {"steps": r.steps,
+                                  "scheduled_tokens": r.details["scheduled_tokens"],
+                                  "prefix_hit_rate": round(r.prefix_hit_rate, 4),
                                   "preemptions": r.preemptions,
                                   "mean_mapped_gib": round(r.details["mapped_granule_fraction"]
                                                            * MAX_GIB, 1),

@@ -304,6 +304,42 @@ def test_driver_b_reports_each_setups_prefix_hits_on_a_reuse_workload(tmp_path):
         "output tokens = 4992" in bad.stderr
 
 
+def test_driver_b_runs_several_reuse_workloads_one_a_round_each_with_its_ratio(tmp_path):
+    done = run("two_engines.py", tmp_path, "--budget", "200", "--contexts", "2:64:2,4:32:3",
+               "--rounds", "2", "--prompt", "16", "--output", "8", "--port", "8394")
+    assert "(c) " in done.stdout, done.stdout + done.stderr
+    assert "after 2 contexts of 64 tokens, each asked 2 times, then 4 contexts of 32 " \
+        "tokens, each asked 3 times (one workload a round, in turn)" in done.stdout
+    data = json.loads((tmp_path / "two_engines.json").read_text())
+    c = data["subproofs"]["c"]
+    assert data["settings"]["requests"] is None
+    for setup in ("static", "elastic"):
+        bursts = c[setup]["bursts"]
+        assert [(b["engine"], b["round"], b["contexts"], b["requests"]) for b in bursts] == [
+            ("A", 0, "2:64:2", 4), ("B", 0, "2:64:2", 4), ("A", 1, "4:32:3", 12),
+            ("B", 1, "4:32:3", 12)]
+        assert [b["prefix_cache_hits"] for b in bursts] == [2 * 64] * 2 + [4 * 2 * 32] * 2
+    rows = c["summary"]["per_workload"]
+    assert [r["contexts"] for r in rows] == ["2:64:2", "4:32:3"]
+    for row, (lo, hi) in zip(rows, ((0, 2), (2, 4))):
+        for setup in ("static", "elastic"):
+            bursts = c[setup]["bursts"][lo:hi]
+            assert row[f"{setup}_tok_s"] == round(
+                sum(b["output_tokens"] for b in bursts) / sum(b["wall_s"] for b in bursts), 1)
+            assert row[f"{setup}_bursts"] == 2
+        assert row["ratio"] == round(row["elastic_tok_s"] / row["static_tok_s"], 3)
+        assert row["errors"] == [0, 0] and len(row["prefix_hit_rate"]) == 2
+    bad = run("two_engines.py", tmp_path / "bad", "--contexts", "2:64:2,4:32:3")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--contexts 2:64:2,4:32:3 gives 2 workloads, one a round, but --rounds is 1: " \
+        "give --rounds 2" in bad.stderr
+    bad = run("two_engines.py", tmp_path / "bad2", "--contexts", "2:64:2,4:32:3",
+              "--rounds", "2", "--requests", "4")
+    assert bad.returncode == 2 and "COUNT x VISITS = 4 or 12 requests" in bad.stderr
+    bad = run("two_engines.py", tmp_path / "bad3", "--contexts", "2:64:2,4:32")
+    assert bad.returncode == 2 and "--contexts wants COUNT:TOKENS:VISITS" in bad.stderr
+
+
 def test_driver_b_four_engines_take_their_bursts_in_turn(tmp_path):
     done = run("two_engines.py", tmp_path, "--engines", "4", "--budget", "120",
                "--requests", "12", "--port", "8394", "--delay", "0.2")

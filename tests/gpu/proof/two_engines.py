@@ -28,6 +28,10 @@ connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, ze
 the ratio is reported for any N. ``--tail N:TOKENS`` sends N long requests with each burst that
 the schedule does not wait for: they outlive it, and their blocks pin granules of the engine
 that went idle (issue 14's case for moving them: the ``compacted`` setup against ``elastic``).
+``--contexts COUNT:TOKENS:VISITS`` sends reuse bursts instead (contexts asked again and
+again); several comma-separated workloads take turns, one a round, so a control (contexts
+that fit in a static share) runs on the same engines in the same minutes as the workload it
+controls, and the summary's ``per_workload`` gives each its own ratio.
 With ``--compactor module:factory`` (issue 14's compaction) the elastic servers get it in
 their elastic options (``compactor``); ``PROXIMA_PROOF_ELASTIC_OPTIONS`` (JSON) adds any
 other option.
@@ -118,16 +122,26 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
                   "--kv-transfer-config", json.dumps(ktc)]
 
 
-def contexts_spec(text: str) -> tuple[int, int, int]:
-    try:
-        count, tokens, visits = (int(x) for x in text.split(":"))
-    except ValueError:
-        count = tokens = visits = 0
-    if count < 1 or tokens < 16 or visits < 1:
-        raise argparse.ArgumentTypeError(
-            f"--contexts wants COUNT:TOKENS:VISITS (whole numbers, COUNT and VISITS at least "
-            f"1, TOKENS at least 16), e.g. 100:4096:4, got {text!r}")
-    return count, tokens, visits
+def contexts_spec(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``--contexts``: one or more COUNT:TOKENS:VISITS, comma-separated (round r's bursts
+    send the (r mod how many)-th)."""
+    specs = []
+    for part in text.split(","):
+        try:
+            count, tokens, visits = (int(x) for x in part.split(":"))
+        except ValueError:
+            count = tokens = visits = 0
+        if count < 1 or tokens < 16 or visits < 1:
+            raise argparse.ArgumentTypeError(
+                f"--contexts wants COUNT:TOKENS:VISITS (whole numbers, COUNT and VISITS at "
+                f"least 1, TOKENS at least 16), or several comma-separated, e.g. 100:4096:4 "
+                f"or 50:4096:4,100:4096:4, got {text!r}")
+        specs.append((count, tokens, visits))
+    return tuple(specs)
+
+
+def spec_name(spec: tuple[int, int, int]) -> str:
+    return ":".join(map(str, spec))
 
 
 def tail_spec(text: str) -> tuple[int, int]:
@@ -382,8 +396,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 break
             port = ports[key]
             before = metrics(port, BURST_METRICS)
-            requests = burst_requests(args.requests, seed=100 * r + j, prompt=args.prompt,
-                                      output=args.output, contexts=args.contexts)
+            spec = args.contexts[r % len(args.contexts)] if args.contexts else None
+            requests = burst_requests(args.requests or 0, seed=100 * r + j, prompt=args.prompt,
+                                      output=args.output, contexts=spec)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
             if tail_n:          # long requests this burst leaves behind (not waited for)
                 tails.append(Tail(port, args.model, burst_requests(
@@ -395,6 +410,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             after = metrics(port, BURST_METRICS)
             burst.update(engine=key, round=r, preemptions=None if None in (before[0], after[0])
                          else after[0] - before[0])
+            if spec:
+                burst["contexts"] = spec_name(spec)
             if None not in before[1:] + after[1:]:
                 burst["prefix_cache_queries"], burst["prefix_cache_hits"] = (
                     int(a - b) for a, b in zip(after[1:], before[1:]))
@@ -448,6 +465,27 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
         time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
 
 
+def per_workload(static: dict, elastic: dict, specs) -> list[dict]:
+    """Each ``--contexts`` workload's figures, static against elastic: output tokens over
+    the summed wall time of its bursts, preemptions and prefix hits."""
+    rows = []
+    for spec in map(spec_name, specs):
+        row = {"contexts": spec}
+        for name, r in (("static", static), ("elastic", elastic)):
+            bursts = [b for b in r["bursts"] if b.get("contexts") == spec]
+            wall = sum(b["wall_s"] for b in bursts)
+            row[f"{name}_tok_s"] = (round(sum(b["output_tokens"] for b in bursts) / wall, 1)
+                                    if wall else None)
+            row[f"{name}_bursts"] = len(bursts)
+            row.setdefault("preemptions", []).append(sum(b["preemptions"] or 0 for b in bursts))
+            row.setdefault("prefix_hit_rate", []).append(hit_rate(bursts))
+            row.setdefault("errors", []).append(sum(b["errors"] for b in bursts))
+        row["ratio"] = (round(row["elastic_tok_s"] / row["static_tok_s"], 3)
+                        if row["static_tok_s"] and row["elastic_tok_s"] else None)
+        rows.append(row)
+    return rows
+
+
 def hit_rate(bursts: list[dict]) -> float | None:
     """vLLM's prefix-cache hit rate over ``bursts`` (tokens hit / tokens looked up; None
     where the servers did not report it)."""
@@ -495,8 +533,11 @@ def parse(argv=None):
                     help="a reuse workload: each burst COUNT contexts of TOKENS tokens (new ones "
                          "each burst), each asked VISITS times, a round of every context at a "
                          "time in its own order; whether a visit finds its context still "
-                         "cached is what an engine's KV memory decides (default: none, every "
-                         "prompt its own)")
+                         "cached is what an engine's KV memory decides; several, comma-"
+                         "separated (e.g. 50:4096:4,100:4096:4), are sent one a round in "
+                         "turn (round r the (r mod how many)-th; --rounds at least how "
+                         "many), and the summary gives each its own ratio (default: none, "
+                         "every prompt its own)")
     ap.add_argument("--output", type=int, default=512,
                     help="output tokens per request (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, default=None,
@@ -568,14 +609,20 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     n, notes = args.engines, []
     static = "static" in order
     output = max(args.output, args.tail[1])
-    context = args.contexts[1] if args.contexts else 0
+    context = max(t for _, t, _ in args.contexts) if args.contexts else 0
     longest = context + args.prompt * 3 // 2 + output
     if args.contexts:
-        if args.requests is not None and args.requests != args.contexts[0] * args.contexts[2]:
-            return (f"--requests {args.requests} and --contexts "
-                    f"{':'.join(map(str, args.contexts))} disagree: with --contexts a burst is COUNT x VISITS = "
-                    f"{args.contexts[0] * args.contexts[2]} requests; leave --requests out"), notes
-        args.requests = args.contexts[0] * args.contexts[2]
+        sizes = [c * v for c, _, v in args.contexts]
+        given = ",".join(map(spec_name, args.contexts))
+        if len(sizes) > 1 and args.rounds < len(sizes):
+            return (f"--contexts {given} gives {len(sizes)} workloads, one a round, but "
+                    f"--rounds is {args.rounds}: give --rounds {len(sizes)} (or a multiple of "
+                    f"it, to run each as often)"), notes
+        if args.requests is not None and (len(sizes) > 1 or args.requests != sizes[0]):
+            return (f"--requests {args.requests} and --contexts {given} disagree: with "
+                    f"--contexts a burst is COUNT x VISITS = "
+                    f"{' or '.join(map(str, sizes))} requests; leave --requests out"), notes
+        args.requests = sizes[0] if len(sizes) == 1 else None
     elif args.requests is None:
         args.requests = 1000
     if args.max_model_len is None:
@@ -674,10 +721,14 @@ def main() -> int:
     budget = kit.Budget(args.budget)
     env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
     keys = names(args.engines)
-    reuse = (f", after {args.contexts[0]} contexts of {args.contexts[1]} tokens, each asked "
-             f"{args.contexts[2]} times" if args.contexts else "")
+    reuse = "".join(f"{', then' if i else ', after'} {c} contexts of {t} tokens, each asked "
+                    f"{v} times" for i, (c, t, v) in enumerate(args.contexts or ()))
+    if args.contexts and len(args.contexts) > 1:
+        reuse += " (one workload a round, in turn)"
+    per_burst = ("/".join(str(c * v) for c, _, v in args.contexts) if args.contexts
+                 else args.requests)
     out.log(f"{args.engines} engines ({', '.join(keys)} on ports {args.port}-"
-            f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {args.requests} "
+            f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {per_burst} "
             f"requests per burst ({args.prompt} prompt / {args.output} output tokens{reuse}), "
             f"{args.rounds} round(s) of {args.engines} bursts, static "
             f"gpu_memory_utilization {args.static_util} with "
@@ -741,6 +792,8 @@ def main() -> int:
     else:
         summary = {"why": "a setup did not finish: see two_engines.json"}
     summary["engines"] = args.engines
+    if s and e and args.contexts and len(args.contexts) > 1:
+        summary["per_workload"] = per_workload(s, e, args.contexts)
     burst_rates = {n: [b["output_tokens_per_s"] for b in r["bursts"]] for n, r in results.items()}
     if burst_rates:
         summary["per_burst_tok_s"] = burst_rates
