@@ -138,7 +138,10 @@ class ReuseHorizon:
     not hit *yet* may be hit later), so until the pool has been watched for ``warmup``
     steps the horizon is at least the time watched: nothing is evicted early before there
     was time to see it reused. With no reuse seen after that, the horizon is
-    ``min_horizon``: nothing cached is worth keeping out of LRU order.
+    ``min_horizon``: nothing cached is worth keeping out of LRU order. A pool that went
+    idle starts a new period (:meth:`restart`): the warm-up applies again, since the reuse
+    of one burst says little about the next one's (a burst over twice the contexts comes
+    back to each twice as late).
     """
 
     def __init__(self, quantile: float = 0.99, samples: int = 4096, min_horizon: int = 0,
@@ -158,6 +161,14 @@ class ReuseHorizon:
     def watching(self, step: int) -> None:
         """Something was cached at ``step`` (the first call starts the warm-up)."""
         if self._since is None:
+            self._since = step
+
+    def restart(self, step: int) -> None:
+        """A new busy period starts at ``step`` (the pool was idle: no live block): the
+        reuse seen before need not be this load's, so the warm-up floor applies again from
+        here (the ages seen stay samples). Before anything was cached it changes nothing:
+        the first warm-up starts with the first cached block (:meth:`watching`)."""
+        if self._since is not None:
             self._since = step
 
     def on_hit(self, age: int) -> None:

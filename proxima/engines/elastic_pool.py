@@ -73,6 +73,8 @@ class GranuleFreeQueue(ProximaFreeQueue):
         self.early_evictions = 0        # cached blocks taken out of LRU order (the window)
         self.released_cached = 0        # cached blocks evicted because their granule went
         self._revived: list[int] = []   # prefix hits whose owner's end is not known yet
+        self._idle = False              # the last tick saw no live block (a new period next)
+        self.busy_periods = 0           # ticks that found live blocks after an idle one
         buddy = self.buddy
         for g in range(mapped, granules):
             ids = self.granules.ids_of(g)
@@ -93,9 +95,19 @@ class GranuleFreeQueue(ProximaFreeQueue):
         return tuple([r.horizon(now) for r in self.reuse])
 
     def tick(self, step: int) -> None:
-        """A scheduler step starts: the window follows the clock and the horizons."""
+        """A scheduler step starts: the window follows the clock and the horizons. The first
+        step with live blocks after a step without any starts a new busy period: each
+        horizon's warm-up begins again (:meth:`ReuseHorizon.restart`)."""
         self.now = step
-        self.granules.tick(step, self.horizons)
+        gi = self.granules
+        if gi.num_live == len(gi.reserved):
+            self._idle = True
+        elif self._idle:
+            self._idle = False
+            self.busy_periods += 1
+            for r in self.reuse:
+                r.restart(step)
+        gi.tick(step, self.horizons)
 
     # ------------------------------------------------------------------ handing out
     def popleft_n(self, n: int) -> list:
@@ -336,6 +348,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
         out = self.granules.summary()
         out.update(eviction=str(self.eviction), horizon_steps=list(self.horizons),
                    early_evictions=self.early_evictions, released_cached=self.released_cached,
+                   busy_periods=self.busy_periods,
                    reuse_hits=[r.hits for r in self.reuse],
                    ghost_hits=[r.ghost_hits for r in self.reuse])
         return out

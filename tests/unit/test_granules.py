@@ -145,6 +145,21 @@ def test_reuse_horizon_warms_up_then_follows_the_ages_and_the_ghosts():
     assert r2.horizon(0) == 51
 
 
+def test_a_restart_waits_out_a_new_warm_up_before_the_learnt_horizon_applies_again():
+    r = ReuseHorizon(quantile=0.9, warmup=100, margin=1.0)
+    r.restart(5)                                  # nothing cached yet: no period to restart
+    r.watching(10)
+    assert r.horizon(40) == 30
+    for age in range(1, 11):
+        r.on_hit(age)
+    assert r.horizon(200) == 10                   # learnt: the first period's reuse
+    r.restart(300)                                # idle, then a new load from step 300
+    assert r.horizon(340) == 40                   # what was cached since 300 is kept
+    assert r.horizon(399) == 99
+    assert r.horizon(400) == 10                   # warmed up: the samples decide again
+    assert r.hits == 10
+
+
 def test_move_carries_each_content_with_its_state_through_a_permutation():
     """KV compaction's moves (GranuleIndex.move): live ids keep their ends, cached ids
     their place in the LRU order, class, age and window; a cycle among contents works."""
