@@ -93,7 +93,12 @@ def main() -> int:
             prompt = body.get("prompt") or []
             with lock:
                 active[0] += 1
-                keys = [tuple(prompt[:i]) for i in range(BLOCK, len(prompt) + 1, BLOCK)]
+                # a block's key chains its parent's with its own tokens (as vLLM's block
+                # hashes do): O(prompt) per request, not a tuple of the whole prefix per block
+                keys, parent = [], None
+                for i in range(BLOCK, len(prompt) + 1, BLOCK):
+                    parent = hash((parent, tuple(prompt[i - BLOCK:i])))
+                    keys.append(parent)
                 hit = 0
                 while hit < len(keys) and keys[hit] in cached:
                     hit += 1
