@@ -1,20 +1,23 @@
 """What KV capacity does to a reuse burst of ``two_engines.py --contexts`` (CPU replay).
 
-    ./dev python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS] [OUTPUT]
+    ./dev python -m tests.bench.reuse_capacity [COUNT[+COUNT...],...] [TOKENS] [VISITS] [OUTPUT]
 
 For each context count (default 50,75,100,125,150; contexts of TOKENS tokens, default
 4,096, each asked VISITS times, default 4, after a 64-token question, OUTPUT output tokens,
-default 128:
-one burst of driver B's reuse workload, seed 0), replays the burst through vLLM 0.26's
+default 128: one burst of driver B's reuse workload, seed 0), replays the burst through vLLM 0.26's
 real (async) scheduler with stock pools the size of a static 0.45 share (46.6 GiB of
 Llama-3.1-8B KV: 23,859 blocks) and of an elastic engine's maximum (90 GiB: 46,080 blocks),
 and then as driver B's elastic engine runs it (``proxima_elastic``: Proxima's pool with the
 real connector and grow/shrink policy, min 2 GiB, max 90 GiB, 2 s release delay, 32 MiB
 granules a layer, starting at its minimum; a step is 25 ms on the policy's clock, the
 worker a stand-in: :mod:`proxima.replay.elastic`), and prints one JSON line per count: the
-working set (GiB of the contexts' KV), and per pool its steps, prefix-hit rate and
+working set (GiB of the contexts' KV), and per pool its steps, the tokens the runner would
+compute (``scheduled_tokens``: prefill chunks and decodes), prefix-hit rate and
 preemptions (the elastic one also its mean mapped size, its grows and shrinks and the
-cached blocks its releases evicted). A measurement script, not a test: the steps are
+cached blocks its releases evicted). ``50+50+100`` is one row of three bursts in a row on
+the same engines (each with contexts of its own, ``GAP_STEPS`` apart: the engine idles in
+between), as driver B's engines see them with several ``--contexts`` workloads; the
+working set is the largest burst's. A measurement script, not a test: the steps are
 scheduler steps (prefill and decode tokens per step differ), not time.
 """
 
@@ -28,18 +31,20 @@ GiB = 1 << 30
 TOKEN_BYTES = 128 * 1024                # Llama-3.1-8B's KV a token
 BLOCK_BYTES = 16 * TOKEN_BYTES          # a block of 16 tokens
 MAX_GIB = 90                            # driver B's elastic maximum (--max-gib 90)
+GAP_STEPS = 400                         # bursts in a sequence arrive this many steps apart
 POOLS = (("static", int(46.6 * GiB) // BLOCK_BYTES), ("elastic", MAX_GIB * GiB // BLOCK_BYTES))
 
 
 def main(argv: list[str]) -> int:
     try:
-        counts = [int(x) for x in (argv[0] if argv else "50,75,100,125,150").split(",")]
+        counts = [[int(c) for c in x.split("+")]
+                  for x in (argv[0] if argv else "50,75,100,125,150").split(",")]
         tokens = int(argv[1]) if len(argv) > 1 else 4096
         visits = int(argv[2]) if len(argv) > 2 else 4
         output = int(argv[3]) if len(argv) > 3 else 128
     except ValueError:
-        print("usage: python -m tests.bench.reuse_capacity [COUNT,COUNT,...] [TOKENS] [VISITS] "
-              "[OUTPUT]",
+        print("usage: python -m tests.bench.reuse_capacity [COUNT[+COUNT...],...] [TOKENS] "
+              "[VISITS] [OUTPUT]",
               file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
@@ -49,13 +54,18 @@ def main(argv: list[str]) -> int:
     from proxima.replay.elastic import ElasticReplay
     from proxima.workloads import RequestSpec, Workload
 
-    for count in counts:
-        burst = two_engines.burst_requests(0, seed=0, prompt=64, output=output,
-                                           contexts=(count, tokens, visits))
-        workload = Workload("contexts", [RequestSpec(f"r{i}", p, m)
-                                         for i, (p, m) in enumerate(burst)])
-        row = {"contexts": count, "tokens": tokens, "visits": visits, "output": output,
-               "working_set_gib": round(count * tokens * TOKEN_BYTES / GiB, 1)}
+    for sequence in counts:
+        specs = []
+        for k, count in enumerate(sequence):     # one burst after another, new contexts each
+            burst = two_engines.burst_requests(0, seed=100 * k, prompt=64, output=output,
+                                               contexts=(count, tokens, visits))
+            name = "r" if len(sequence) == 1 else f"b{k}r"
+            specs += [RequestSpec(f"{name}{i}", p, m, arrival_step=GAP_STEPS * k)
+                      for i, (p, m) in enumerate(burst)]
+        workload = Workload("contexts", specs)
+        row = {"contexts": sequence[0] if len(sequence) == 1 else "+".join(map(str, sequence)),
+               "tokens": tokens, "visits": visits, "output": output,
+               "working_set_gib": round(max(sequence) * tokens * TOKEN_BYTES / GiB, 1)}
         # as driver B's servers: the longest request fits, vLLM 0.26's async scheduling
         # and its 8,192-token step
         engine = dict(max_model_len=tokens + 96 + output, async_scheduling=True,
