@@ -279,7 +279,9 @@ def test_a_burst_that_reuses_further_apart_than_the_last_keeps_its_hits():
                                   **engine)
     assert packed.completed == stock.completed == len(w.requests)
     assert stock.preemptions == packed.preemptions == 0
-    assert packed.details["elastic"]["pool"]["early_evictions"] > 0     # the window works
+    pool = packed.details["elastic"]["pool"]
+    assert pool["early_evictions"] > 0                   # the window works
+    assert pool["busy_periods"] == 6                     # one per burst: idle in between
     assert packed.prefix_hit_rate >= stock.prefix_hit_rate - 0.005
 
 
