@@ -35,6 +35,28 @@ GAP_STEPS = 400                         # bursts in a sequence arrive this many 
 POOLS = (("static", int(46.6 * GiB) // BLOCK_BYTES), ("elastic", MAX_GIB * GiB // BLOCK_BYTES))
 
 
+def burst_sequence(sequence: list[int], tokens: int, visits: int, prompt: int, output: int,
+                   gap: int = GAP_STEPS):
+    """Driver B's reuse bursts as one replay workload: a burst of ``count`` contexts for each
+    count of ``sequence`` (``two_engines.burst_requests``, seed 100 x its place, so each has
+    contexts of its own), ``gap`` steps apart. One burst keeps the names ``r0``, ``r1``, ..."""
+    proof = str(Path(__file__).resolve().parents[1] / "gpu" / "proof")
+    if proof not in sys.path:
+        sys.path.insert(0, proof)
+    import two_engines
+
+    from proxima.workloads import RequestSpec, Workload
+
+    specs = []
+    for k, count in enumerate(sequence):     # one burst after another, new contexts each
+        burst = two_engines.burst_requests(0, seed=100 * k, prompt=prompt, output=output,
+                                           contexts=(count, tokens, visits))
+        name = "r" if len(sequence) == 1 else f"b{k}r"
+        specs += [RequestSpec(f"{name}{i}", p, m, arrival_step=gap * k)
+                  for i, (p, m) in enumerate(burst)]
+    return Workload("contexts", specs)
+
+
 def main(argv: list[str]) -> int:
     try:
         counts = [[int(c) for c in x.split("+")]
@@ -47,22 +69,11 @@ def main(argv: list[str]) -> int:
               "[VISITS] [OUTPUT]",
               file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
-    import two_engines
-
     from proxima.replay.driver_v1 import run_replay
     from proxima.replay.elastic import ElasticReplay
-    from proxima.workloads import RequestSpec, Workload
 
     for sequence in counts:
-        specs = []
-        for k, count in enumerate(sequence):     # one burst after another, new contexts each
-            burst = two_engines.burst_requests(0, seed=100 * k, prompt=64, output=output,
-                                               contexts=(count, tokens, visits))
-            name = "r" if len(sequence) == 1 else f"b{k}r"
-            specs += [RequestSpec(f"{name}{i}", p, m, arrival_step=GAP_STEPS * k)
-                      for i, (p, m) in enumerate(burst)]
-        workload = Workload("contexts", specs)
+        workload = burst_sequence(sequence, tokens, visits, prompt=64, output=output)
         row = {"contexts": sequence[0] if len(sequence) == 1 else "+".join(map(str, sequence)),
                "tokens": tokens, "visits": visits, "output": output,
                "working_set_gib": round(max(sequence) * tokens * TOKEN_BYTES / GiB, 1)}

@@ -240,38 +240,18 @@ def test_elastic_placement_packs_live_blocks_better_than_stock_without_losing_hi
     assert p["reclaimable_granule_fraction"] > 1.5 * s["reclaimable_granule_fraction"]
 
 
-def reuse_bursts(counts, tokens=256, visits=4, output=8):
-    """Bursts, one after another: each ``count`` new contexts of ``tokens`` random tokens,
-    each asked ``visits`` times (a round of every context at a time, in its own order), a
-    16-token question each time."""
-    import random
-
-    from proxima.workloads import RequestSpec, Workload
-
-    rng = random.Random(0)
-    specs = []
-    for k, count in enumerate(counts):
-        docs = [[rng.randrange(3, 32000) for _ in range(tokens)] for _ in range(count)]
-        for v in range(visits):
-            order = list(range(count))
-            rng.shuffle(order)
-            specs += [RequestSpec(f"b{k}v{v}d{d}", docs[d] + [rng.randrange(3, 32000)
-                                                             for _ in range(16)], output,
-                                  arrival_step=300 * k) for d in order]
-    return Workload("reuse-bursts", specs)
-
-
 def test_a_burst_that_reuses_further_apart_than_the_last_keeps_its_hits():
     # Five bursts of 8 contexts teach the reuse horizon their reuse distance; the last
     # burst asks 32 contexts in turn, so its contexts come back four times further apart.
     # The horizon learnt before would take them out of LRU order before their next visit
     # (session 15 on the H200: 0.61 prefix hits where stock's pool of that size had 0.72;
-    # here 1.6 points below stock). An idle pool starts a new warm-up instead: within 0.5.
+    # here 1.9 points below stock). An idle pool starts a new warm-up instead: within 0.5.
     elastic_supported()
     from proxima.replay import driver_v1
     from proxima.replay.elastic import ElasticReplay
+    from tests.bench.reuse_capacity import burst_sequence      # driver B's reuse bursts
 
-    w = reuse_bursts([8] * 5 + [32])
+    w = burst_sequence([8] * 5 + [32], tokens=256, visits=4, prompt=16, output=8, gap=300)
     engine = dict(num_blocks=4096, max_model_len=320, max_num_batched_tokens=256,
                   max_num_seqs=4)
     stock = driver_v1.run_replay(w, proxima=False, **engine)
