@@ -99,15 +99,14 @@ class GranuleFreeQueue(ProximaFreeQueue):
         step with live blocks after a step without any starts a new busy period: each
         horizon's warm-up begins again (:meth:`ReuseHorizon.restart`)."""
         self.now = step
-        gi = self.granules
-        if gi.num_live == len(gi.reserved):
+        if not self.live_blocks():
             self._idle = True
         elif self._idle:
             self._idle = False
             self.busy_periods += 1
             for r in self.reuse:
                 r.restart(step)
-        gi.tick(step, self.horizons)
+        self.granules.tick(step, self.horizons)
 
     # ------------------------------------------------------------------ handing out
     def popleft_n(self, n: int) -> list:

@@ -209,7 +209,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     in_flight = 0
     completed = 0
     steps = 0
-    computed = 0        # tokens the model runner would compute (prefill chunks and decodes)
+    scheduled_tokens = 0    # tokens the model runner would compute (prefill chunks, decodes)
     step = 0
     sched_seconds = 0.0
     peak_running = 0
@@ -269,7 +269,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                                                   if not requests[rid].is_prefill_chunk}))
                 steps += 1
                 step += 1
-                computed += out.total_num_scheduled_tokens
+                scheduled_tokens += out.total_num_scheduled_tokens
                 if len(in_flight_steps) < depth and scheduler.has_requests():
                     continue      # vLLM fills its batch queue before it waits for an output
             out, sampling = in_flight_steps.pop()
@@ -323,7 +323,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         num_blocks=num_blocks,
         largest_free_run_timeline=free_run_timeline,
         details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
-                 "scheduled_tokens": computed,
+                 "scheduled_tokens": scheduled_tokens,
                  **tally.means(), "reclaim_timeline": tally.timeline(),
                  **(elastic_run.report() if elastic_run is not None else {}),
                  **({"compaction": compactor.stats()} if compactor is not None else {})},
