@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PROOF = REPO / "tests" / "gpu" / "proof"
 
@@ -172,6 +174,67 @@ def test_d_turns_summary_counts_every_round_and_fails_a_missing_turn():
     ok, s = proof.turns_summary(turns((8000.0, 10000.0), (8000.0, 11000.0)),
                                 turns((6000.0, 9900.0)), order)
     assert not ok and s["ratio"] is None and s["elastic_tok_s"] == [9900.0]
+
+
+def test_driver_a_d_interleave_freezes_the_engine_not_running_and_counts_each_slice(tmp_path):
+    done = run("elastic_proof.py", tmp_path, "--budget", "300", "--only", "d",
+               "--d-turns", "3", "--d-interleave", "1.2,1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    d = json.loads((tmp_path / "elastic_proof.json").read_text())["subproofs"]["d"]
+    assert d["passed"], d
+    s = d["summary"]
+    assert s["order"] == [["stock", "elastic-auto"], ["elastic-auto", "stock"],
+                          ["stock", "elastic-auto"]]
+    # the stand-ins step at 10,000 and 9,950 tok/s while they run; each counted only in its
+    # own slices: the one stopped logged no step inside the other's (SIGSTOP of its group)
+    assert s["frozen_leak_tokens"] == {"stock": 0, "elastic-auto": 0}
+    assert s["stock_tok_s"] == pytest.approx([10000.0] * 3, rel=2e-3)
+    assert s["elastic_tok_s"] == pytest.approx([9950.0] * 3, rel=2e-3)
+    assert s["ratio"] == pytest.approx(0.995, abs=2e-3)
+    assert (s["slice_s"], s["warmup_s"], s["settle_s"]) == (1.2, 1.0, 0.5)
+    log = (tmp_path / "elastic_proof.log").read_text()
+    assert "8 slices played (6 measured)" in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elastic_proof-logs.tgz", "elastic_proof.json", "elastic_proof.log"]
+    # the step logs stay out of the record
+    assert "step_log" not in (tmp_path / "elastic_proof.json").read_text()
+    for bad_args, says in [(["--d-interleave", "5"], "without --d-turns"),
+                           (["--d-turns", "2", "--d-interleave", "0.8"], "leaves nothing"),
+                           (["--d-turns", "2", "--d-interleave", "5,x"], "got '5,x'")]:
+        bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", *bad_args)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert says in bad.stderr
+
+
+def test_d_interleave_summary_counts_whole_steps_and_fails_an_engine_that_was_not_frozen():
+    proof = _elastic_proof()
+    order = proof.turn_order(2)
+
+    def steps(t0, t1, per_s):           # a step every 0.01 s, each with its own tokens
+        n = round((t1 - t0) / 0.01)
+        return [(round(t0 + 0.01 * (k + 1), 4), per_s * 0.01) for k in range(n)]
+
+    plan = [(None, "stock", 0, 2), (None, "elastic-auto", 2, 4),
+            (0, "stock", 4, 7), (0, "elastic-auto", 7, 10),
+            (1, "elastic-auto", 10, 13), (1, "stock", 13, 16)]
+    rates = {"stock": {0: 10000.0, 1: 8000.0}, "elastic-auto": {0: 9900.0, 1: 8000.0}}
+    logs = {"stock": [], "elastic-auto": []}
+    for r, m, a, b in plan:
+        logs[m] += steps(a, b, 5000.0 if r is None else rates[m][r])
+    ok, s = proof.interleave_summary(logs, plan, order, 0.5)
+    assert s["stock_tok_s"] == [10000.0, 8000.0] and s["elastic_tok_s"] == [9900.0, 8000.0]
+    assert s["ratio_per_round"] == [0.99, 1.0]
+    # pooled by tokens over seconds: (9900 + 8000) / (10000 + 8000), equal slice lengths
+    assert s["ratio"] == round(17900 / 18000, 4) and ok       # 0.9944 >= 0.99
+    assert s["stock_spread_pct"] == round(100 * 2000 / 9000, 2)
+    assert s["frozen_leak_tokens"] == {"stock": 0, "elastic-auto": 0}
+    # a step of stock's inside elastic's slice: it was not stopped, the slices say nothing
+    leaked = dict(logs, stock=sorted(logs["stock"] + [(8.5, 640.0)]))
+    ok, s = proof.interleave_summary(leaked, plan, order, 0.5)
+    assert not ok and s["frozen_leak_tokens"]["stock"] == 640 and "stopped" in s["error"]
+    # elastic's round-1 slice never ran: no ratio
+    ok, s = proof.interleave_summary(logs, plan[:4] + plan[5:], order, 0.5)
+    assert not ok and s["ratio"] is None and s["elastic_tok_s"] == [9900.0, None]
 
 
 def test_driver_a_says_when_the_budget_cannot_hold_d(tmp_path):

@@ -135,6 +135,18 @@ def test_the_drain_is_bounded_then_what_still_runs_is_aborted():
         == sum(engine.emitted.values())
 
 
+def test_the_step_log_has_every_step_at_its_end_with_its_tokens():
+    clock = Clock()
+    engine = Engine(clock)
+    log: list = []
+    done = closed_loop(engine, REQUESTS, 4, params=lambda m: SimpleNamespace(max_tokens=m),
+                       warmup_s=2.0, windows=2, window_s=3.0, drain_s=30.0, clock=clock,
+                       step_log=log)
+    assert log == [(round(t, 4), k) for t, k, _ in engine.steps]
+    assert sum(k for _, k in log) == sum(engine.emitted.values()) == \
+        sum(w["output_tokens"] for w in done["windows"]) + done["drain"]["output_tokens"]
+
+
 def test_the_closed_loop_refuses_an_empty_list():
     with pytest.raises(ValueError, match="no requests"):
         run(requests=[])

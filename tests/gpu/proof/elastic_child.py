@@ -4,7 +4,7 @@
     python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
     python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
         [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
-        [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]]
+        [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]] [--step-log]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
@@ -281,7 +281,7 @@ def thin(samples: list, keep: int = 300) -> list:
 
 def closed_loop(engine, requests, concurrency: int, *, params, render=None, warmup_s=10.0,
                 windows=2, window_s=20.0, drain_s=5.0, clock=time.monotonic,
-                on_window=None) -> dict:
+                on_window=None, step_log=None) -> dict:
     """A steady load on an offline engine (vLLM V1 ``LLMEngine``: ``add_request``, ``step``,
     ``has_unfinished_requests``, ``abort_request``): ``concurrency`` requests in flight, the
     next of ``requests`` ((prompt token ids, max tokens), cycled in list order) added as soon
@@ -293,7 +293,9 @@ def closed_loop(engine, requests, concurrency: int, *, params, render=None, warm
     windows of ``window_s``; a step's tokens count in the window where the step ended. After
     the last window nothing more is submitted and the running requests drain for at most
     ``drain_s`` s (what is left is aborted; its tokens so far count in "drain").
-    ``on_window(index, window)`` is called as each window closes."""
+    ``on_window(index, window)`` is called as each window closes. ``step_log`` (a list)
+    gets ``(clock at the step's end, output tokens of the step)`` for every step: what the
+    driver's interleaved slices (``elastic_proof.py --d-interleave``) are counted from."""
     if not requests:
         raise ValueError("closed_loop: no requests to submit")
     if concurrency < 1:
@@ -353,13 +355,17 @@ def closed_loop(engine, requests, concurrency: int, *, params, render=None, warm
         t = clock()
         bucket = where(t)
         bucket["steps"] += 1
+        got = 0
         for out in outputs:
             if out.request_id not in in_flight:
                 continue
-            bucket["output_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+            got += sum(len(c.token_ids) for c in out.outputs)
             if out.finished:
                 del in_flight[out.request_id]
                 bucket["finished"] += 1
+        bucket["output_tokens"] += got
+        if step_log is not None:
+            step_log.append((round(t, 4), got))
         closed = close(closed, t)
     closed = close(closed, clock())
     drain["seconds"] = round(clock() - end, 3)
@@ -405,14 +411,17 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
             entry["timeline"] = thin(sampler.samples)
         save(args, result)                  # what is done survives a timeout
 
+    log = [] if getattr(args, "step_log", False) else None
     done = closed_loop(llm.llm_engine, requests, int(args.concurrency), params=params,
                        render=render, warmup_s=float(args.warmup_s), windows=int(args.windows),
                        window_s=float(args.window_s), drain_s=float(args.drain_s),
-                       on_window=on_window)
+                       on_window=on_window, step_log=log)
     last = preemptions(llm)
     run.update({k: v for k, v in done.items() if k != "windows"},
                preemptions=None if last is None or first is None else last - first,
                ended_s=round(time.time() - t0, 2))
+    if log is not None:
+        run["step_log"] = log
     if client is not None:
         entry["profile"] = profile(args.profile_prefix, epoch, run["windows"])
     save(args, result)
@@ -636,6 +645,10 @@ def main() -> int:
                          "side by side take turns with the GPU) (default: 0, one load)")
     ap.add_argument("--turn-dir", default=None, metavar="DIR",
                     help="--turns: where the turn and done files are (default: none)")
+    ap.add_argument("--step-log", action="store_true",
+                    help="throughput, steady: record each step's end (monotonic clock) and "
+                         "output tokens in the result (the driver's --d-interleave counts its "
+                         "slices from them) (default: off)")
     ap.add_argument("--cpus", default=None, metavar="LIST",
                     help="run on these CPUs only, e.g. 0-7 or 0,2,4 (the engine core's "
                          "process inherits them) (default: wherever the OS puts it)")

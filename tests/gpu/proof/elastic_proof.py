@@ -2,7 +2,8 @@
 
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
-        [--d-turns ROUNDS | --d-together GIB] [--d-also M,...] [--d-phases]
+        [--d-turns ROUNDS [--d-interleave SLICE[,WARMUP]] | --d-together GIB] [--d-also M,...]
+        [--d-phases]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
@@ -51,6 +52,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from signal import SIGCONT, SIGSTOP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -122,13 +124,15 @@ def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -
 
 
 def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float,
-             go: Path | None = None, after_go=None) -> dict:
+             go: Path | None = None, after_go=None, before_go=None) -> dict:
     """Several children side by side (their engines share the GPU), each killed when
     ``timeout`` s have passed; name -> result as :func:`child`'s. With ``go`` (children
     started with ``--start-after go``): once every child is built (its ``go.ready-*`` file)
-    or one has exited, ``go`` is made, so that their loads start at one moment; then
-    ``after_go(alive, deadline)`` runs, if given (``alive(name)``: that child runs). The go
-    and ready files are removed once the children are done."""
+    or one has exited, ``before_go(signal)`` runs, if given, then ``go`` is made, so that
+    their loads start at one moment; then ``after_go(alive, deadline, signal)`` runs, if
+    given (``alive(name)``: that child runs; ``signal(name, sig)`` sends ``sig`` to the
+    child's process group, its engine core included). The go and ready files are removed
+    once the children are done."""
     started = time.monotonic()
     if go is not None:                      # a go or ready file of an earlier run
         for stale in [go, *go.parent.glob(f"{go.name}.ready-*")]:
@@ -139,6 +143,14 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
         path.unlink(missing_ok=True)
         procs[name] = (kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
                                  out.child_log(name)), path)
+    def signal(name: str, sig: int) -> None:
+        proc = procs[name][0]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     if go is not None:
         ready = 0
         while time.monotonic() < started + timeout:
@@ -146,11 +158,13 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
             if ready >= len(procs) or any(p.poll() is not None for p, _ in procs.values()):
                 break
             time.sleep(0.2)
+        if before_go is not None:
+            before_go(signal)
         go.write_text("go")
         out.log(f"  {ready} of {len(procs)} engines ready after "
                 f"{time.monotonic() - started:.0f}s: loads start")
         if after_go is not None:
-            after_go(lambda name: procs[name][0].poll() is None, started + timeout)
+            after_go(lambda name: procs[name][0].poll() is None, started + timeout, signal)
     results = {}
     for name, (proc, path) in procs.items():
         try:
@@ -325,6 +339,9 @@ D_TURNS = 0                # --d-turns ROUNDS: side by side, taking turns with t
 D_TURN = {"warmup_s": 10.0, "windows": 1, "window_s": 20.0, "drain_s": 0.0}   # one turn
 D_TURN_GIB = 40.0          # --d-turns: each engine's KV (elastic: its pool, mapped on demand)
 D_CPUS = ""                # --d-cpus: the CPUs (d)'s engines run on ("" : the OS decides)
+D_INTERLEAVE = 0.0         # --d-interleave SLICE[,WARMUP]: with --d-turns, slices of SLICE s
+D_INTERLEAVE_WARMUP = 10.0  # each engine's first slice, not measured (its ramp, its grows)
+D_SETTLE_S = 0.5           # the start of each slice not counted (the step frozen mid-way)
 START_S = 130.0            # an engine start-up of the dummy 8B, at its slowest seen
 
 
@@ -403,6 +420,8 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
             D_STEADY["windows"] * D_STEADY["window_s"]
     else:
         run_s = 45.0                      # two passes of 300 requests and the pause between
+    if D_TURNS and D_INTERLEAVE:
+        return proof_d_interleave(out, budget, env, share, load)
     if D_TURNS:
         return proof_d_turns(out, budget, env, share, load)
     if D_TOGETHER:
@@ -534,7 +553,7 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
     names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
     played: list = []
 
-    def conduct(alive, deadline) -> None:
+    def conduct(alive, deadline, signal) -> None:
         for r, pair in enumerate(order):
             for m in pair:
                 began = time.monotonic()
@@ -565,6 +584,160 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
     out.record("d", passed=ok, summary=summary,
                error=runs["stock"].get("error") or runs["elastic-auto"].get("error"),
                log_tail=runs["stock"].get("log_tail") or runs["elastic-auto"].get("log_tail"))
+
+
+def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float,
+                       load: str) -> None:
+    """``--d-turns ROUNDS --d-interleave SLICE[,WARMUP]``: stock and elastic side by side
+    (KV ``D_TURN_GIB`` each), both loaded from the start with the same closed loop, and
+    only one engine runs at a time: the other's process group (its engine core with it) is
+    stopped (SIGSTOP) with its requests in flight and its memory as it was, then continued
+    (SIGCONT) for its own slice. After one WARMUP slice each (the ramp to 256 requests in
+    flight, the elastic engine's grows), ROUNDS rounds of one SLICE each, in
+    :func:`turn_order`. Each slice's rate is its engine's output tokens over the steps that
+    ended in it (the child's step log, monotonic clock), less its first ``D_SETTLE_S``.
+    With turns of 30 s (``--d-turns`` alone) the host's speed changed from one turn to the
+    next by up to 19% (session 16); slices of a few seconds pair the engines closer in
+    time, with no ramp or regrowth inside a measured slice. An engine that produced tokens
+    inside the other's slices was not frozen: (d) fails then, whatever the ratio."""
+    if load != "steady":
+        out.record("d", passed=False, skipped="--d-interleave needs the steady load")
+        return
+    rounds, S, W = D_TURNS, D_INTERLEAVE, D_INTERLEAVE_WARMUP
+    schedule = 2 * W + 2 * rounds * S
+    if not side_by_side_fits(out, share, START_S + schedule + W + 30,
+                             f"{rounds} rounds of {S:g} s slices",
+                             f"start-up, two {W:g} s warm-ups, {2 * rounds} slices, stop",
+                             "--d-interleave"):
+        return
+    modes = ["stock", "elastic-auto"]
+    order = turn_order(rounds)
+    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    go = out.dir / ".d-go"
+    active = W + rounds * S                 # one engine's running seconds
+    requests = D_REQUESTS["steady"] * max(1, -(-int(active) // 55))
+    out.log(f"(d) steady load interleaved: {rounds} rounds of {S:g} s slices after a {W:g} s "
+            f"warm-up each ({', '.join('/'.join(r) for r in order)}), KV {D_TURN_GIB:g} GiB "
+            f"each, side by side; budget {share:.0f}s")
+    # each child's loop: its warm-up window, then one window to past the schedule's end
+    # (the second engine starts its loop a warm-up later, when it is first let run)
+    job = ["throughput", "--requests", str(requests), "--load", "steady", "--start-after",
+           str(go), "--kv-gib", f"{D_TURN_GIB:g}", "--gpu-memory-utilization", "0.3",
+           "--concurrency", str(D_STEADY["concurrency"]), "--warmup-s", f"{W:g}",
+           "--windows", "1", "--window-s", f"{schedule - W + 2:g}", "--drain-s", "0",
+           "--step-log"]
+    if D_PROFILE:
+        job.append("--profile" if D_PROFILE == "full" else "--phases")
+    if D_CPUS:
+        job += ["--cpus", D_CPUS]
+    slices: list = []
+
+    def freeze_second(signal) -> None:
+        signal(names[modes[1]], SIGSTOP)
+
+    def conduct(alive, deadline, signal) -> None:
+        running = modes[0]
+        plan = [(None, m, W) for m in modes] + [(r, m, S) for r, pair in enumerate(order)
+                                                for m in pair]
+        try:
+            for r, m, span in plan:
+                if not all(alive(names[x]) for x in modes) or time.monotonic() + span > deadline:
+                    out.log(f"  slice {r} of {m}: not run (an engine exited or time ran out)")
+                    return
+                if m != running:
+                    signal(names[running], SIGSTOP)
+                    signal(names[m], SIGCONT)
+                    running = m
+                began = time.monotonic()
+                time.sleep(span)
+                slices.append((r, m, began, time.monotonic()))
+        finally:
+            for m in modes:                  # both run to their loop's end, then exit
+                signal(names[m], SIGCONT)
+        out.log(f"  {len(slices)} slices played ({2 * rounds} measured)")
+
+    found = children(out, {names[m]: [*job, "--modes", m] for m in modes}, env, share - 5,
+                     go=go, before_go=freeze_second, after_go=conduct)
+    runs = {m: found[names[m]] for m in modes}
+    steady = {m: (runs[m].get(m) or {}).get("steady") or {} for m in modes}
+    ok, summary = interleave_summary({m: steady[m].get("step_log") or [] for m in modes},
+                                     slices, order, D_SETTLE_S)
+    e = (runs["elastic-auto"].get("elastic-auto") or {}).get("elastic") or {}
+    summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")},
+                   preemptions=[steady[m].get("preemptions") for m in modes],
+                   slice_s=S, warmup_s=W, settle_s=D_SETTLE_S, kv_gib=D_TURN_GIB,
+                   cpus=D_CPUS or None)
+    ok = ok and all(r.get("rc") == 0 for r in runs.values())
+    for m in modes:
+        entry = dict(runs[m].get(m) or {})
+        if entry.get("steady"):
+            entry["steady"] = {k: v for k, v in entry["steady"].items() if k != "step_log"}
+        record_profile(out, m, entry)
+    out.record("d", passed=ok, summary=summary,
+               error=runs["stock"].get("error") or runs["elastic-auto"].get("error"),
+               log_tail=runs["stock"].get("log_tail") or runs["elastic-auto"].get("log_tail"))
+
+
+def interleave_summary(logs: dict, slices: list, order: list,
+                       settle: float) -> tuple[bool, dict]:
+    """(d) interleaved: ``logs`` (mode -> [(monotonic end of a step, its output tokens)]),
+    ``slices`` ([(round or None for a warm-up, mode, began, ended)], the driver's monotonic
+    clock, the same as the children's). A slice's rate: of its engine's steps that ended in
+    [began + settle, ended], all but the first, their tokens over the time from the first's
+    end to the last's (each step runs from the previous one's end: no part of a step
+    outside the slice is counted, nor any time without a step). The ratio is
+    elastic's tokens over its seconds against stock's, over every measured slice; beside
+    it each round's ratio, stock's spread over its slices, and ``frozen_leak_tokens``: each
+    engine's tokens from steps that ended inside the *other* engine's slices (past their
+    settle), which a frozen engine cannot have. Passes when every round has both slices
+    with tokens, nothing leaked, and the ratio is at least D_TARGET."""
+    from bisect import bisect_left, bisect_right
+
+    times = {m: [t for t, _ in log] for m, log in logs.items()}
+    sums = {}
+    for m, log in logs.items():
+        acc, total = [0.0], 0.0
+        for _, k in log:
+            total += k
+            acc.append(total)
+        sums[m] = acc
+
+    def steps(m, lo, hi):                   # indices of the steps that ended in [lo, hi]
+        return bisect_left(times[m], lo), bisect_right(times[m], hi)
+
+    rate: dict = {}
+    leak = {m: 0.0 for m in logs}
+    for r, m, began, ended in slices:
+        lo = began + settle
+        for other in logs:
+            if other != m:
+                i, j = steps(other, lo, ended)
+                leak[other] += sums[other][j] - sums[other][i]
+        i, j = steps(m, lo, ended)
+        if r is not None and j - i >= 2:
+            rate[(r, m)] = (sums[m][j] - sums[m][i + 1], times[m][j - 1] - times[m][i])
+    modes = ("stock", "elastic-auto")
+    per = {m: [rate.get((r, m)) for r in range(len(order))] for m in modes}
+    summary = {"load": "steady, interleaved", "target": f"ratio >= {D_TARGET}", "ratio": None,
+               "rounds": len(order), "order": order,
+               "stock_tok_s": [round(x[0] / x[1], 1) if x else None for x in per["stock"]],
+               "elastic_tok_s": [round(x[0] / x[1], 1) if x else None
+                                 for x in per["elastic-auto"]],
+               "ratio_per_round": None, "stock_spread_pct": None,
+               "frozen_leak_tokens": {m: round(v) for m, v in leak.items()}}
+    s, e = summary["stock_tok_s"], summary["elastic_tok_s"]
+    complete = all(x for x in s + e) and len(s) == len(e) == len(order) > 0
+    if complete:
+        tok = {m: sum(x[0] for x in per[m]) / sum(x[1] for x in per[m]) for m in modes}
+        summary.update(ratio=round(tok["elastic-auto"] / tok["stock"], 4),
+                       ratio_per_round=[round(b / a, 4) for a, b in zip(s, e)],
+                       stock_spread_pct=round(100 * (max(s) - min(s)) / (sum(s) / len(s)), 2))
+    frozen = not any(leak.values())
+    if not frozen:
+        summary["error"] = ("an engine ran while it should have been stopped (tokens inside "
+                            "the other engine's slices): the slices are not the engines' "
+                            "own; check that SIGSTOP reaches the engine core's process")
+    return bool(complete and frozen and summary["ratio"] >= D_TARGET), summary
 
 
 def turns_summary(stock: dict, elastic: dict, order: list) -> tuple[bool, dict]:
@@ -645,6 +818,8 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
 
 
 def main() -> int:
+    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS, D_CPUS, D_INTERLEAVE, \
+        D_INTERLEAVE_WARMUP
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
@@ -687,6 +862,13 @@ def main() -> int:
                          "pair comes from the same minutes of the same machine; (b) is not "
                          "run (default: 0, one engine after the other)" % (
                              D_TURN_GIB, D_TURN["warmup_s"], D_TURN["window_s"]))
+    ap.add_argument("--d-interleave", default="", metavar="SLICE[,WARMUP]",
+                    help="with --d-turns ROUNDS: both engines loaded from the start and "
+                         "frozen in turn (SIGSTOP/SIGCONT of the one not running), ROUNDS "
+                         "rounds of one SLICE s slice each after one WARMUP s slice each "
+                         "(default WARMUP %g); each slice's rate from the engines' step logs, "
+                         "its first %g s left out (default: off, turns of a warm-up and a "
+                         "measured window)" % (D_INTERLEAVE_WARMUP, D_SETTLE_S))
     ap.add_argument("--d-cpus", default="", metavar="LIST",
                     help="--d-turns: both engines on these CPUs (e.g. 0-7; auto: the lower "
                          "half of the CPUs this driver may use), so that whichever has its "
@@ -706,7 +888,6 @@ def main() -> int:
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
     args = ap.parse_args()
-    global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS, D_CPUS
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"a", "a2", "b", "d"})
     if unknown:
@@ -726,6 +907,24 @@ def main() -> int:
         print(f"elastic_proof: --d-turns wants a number of rounds (0: off) and neither "
               f"--d-together nor --d-also, got --d-turns {args.d_turns}", file=sys.stderr)
         return 2
+    if args.d_interleave:
+        parts = args.d_interleave.split(",")
+        try:
+            values = [float(x) for x in parts]
+        except ValueError:
+            values = []
+        if len(parts) > 2 or not values or min(values) <= 0 or not D_TURNS:
+            print(f"elastic_proof: --d-interleave wants SLICE[,WARMUP] in seconds above 0, "
+                  f"with --d-turns ROUNDS, got {args.d_interleave!r}"
+                  + ("" if D_TURNS else " without --d-turns"), file=sys.stderr)
+            return 2
+        D_INTERLEAVE = values[0]
+        D_INTERLEAVE_WARMUP = values[1] if len(values) > 1 else D_INTERLEAVE_WARMUP
+        if D_INTERLEAVE <= 2 * D_SETTLE_S:
+            print(f"elastic_proof: --d-interleave: a slice of {D_INTERLEAVE:g} s leaves "
+                  f"nothing to count after its first {D_SETTLE_S:g} s; give more than "
+                  f"{2 * D_SETTLE_S:g}", file=sys.stderr)
+            return 2
     D_CPUS = args.d_cpus
     if D_CPUS == "auto":
         mine = sorted(os.sched_getaffinity(0))

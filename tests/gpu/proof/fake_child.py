@@ -13,6 +13,21 @@ from pathlib import Path
 GiB = 1 << 30
 
 
+def step_log(rate: float, seconds: float) -> list:
+    """A step every ~10 ms for ``seconds``, each with ``rate`` x the time since the last
+    (a process stopped by the driver steps not, and its first step after makes up for the
+    pause: what the driver's settle time must leave out)."""
+    log, last = [], time.monotonic()
+    end = last + seconds
+    while True:
+        time.sleep(0.01)
+        now = time.monotonic()
+        if now >= end:
+            return log
+        log.append((round(now, 4), rate * (now - last)))
+        last = now
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if argv and argv[0] == "taker":
@@ -95,6 +110,8 @@ def main() -> int:
                 run = {"windows": windows, "concurrency": int(opts["--concurrency"]),
                        "completed": 1500 if m == "stock" else 1480, "submitted": 1756,
                        "preemptions": 0, "drain": {"aborted": 200, "seconds": 5.0}}
+                if opts.get("--step-log"):          # --d-interleave: the real step log
+                    run["step_log"] = step_log(speeds[m][1], warm + span * k)
                 if int(opts.get("--turns") or 0):   # the real child's turn protocol
                     from elastic_child import wait_for
 
