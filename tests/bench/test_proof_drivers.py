@@ -194,6 +194,11 @@ def test_driver_a_d_interleave_freezes_the_engine_not_running_and_counts_each_sl
     assert (s["slice_s"], s["warmup_s"], s["settle_s"]) == (1.2, 1.0, 0.5)
     log = (tmp_path / "elastic_proof.log").read_text()
     assert "8 slices played (6 measured)" in log
+    # who ran when, from the first slice on: the warm-ups, then the rounds in their order
+    assert [(r, m) for r, m, _, _ in s["slices"]] == [(None, "stock"), (None, "elastic-auto")] \
+        + [(r, m) for r, pair in enumerate(s["order"]) for m in pair]
+    assert s["slices"][0][2] == 0.0 and all(
+        a[3] <= b[2] + 0.05 and b[3] - b[2] >= 0.99 for a, b in zip(s["slices"], s["slices"][1:]))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "elastic_proof-logs.tgz", "elastic_proof.json", "elastic_proof.log"]
     # the step logs stay out of the record

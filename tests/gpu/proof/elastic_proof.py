@@ -663,7 +663,10 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
     ok, summary = interleave_summary({m: steady[m].get("step_log") or [] for m in modes},
                                      slices, order, D_SETTLE_S)
     e = (runs["elastic-auto"].get("elastic-auto") or {}).get("elastic") or {}
+    first = slices[0][2] if slices else 0.0
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")},
+                   slices=[[r, m, round(a - first, 2), round(b - first, 2)]
+                           for r, m, a, b in slices],
                    preemptions=[steady[m].get("preemptions") for m in modes],
                    slice_s=S, warmup_s=W, settle_s=D_SETTLE_S, kv_gib=D_TURN_GIB,
                    cpus=D_CPUS or None)
