@@ -598,7 +598,7 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
     ended in it (the child's step log, monotonic clock), less its first ``D_SETTLE_S``.
     With turns of 30 s (``--d-turns`` alone) the host's speed changed from one turn to the
     next by up to 19% (session 16); slices of a few seconds pair the engines closer in
-    time, with no ramp or regrowth inside a measured slice. An engine that produced tokens
+    time, and no measured slice holds a ramp from an empty engine. An engine that produced tokens
     inside the other's slices was not frozen: (d) fails then, whatever the ratio."""
     if load != "steady":
         out.record("d", passed=False, skipped="--d-interleave needs the steady load")
