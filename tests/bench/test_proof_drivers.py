@@ -197,6 +197,14 @@ def test_driver_a_d_interleave_freezes_the_engine_not_running_and_counts_each_sl
     # who ran when, from the first slice on: the warm-ups, then the rounds in their order
     assert [(r, m) for r, m, _, _ in s["slices"]] == [(None, "stock"), (None, "elastic-auto")] \
         + [(r, m) for r, pair in enumerate(s["order"]) for m in pair]
+    # the stand-in's one grow (at its 60th step) is placed in the slice that held it past
+    # its settle, if one did: one of the elastic engine's own (it ran then)
+    assert s["grows"] == 1 and len(s["elastic_events"]) == 1
+    kind, n, at, where = s["elastic_events"][0]
+    assert (kind, n) == ("grow", 4)
+    held = [[r, m] for r, m, a, b in s["slices"] if a + 0.5 <= at <= b]
+    assert where == (held[0] if held else None)
+    assert where is None or where[1] == "elastic-auto"
     assert s["slices"][0][2] == 0.0 and all(
         a[3] <= b[2] + 0.05 and b[3] - b[2] >= 0.99 for a, b in zip(s["slices"], s["slices"][1:]))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -240,6 +248,11 @@ def test_d_interleave_summary_counts_whole_steps_and_fails_an_engine_that_was_no
     # elastic's round-1 slice never ran: no ratio
     ok, s = proof.interleave_summary(logs, plan[:4] + plan[5:], order, 0.5)
     assert not ok and s["ratio"] is None and s["elastic_tok_s"] == [9900.0, None]
+    # the policy's events placed in the slices (settles and unreadable entries left out)
+    events = [[5.0, "grow", 2], ["x"], [7.2, "grow", 1], [8.6, "shrink", 3]]
+    assert proof.policy_events(events, plan, 0.5, 0.0) == [
+        ["grow", 2, 5.0, [0, "stock"]], ["grow", 1, 7.2, None],
+        ["shrink", 3, 8.6, [0, "elastic-auto"]]]
 
 
 def test_driver_a_says_when_the_budget_cannot_hold_d(tmp_path):

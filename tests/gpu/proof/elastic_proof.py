@@ -667,6 +667,8 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
     summary.update({k: e.get(k) for k in ("grows", "worker_map_seconds", "pool_bytes")},
                    slices=[[r, m, round(a - first, 2), round(b - first, 2)]
                            for r, m, a, b in slices],
+                   elastic_events=policy_events(e.get("events") or [], slices, D_SETTLE_S,
+                                                first),
                    preemptions=[steady[m].get("preemptions") for m in modes],
                    slice_s=S, warmup_s=W, settle_s=D_SETTLE_S, kv_gib=D_TURN_GIB,
                    cpus=D_CPUS or None)
@@ -679,6 +681,23 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
     out.record("d", passed=ok, summary=summary,
                error=runs["stock"].get("error") or runs["elastic-auto"].get("error"),
                log_tail=runs["stock"].get("log_tail") or runs["elastic-auto"].get("log_tail"))
+
+
+def policy_events(events: list, slices: list, settle: float, first: float) -> list:
+    """The elastic policy's last events (``[monotonic time, "grow"/"shrink"/"fail",
+    granules]``, its stats file's ``events``: the engine core's clock, the driver's) placed
+    in the slices: ``[kind, granules, seconds after the first slice, where]``, where is
+    ``[round, mode]`` of the slice past its settle that holds it (round None: a warm-up),
+    or None (a settle, or outside every slice)."""
+    placed = []
+    for event in events:
+        try:
+            t, kind, n = float(event[0]), str(event[1]), int(event[2])
+        except (TypeError, ValueError, IndexError):
+            continue
+        where = next(([r, m] for r, m, a, b in slices if a + settle <= t <= b), None)
+        placed.append([kind, n, round(t - first, 2), where])
+    return placed
 
 
 def interleave_summary(logs: dict, slices: list, order: list,
