@@ -213,7 +213,9 @@ def test_driver_a_d_interleave_freezes_the_engine_not_running_and_counts_each_sl
     assert "step_log" not in (tmp_path / "elastic_proof.json").read_text()
     for bad_args, says in [(["--d-interleave", "5"], "without --d-turns"),
                            (["--d-turns", "2", "--d-interleave", "0.8"], "leaves nothing"),
-                           (["--d-turns", "2", "--d-interleave", "5,x"], "got '5,x'")]:
+                           (["--d-turns", "2", "--d-interleave", "5,x"], "got '5,x'"),
+                           (["--d-turns", "2", "--d-interleave", "5", "--d-phases"],
+                            "cannot time phases")]:
         bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", *bad_args)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
         assert says in bad.stderr

@@ -360,10 +360,8 @@ def steady_summary(stock: dict, elastic: dict, windows: int) -> tuple[bool, dict
                "stock_warmup_tok_s": s_warm, "elastic_warmup_tok_s": e_warm}
     complete = len(s) == len(e) == windows and all(s + e) and s_warm and e_warm
     if complete:
-        mean = sum(s) / len(s)
         summary.update(ratio=round(sum(e) / sum(s), 4),
-                       stock_spread_pct=round(100 * (max(s) - min(s)) / mean, 2)
-                       if len(s) > 1 else None,
+                       stock_spread_pct=spread_pct(s) if len(s) > 1 else None,
                        warmup_ratio=round(e_warm / s_warm, 4),
                        ratio_per_window=[round(b / a, 4) for a, b in zip(s, e)])
     spans = [round(w["end_s"] - w["start_s"], 3) for w in (runs[0].get("windows") or [])[:2]]
@@ -482,7 +480,7 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
     go = out.dir / ".d-go"
     out.log(f"(d) {load}-load throughput, {', '.join(modes)} side by side, KV {D_TOGETHER:g} "
             f"GiB each; budget {share:.0f}s")
-    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    names = child_names(modes)
     found = children(out, {names[m]: [*job, "--modes", m, "--kv-gib", f"{D_TOGETHER:g}",
                                       "--gpu-memory-utilization", str(util),
                                       "--start-after", str(go)] for m in modes},
@@ -505,6 +503,17 @@ def proof_d_together(out: kit.Out, budget: kit.Budget, env: dict, share: float, 
     if also:
         summary = dict(out.results["subproofs"]["d"].get("summary") or {}, also=also)
         out.record("d", summary=summary)
+
+
+def child_names(modes) -> dict[str, str]:
+    """(d)'s children side by side, by engine: d-elastic for the default policy's, else
+    d-MODE (their logs' names in $OUT's tarball)."""
+    return {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+
+
+def spread_pct(values: list) -> float:
+    """Stock's spread against itself: (max - min) over the mean, in percent."""
+    return round(100 * (max(values) - min(values)) / (sum(values) / len(values)), 2)
 
 
 def turn_order(rounds: int) -> list[list[str]]:
@@ -550,7 +559,7 @@ def proof_d_turns(out: kit.Out, budget: kit.Budget, env: dict, share: float,
         job.append("--profile" if D_PROFILE == "full" else "--phases")
     if D_CPUS:                  # the same CPUs for both: a turn's engine has them to itself
         job += ["--cpus", D_CPUS]
-    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    names = child_names(modes)
     played: list = []
 
     def conduct(alive, deadline, signal) -> None:
@@ -612,7 +621,7 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
         return
     modes = ["stock", "elastic-auto"]
     order = turn_order(rounds)
-    names = {m: "d-elastic" if m == "elastic-auto" else f"d-{m}" for m in modes}
+    names = child_names(modes)
     go = out.dir / ".d-go"
     active = W + rounds * S                 # one engine's running seconds
     requests = D_REQUESTS["steady"] * max(1, -(-int(active) // 55))
@@ -626,8 +635,6 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
            "--concurrency", str(D_STEADY["concurrency"]), "--warmup-s", f"{W:g}",
            "--windows", "1", "--window-s", f"{schedule - W + 2:g}", "--drain-s", "0",
            "--step-log"]
-    if D_PROFILE:
-        job.append("--profile" if D_PROFILE == "full" else "--phases")
     if D_CPUS:
         job += ["--cpus", D_CPUS]
     slices: list = []
@@ -673,11 +680,6 @@ def proof_d_interleave(out: kit.Out, budget: kit.Budget, env: dict, share: float
                    slice_s=S, warmup_s=W, settle_s=D_SETTLE_S, kv_gib=D_TURN_GIB,
                    cpus=D_CPUS or None)
     ok = ok and all(r.get("rc") == 0 for r in runs.values())
-    for m in modes:
-        entry = dict(runs[m].get(m) or {})
-        if entry.get("steady"):
-            entry["steady"] = {k: v for k, v in entry["steady"].items() if k != "step_log"}
-        record_profile(out, m, entry)
     out.record("d", passed=ok, summary=summary,
                error=runs["stock"].get("error") or runs["elastic-auto"].get("error"),
                log_tail=runs["stock"].get("log_tail") or runs["elastic-auto"].get("log_tail"))
@@ -714,15 +716,10 @@ def interleave_summary(logs: dict, slices: list, order: list,
     settle), which a frozen engine cannot have. Passes when every round has both slices
     with tokens, nothing leaked, and the ratio is at least D_TARGET."""
     from bisect import bisect_left, bisect_right
+    from itertools import accumulate
 
     times = {m: [t for t, _ in log] for m, log in logs.items()}
-    sums = {}
-    for m, log in logs.items():
-        acc, total = [0.0], 0.0
-        for _, k in log:
-            total += k
-            acc.append(total)
-        sums[m] = acc
+    sums = {m: [0.0, *accumulate(k for _, k in log)] for m, log in logs.items()}
 
     def steps(m, lo, hi):                   # indices of the steps that ended in [lo, hi]
         return bisect_left(times[m], lo), bisect_right(times[m], hi)
@@ -753,7 +750,7 @@ def interleave_summary(logs: dict, slices: list, order: list,
         tok = {m: sum(x[0] for x in per[m]) / sum(x[1] for x in per[m]) for m in modes}
         summary.update(ratio=round(tok["elastic-auto"] / tok["stock"], 4),
                        ratio_per_round=[round(b / a, 4) for a, b in zip(s, e)],
-                       stock_spread_pct=round(100 * (max(s) - min(s)) / (sum(s) / len(s)), 2))
+                       stock_spread_pct=spread_pct(s))
     frozen = not any(leak.values())
     if not frozen:
         summary["error"] = ("an engine ran while it should have been stopped (tokens inside "
@@ -787,7 +784,7 @@ def turns_summary(stock: dict, elastic: dict, order: list) -> tuple[bool, dict]:
     if complete:
         summary.update(ratio=round(sum(e) / sum(s), 4),
                        ratio_per_round=[round(b / a, 4) for a, b in zip(s, e)],
-                       stock_spread_pct=round(100 * (max(s) - min(s)) / (sum(s) / len(s)), 2),
+                       stock_spread_pct=spread_pct(s),
                        warmup_ratio=round(sum(e_warm) / sum(s_warm), 4))
     runs = [[t.get("steady") or {} for t in x.get("turns") or []] for x in (stock, elastic)]
     summary.update(preemptions=[[r.get("preemptions") for r in x] for x in runs],
@@ -942,6 +939,11 @@ def main() -> int:
             return 2
         D_INTERLEAVE = values[0]
         D_INTERLEAVE_WARMUP = values[1] if len(values) > 1 else D_INTERLEAVE_WARMUP
+        if args.d_phases or args.d_profile:
+            print("elastic_proof: --d-interleave cannot time phases (--d-phases, "
+                  "--d-profile): a stopped engine's frozen seconds would count in whatever "
+                  "call it was stopped in", file=sys.stderr)
+            return 2
         if D_INTERLEAVE <= 2 * D_SETTLE_S:
             print(f"elastic_proof: --d-interleave: a slice of {D_INTERLEAVE:g} s leaves "
                   f"nothing to count after its first {D_SETTLE_S:g} s; give more than "

@@ -110,11 +110,11 @@ def main() -> int:
                 run = {"windows": windows, "concurrency": int(opts["--concurrency"]),
                        "completed": 1500 if m == "stock" else 1480, "submitted": 1756,
                        "preemptions": 0, "drain": {"aborted": 200, "seconds": 5.0}}
+                events = []
                 if opts.get("--step-log"):          # --d-interleave: the real step log
                     run["step_log"] = step_log(speeds[m][1], warm + span * k)
                     if m != "stock":                # a grow at its 60th step, as the
-                        grow = [run["step_log"][59][0], "grow", 4]    # policy logs one
-                        result[m + "-events"] = [grow]
+                        events = [[run["step_log"][59][0], "grow", 4]]    # policy logs one
                 if int(opts.get("--turns") or 0):   # the real child's turn protocol
                     from elastic_child import wait_for
 
@@ -127,8 +127,8 @@ def main() -> int:
                     result[m] = {"turns": turns}
                 else:
                     result[m] = {"steady": run}
-                if result.get(m + "-events"):
-                    result[m]["elastic"] = {"grows": 1, "events": result.pop(m + "-events")}
+                if events:
+                    result[m]["elastic"] = {"grows": 1, "events": events}
     time.sleep(0.2)
     out.write_text(json.dumps(result))
     return 0
