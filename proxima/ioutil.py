@@ -102,6 +102,23 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
+def publish_text(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path``, a live file another process samples, with ``text`` whole.
+
+    The text goes to ``.NAME.PID.tmp`` next to it and is renamed over it: a reader sees the
+    old file or the new one, never part of one. No fsync (a sample, not a record: this runs
+    on an engine's scheduler thread). A writer killed between the two steps leaves its
+    temporary file (``.NAME.*.tmp``) behind."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def logs_to_stderr(name: str) -> None:
     """Point the stream handlers of logger ``name`` that write to stdout at stderr (vLLM
     logs to stdout; 0.2x also reads VLLM_LOGGING_STREAM, 0.6 has no setting for it)."""

@@ -57,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from proxima.engines import compaction_v1, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
+from proxima.ioutil import publish_text
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
@@ -584,11 +584,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if not path:
             return
         self._stats_written = time.monotonic()
-        tmp = f"{path}.tmp{os.getpid()}"
-        text = json.dumps(self.status())      # one write (json.dump writes piece by piece)
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        publish_text(path, json.dumps(self.status()))
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:

@@ -32,6 +32,7 @@ from typing import Callable
 
 from proxima.allocator import InvariantError
 from proxima.engines.activation import STATS_ENV
+from proxima.ioutil import publish_text
 
 
 def percentiles(values, digits: int | None = None) -> dict:
@@ -62,9 +63,7 @@ def write_status(payload: dict, path: Path | None = None) -> None:
     if path is None:
         return
     payload = dict(payload, time=time.time(), pid=os.getpid())
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    publish_text(path, json.dumps(payload))
 
 
 def invariants_verdict(buddy) -> dict:

@@ -16,6 +16,10 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from proxima.ioutil import publish_text  # noqa: E402
 
 PER_REQUEST = 64 << 20
 BLOCK = 16
@@ -41,11 +45,8 @@ def main() -> int:
     def write_stats() -> None:          # under the lock; atomic, the driver samples it
         if not args.stats_file:
             return
-        tmp = f"{args.stats_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(state, reported_mapped=state["mapped_bytes"] >> 20,
-                           bytes_per_granule=1 << 20), f)
-        os.replace(tmp, args.stats_file)
+        publish_text(args.stats_file, json.dumps(dict(
+            state, reported_mapped=state["mapped_bytes"] >> 20, bytes_per_granule=1 << 20)))
 
     def release() -> None:              # the release delay, as the elastic policy's
         while True:

@@ -818,8 +818,8 @@ def main() -> int:
     out.log(line)
     out.results["summary_lines"] = [line]
     out.results["wall_s"] = round(budget.elapsed(), 1)
-    for path in out.dir.glob(".*-elastic.json"):
-        path.unlink()
+    for path in out.dir.glob(".*-elastic.json*"):  # the engines' live files, and the
+        path.unlink()                                 # temporary ones a killed writer left
     out.finish()
     return 0 if passed else 1
 
