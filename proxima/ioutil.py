@@ -5,16 +5,20 @@ all; log lines on stderr, so that stdout holds the result table alone.
 that cannot be written fails in one line instead of after an hour of work. ``write_atomic``
 writes to a temporary name in the same directory and renames it over the target when
 complete: a reader (or a crash, a full disk, Ctrl-C) never sees half a file.
-Standard library only.
+``publish_text`` / ``publish_text_later`` do the same, without fsync, for the live files an
+engine rewrites while it runs (its status and stats files), the latter off the caller's
+thread. Standard library only.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import stat
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -117,6 +121,111 @@ def publish_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class _LiveFiles:
+    """The files ``publish_text_later`` was given, written by one daemon thread.
+
+    Each path keeps only its newest text until the thread writes it (a sample superseded
+    before it was written is not written). Pops and writes happen under one lock, so the
+    text a path ends with is the last one submitted, whoever writes it: the thread, a
+    ``wait=True`` call, or the flush at interpreter exit. A child forked while the thread
+    runs starts with no thread and nothing pending."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()           # the pending texts
+        self._wake = threading.Condition(self._lock)
+        self._io = threading.Lock()             # one pop-and-write at a time, in order
+        self._pending: dict[Path, str] = {}
+        self._thread: threading.Thread | None = None
+        self._failed: set[Path] = set()
+        os.register_at_fork(after_in_child=self._forget)
+        atexit.register(self.flush)
+
+    def _forget(self) -> None:
+        # a forked child has no thread, and a lock some other thread held stays held
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._io = threading.Lock()
+        self._pending = {}
+        self._thread = None
+
+    def submit(self, path: Path, text: str, wait: bool) -> None:
+        with self._lock:
+            self._pending[path] = text
+            if not wait:
+                if self._thread is None:
+                    thread = threading.Thread(target=self._run, daemon=True,
+                                              name="proxima-live-files")
+                    try:
+                        thread.start()
+                    except RuntimeError:        # the interpreter is shutting down
+                        wait = True
+                    else:
+                        self._thread = thread
+                if not wait:
+                    self._wake.notify()
+                    return
+        self._write(path, raise_errors=True)
+
+    def flush(self) -> None:
+        """Write every pending text now, on the caller's thread, after the write the
+        thread may be making: when this returns, every file holds its last text."""
+        with self._io:
+            with self._lock:
+                paths = list(self._pending)
+            for path in paths:
+                self._write_held(path, raise_errors=False)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending:
+                    self._wake.wait()
+                paths = list(self._pending)
+            for path in paths:
+                self._write(path, raise_errors=False)
+
+    def _write(self, path: Path, raise_errors: bool) -> None:
+        with self._io:
+            self._write_held(path, raise_errors)
+
+    def _write_held(self, path: Path, raise_errors: bool) -> None:
+        with self._lock:
+            text = self._pending.pop(path, None)
+        if text is None:
+            return
+        try:
+            publish_text(path, text)
+        except OSError as exc:
+            if raise_errors:
+                raise
+            if path not in self._failed:        # once per path: a full disk, a removed dir
+                self._failed.add(path)
+                logging.getLogger(__name__).warning(
+                    "cannot write %s: %s (later snapshots are tried and dropped "
+                    "silently)", path, exc.strerror or exc)
+        else:
+            self._failed.discard(path)
+
+
+_live_files = _LiveFiles()
+
+
+def publish_text_later(path: str | os.PathLike, text: str, wait: bool = False) -> None:
+    """:func:`publish_text` off the caller's thread: returns at once, and a daemon thread
+    writes the text (the file's open, write and rename release the GIL, so an engine's
+    scheduler thread does not wait for the disk). Only a path's newest text is kept until
+    written; an older one never replaces a newer one. ``wait=True`` writes it now, on the
+    caller's thread (what a reader must find at once: a forced or final snapshot), and
+    raises its OSError; the thread logs a failed write once per path. Pending texts are
+    written at interpreter exit."""
+    _live_files.submit(Path(path), text, wait)
+
+
+def flush_live_files() -> None:
+    """Every text given to :func:`publish_text_later` is in its file when this returns."""
+    _live_files.flush()
 
 
 def logs_to_stderr(name: str) -> None:

@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from proxima.engines import compaction_v1, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
-from proxima.ioutil import publish_text
+from proxima.ioutil import publish_text_later
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
@@ -463,7 +463,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if batch is not None and self._pool is not None:
             publish = getattr(self._pool, "publish_status", None)
             if publish is not None:
-                publish(now=True)
+                publish(now=True, wait=False)   # the new mapping shows at once (a thread
+                                                # writes it: the step does not wait)
         elif (self.options.idle_sleep_s and scheduler_output.total_num_scheduled_tokens == 0
               and self.policy is not None and self.policy.pending and not self.channel.pending
               and not getattr(self._pool, "proxima_expected_tokens", None)):
@@ -499,7 +500,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self.channel.on_report(meta.report)
             if self.compactor is not None and meta.compaction_times:
                 self.compactor.on_worker_times(meta.compaction_times)
-            self.write_stats()            # only steps that carried ops report: cheap
+            self.write_stats(wait=True)   # only steps that carried ops report: rare
 
     def request_finished(self, request, block_ids):
         return False, None
@@ -579,15 +580,17 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def stats(self) -> dict:
         return self.status()
 
-    def write_stats(self) -> None:
+    def write_stats(self, wait: bool = False) -> None:
+        """The stats file: the periodic one written off the scheduler's thread; with
+        ``wait`` (a step that carried map/unmap reports, shutdown) on disk at return."""
         path = self.options.stats_file
         if not path:
             return
         self._stats_written = time.monotonic()
-        publish_text(path, json.dumps(self.status()))
+        publish_text_later(path, json.dumps(self.status()), wait=wait)
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:
-            self.write_stats()
+            self.write_stats(wait=True)
         elif self._background is not None:
             self._background.close()

@@ -3,7 +3,8 @@
 vLLM runs its scheduler (and so the block pool) in an engine-core process apart from the
 API server. When ``PROXIMA_STATS_FILE`` names a path, the engine adapter writes a JSON
 snapshot there at activation and then at most once a second while it schedules. The
-server's /metrics collector and the self-check read it. Writes are atomic (rename).
+server's /metrics collector and the self-check read it. Writes are atomic (rename); the
+periodic ones are made by a background thread, so the scheduler does not wait for the disk.
 
 Layout::
 
@@ -32,7 +33,7 @@ from typing import Callable
 
 from proxima.allocator import InvariantError
 from proxima.engines.activation import STATS_ENV
-from proxima.ioutil import publish_text
+from proxima.ioutil import publish_text_later
 
 
 def percentiles(values, digits: int | None = None) -> dict:
@@ -58,12 +59,14 @@ def stats_path() -> Path | None:
     return Path(value).expanduser() if value else None
 
 
-def write_status(payload: dict, path: Path | None = None) -> None:
+def write_status(payload: dict, path: Path | None = None, wait: bool = True) -> None:
+    """One snapshot (stamped with the time and pid). ``wait=False``: the file is written
+    off the caller's thread (``publish_text_later``), as the periodic snapshots are."""
     path = path or stats_path()
     if path is None:
         return
     payload = dict(payload, time=time.time(), pid=os.getpid())
-    publish_text(path, json.dumps(payload))
+    publish_text_later(path, json.dumps(payload), wait=wait)
 
 
 def invariants_verdict(buddy) -> dict:
@@ -117,15 +120,17 @@ class StatusWriter:
         return self.path is not None and time.monotonic() >= self._next
 
     def publish(self, stats: Callable[[], dict], buddy=None, force: bool = False,
-                check: bool = False) -> None:
-        """Write ``stats()`` if a file is set and it is time (or ``force`` / ``check``)."""
+                check: bool = False, wait: bool | None = None) -> None:
+        """Write ``stats()`` if a file is set and it is time (or ``force`` / ``check``).
+        A periodic snapshot is written off the scheduler's thread; a forced one (the end
+        of a batch, a check) is on disk when this returns, unless ``wait=False``."""
         if self.path is None or not (force or check or self.due()):
             return
         self._next = time.monotonic() + self.interval
         payload = stats()
         if buddy is not None:
             payload.update(self._invariants.current(buddy, force=check))
-        write_status(payload, self.path)
+        write_status(payload, self.path, wait=force or check if wait is None else wait)
 
 
 def read_status(path: Path | None = None) -> dict | None:

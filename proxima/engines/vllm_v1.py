@@ -484,12 +484,14 @@ def _block_pool_class():
                 out["elastic"] = elastic()
             return out
 
-        def publish_status(self, check: bool = False, now: bool = False) -> None:
+        def publish_status(self, check: bool = False, now: bool = False,
+                           wait: bool | None = None) -> None:
             """Write the status file (if PROXIMA_STATS_FILE is set): at most once a second,
             unless ``check`` (invariants checked now) or ``now``. Every snapshot carries the
-            last invariant verdict, renewed at most once a minute (``StatusWriter``)."""
+            last invariant verdict, renewed at most once a minute (``StatusWriter``, which
+            also says when it is on disk: ``wait``)."""
             self.proxima_status.publish(self.proxima_stats, self.free_block_queue.buddy,
-                                        force=now, check=check)
+                                        force=now, check=check, wait=wait)
 
     return ProximaBlockPool
 
@@ -545,10 +547,8 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
             new_blocks = original(self, request_id, num_tokens, *args, **kwargs)
         finally:
             queue.after = queue.room = None
-            if pool.proxima_status.path is not None:
-                if self not in pool.proxima_managers:
-                    pool.proxima_managers.append(self)
-                pool.publish_status()
+            if pool.proxima_status.path is not None and self not in pool.proxima_managers:
+                pool.proxima_managers.append(self)      # the status reads their tables
         compaction = pool.proxima_compaction
         if compaction is not None and new_blocks:
             # KV compaction may place the new blocks elsewhere (proxima.engines.compaction_v1)
@@ -612,6 +612,9 @@ def _wrap_new_step_starts(original):
             pool.proxima_steps += 1        # the metrics' "allocator seconds per step"
             if pool.proxima_tick is not None:
                 pool.proxima_tick(pool.proxima_steps)
+            if pool.proxima_status.path is not None:
+                pool.publish_status()      # at most once a second (once a step, not per
+                                           # allocation: the clock read is the whole cost)
             pool.proxima_kv_manager = self  # the managers' block lists, for KV compaction
         return original(self)
 

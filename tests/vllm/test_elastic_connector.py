@@ -535,19 +535,21 @@ def test_the_stats_file_follows_every_step_with_the_policys_recent_events(monkey
     # written when due on any step, not only on steps whose ops the workers report (a
     # stall with a map in flight must show in the file), with the last grows and shrinks
     from proxima.engines import elastic_connector
+    from proxima.ioutil import flush_live_files
 
     monkeypatch.setattr(elastic_connector, "STATS_EVERY_S", 0.0)
     writes = []
     original = ProximaElasticConnector.write_stats
 
-    def counted(self):
+    def counted(self, wait=False):
         writes.append(self.steps)
-        return original(self)
+        return original(self, wait)
 
     monkeypatch.setattr(ProximaElasticConnector, "write_stats", counted)
     stats = tmp_path / "elastic.json"
     scheduler, conn, worker, log, mapped = auto_run(32, stats_file=str(stats))
     assert len(set(writes)) >= conn.steps - 1                 # every step wrote
+    flush_live_files()                          # (a thread writes the periodic ones)
     written = json.loads(stats.read_text())
     kinds = [e[1] for e in written["events"]]
     assert "grow" in kinds and "shrink" in kinds

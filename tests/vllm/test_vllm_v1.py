@@ -365,6 +365,7 @@ def test_observer_measures_stock_without_changing_its_allocation(monkeypatch, tm
     from proxima.engines import observe_v1
     from proxima.engines.plugin import register
     from proxima.engines.status import read_status
+    from proxima.ioutil import flush_live_files
 
     # Build the unobserved scheduler first, then switch the observer on, as vLLM's
     # engine core would (the plugin runs before the engine is built).
@@ -386,6 +387,7 @@ def test_observer_measures_stock_without_changing_its_allocation(monkeypatch, tm
         tables = block_tables(observed)
         assert tables == block_tables(plain)          # the very same ids, step by step
         observed.kv_cache_manager.new_step_starts()   # what the next schedule() calls first
+        flush_live_files()                              # (periodic snapshots: a thread)
         snap = read_status(status)
         assert snap["active"] is False and snap["observer"] is True
         assert snap["num_blocks"] == 400 and snap["num_free_blocks"] == \
@@ -454,6 +456,7 @@ def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
 def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
     from proxima.allocator import buddy as buddy_mod
     from proxima.engines import status as status_mod
+    from proxima.ioutil import flush_live_files
 
     path = tmp_path / "status.json"
     monkeypatch.setenv("PROXIMA_STATS_FILE", str(path))
@@ -466,6 +469,7 @@ def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
     add_requests(s, 6, prompt_len=100, max_tokens=20)
     for _ in range(5):
         step(s)
+    flush_live_files()                  # the periodic snapshots are written by a thread
     later = status_mod.read_status(path)
     assert later["invariants_ok"] is True
     assert later["invariants_checked_at"] > first["invariants_checked_at"]
