@@ -1,6 +1,6 @@
 """Scheduler time per steady step in the CPU replay of issue 13's proof (d).
 
-    ./dev python -m tests.bench.steady_scheduler stock|proxima|elastic [REQUESTS] [BLOCKS]
+    ./dev python -m tests.bench.steady_scheduler stock|proxima|elastic [REQUESTS] [BLOCKS] [--status]
 
 Replays ShareGPT-like requests (default 1,500) in a closed loop of 256 through vLLM's real
 (async) scheduler over BLOCKS blocks (default 20,480: the 40 GiB of Llama-3.1-8B KV each
@@ -15,6 +15,12 @@ A second line gives the same steps by phase, as the H200 proof's ``--d-phases`` 
 (``tests/gpu/proof/engineprof.py``): ``allocate_slots`` (per scheduled request), within it
 ``get_new_blocks`` and the rest (``allocate_other``), ``free_blocks``, and Proxima's
 ``connector_meta`` (the elastic connector's step), in ms per steady step.
+
+``--status`` (proxima and elastic) sets ``PROXIMA_STATS_FILE`` as the engines of ``proxima
+serve`` and the H200 proof have it, and adds a third line: the scheduler thread's time in
+the status path over the whole replay (every ``StatusWriter.publish`` call, most of which
+only read the clock), and per snapshot what it spent building the payload and handing it
+to the file (``write_status``; the file itself is written by a background thread).
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ from time import perf_counter
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("stock", "proxima", "elastic") or len(argv) > 3:
+    status = "--status" in argv
+    argv = [a for a in argv if a != "--status"]
+    if not argv or argv[0] not in ("stock", "proxima", "elastic") or len(argv) > 3 or (
+            status and argv[0] == "stock"):
         print("usage: python -m tests.bench.steady_scheduler stock|proxima|elastic "
-              "[REQUESTS] [BLOCKS]", file=sys.stderr)
+              "[REQUESTS] [BLOCKS] [--status] (--status: proxima or elastic)",
+              file=sys.stderr)
         return 2
     which = argv[0]
     requests = int(argv[1]) if len(argv) > 1 else 1500
@@ -57,6 +67,8 @@ def main(argv: list[str]) -> int:
         return out
 
     inner = _inner_phases(acc, lambda: acc.get("steady", False))
+    if status:
+        inner += _status_timers(acc)
     sched.Scheduler.schedule, sched.Scheduler.update_from_output = timed_schedule, timed_update
     try:
         replay_d(which, requests, blocks)
@@ -75,7 +87,41 @@ def main(argv: list[str]) -> int:
     per["allocate_other"] = per["allocate_slots"] - per["get_new_blocks"]
     print(f"{which:8s} by phase, ms/step: " + " ".join(
         f"{name} {value:.3f}" for name, value in per.items()))
+    if status:
+        publish, writes = acc["status_publish"], acc["status_write"]
+        if not writes:
+            print(f"{which}: no status snapshot was written", file=sys.stderr)
+            return 1
+        print(f"{which:8s} status: {len(publish)} publish calls {1e3 * sum(publish):.1f} ms "
+              f"in all; {len(writes)} snapshots, write_status {1e6 * sum(writes) / len(writes):.0f}"
+              f" us each (median {1e6 * sorted(writes)[len(writes) // 2]:.0f})")
     return 0
+
+
+def _status_timers(acc: dict) -> list:
+    """A status file in a temporary directory, and timers on its two calls: every
+    ``StatusWriter.publish`` and every snapshot's ``write_status`` (all steps, not only the
+    steady ones: a snapshot is due once a second whatever the step)."""
+    import os
+    import tempfile
+
+    from proxima.engines import status
+
+    os.environ["PROXIMA_STATS_FILE"] = os.path.join(tempfile.mkdtemp(), "status.json")
+    saved = [(status.StatusWriter, "publish", status.StatusWriter.__dict__["publish"]),
+             (status, "write_status", status.write_status)]
+    for (owner, name, original), key in zip(saved, ("status_publish", "status_write")):
+        samples = acc[key] = []
+
+        def timed(*args, _original=original, _samples=samples, **kwargs):
+            t0 = perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _samples.append(perf_counter() - t0)
+
+        setattr(owner, name, timed)
+    return saved
 
 
 # phases inside schedule() / update_from_output(): these rows of engineprof.py's PHASES
