@@ -3,6 +3,7 @@ and status files)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -83,28 +84,13 @@ def test_a_later_publish_returns_before_the_file_is_written(tmp_path, monkeypatc
     assert path.read_text() == "one"
 
 
-def test_a_failed_background_write_is_logged_once_and_does_not_raise(tmp_path):
-    import logging
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record)
-
+def test_a_failed_background_write_is_logged_once_and_does_not_raise(tmp_path, log_records):
     gone = tmp_path / "gone" / "stats.json"          # its directory does not exist
-    records = Records()
-    logger = logging.getLogger("proxima.ioutil")     # (serve's logging stops propagation)
-    logger.addHandler(records)
-    try:
-        for text in ("a", "b", "c"):
-            publish_text_later(gone, text)
-            flush_live_files()
-    finally:
-        logger.removeHandler(records)
-    assert [r.getMessage() for r in records.records] == [
+    records = log_records("proxima.ioutil", logging.WARNING)
+    for text in ("a", "b", "c"):
+        publish_text_later(gone, text)
+        flush_live_files()
+    assert [r.getMessage() for r in records] == [
         f"cannot write {gone}: No such file or directory (later snapshots are tried and "
         f"dropped silently)"]
     with pytest.raises(OSError):

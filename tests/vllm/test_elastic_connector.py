@@ -13,6 +13,7 @@ granule, all mapped; forced cycles), ``auto`` (grow and shrink; fake clock).
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 
 import pytest
@@ -563,30 +564,16 @@ def test_the_stats_file_follows_every_step_with_the_policys_recent_events(monkey
     assert 0 <= written["connector_ms"]["p50"] <= written["connector_ms"]["max"]
 
 
-def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_once():
-    import logging
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record)
-
-    caplog = Records()
-    logging.getLogger("vllm.proxima").addHandler(caplog)   # vLLM's loggers do not propagate
-    try:
-        # after start-up the GPU can back 2 granules only (another process took the rest)
-        scheduler, conn, worker, log, mapped = auto_run(32,
-                                                        capacity_after=2 * 2 * PAGE * GRANULE)
-    finally:
-        logging.getLogger("vllm.proxima").removeHandler(caplog)
+def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_once(
+        proxima_log):
+    # after start-up the GPU can back 2 granules only (another process took the rest)
+    scheduler, conn, worker, log, mapped = auto_run(32, capacity_after=2 * 2 * PAGE * GRANULE)
     finished = {r for step in log for r in step[4]}
     assert len(finished) == 48                          # slower, but nothing lost
     assert conn.policy.stats.failed_grows >= 1
     assert max(mapped) <= 2
-    warnings = [r for r in caplog.records if "cannot give" in r.getMessage()]
+    warnings = [r for r in proxima_log
+                if r.levelno >= logging.WARNING and "cannot give" in r.getMessage()]
     assert len(warnings) == 1 and "serving at the current size" in warnings[0].getMessage()
     assert worker.checked > 0                           # and no unmapped block was read
     conn.queue.check()
