@@ -525,6 +525,21 @@ def test_a_child_that_outlives_its_time_is_killed_with_its_group(tmp_path):
     assert code == 124 and time.monotonic() - started < 20
 
 
+def test_a_childs_result_is_read_once_and_nothing_of_it_stays_in_out(tmp_path):
+    # a child killed while it saved leaves its temporary copy (elastic_child.save): it goes
+    # with the result, so $OUT keeps at most the driver's three files
+    proof = _elastic_proof()
+    out = proof.kit.Out(tmp_path, "elastic_proof")
+    path = tmp_path / ".stock.json"
+    path.write_text('{"completed": 3}')
+    (tmp_path / ".stock.json.tmp").write_text('{"compl')
+    result = proof._collect(out, "stock", path, 124, time.monotonic())
+    assert result["completed"] == 3 and result["rc"] == 124
+    assert "timed out" in result["error"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elastic_proof-children", "elastic_proof.json", "elastic_proof.log"]
+
+
 def _compaction_proof():
     sys.path.insert(0, str(PROOF))
     import compaction_proof

@@ -104,6 +104,7 @@ json.dump(result, open(out, "w"))
 def _collect(out: kit.Out, name: str, path: Path, rc: int, started: float) -> dict:
     result = kit.read_json(path) or {}
     path.unlink(missing_ok=True)
+    path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # a child killed as it saved
     result["rc"] = rc
     result["wall_s"] = round(time.monotonic() - started, 1)
     if rc != 0:
