@@ -133,40 +133,37 @@ class _LiveFiles:
     runs starts with no thread and nothing pending."""
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)   # a forked child has no thread,
+        atexit.register(self.flush)                        # and a held lock stays held
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()           # the pending texts
         self._wake = threading.Condition(self._lock)
         self._io = threading.Lock()             # one pop-and-write at a time, in order
         self._pending: dict[Path, str] = {}
         self._thread: threading.Thread | None = None
         self._failed: set[Path] = set()
-        os.register_at_fork(after_in_child=self._forget)
-        atexit.register(self.flush)
-
-    def _forget(self) -> None:
-        # a forked child has no thread, and a lock some other thread held stays held
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._io = threading.Lock()
-        self._pending = {}
-        self._thread = None
 
     def submit(self, path: Path, text: str, wait: bool) -> None:
         with self._lock:
             self._pending[path] = text
-            if not wait:
-                if self._thread is None:
-                    thread = threading.Thread(target=self._run, daemon=True,
-                                              name="proxima-live-files")
-                    try:
-                        thread.start()
-                    except RuntimeError:        # the interpreter is shutting down
-                        wait = True
-                    else:
-                        self._thread = thread
-                if not wait:
-                    self._wake.notify()
-                    return
+            if not wait and self._started():
+                self._wake.notify()
+                return
         self._write(path, raise_errors=True)
+
+    def _started(self) -> bool:
+        """The thread runs (started now if need be; under ``_lock``). False while the
+        interpreter shuts down: the caller writes the text itself."""
+        if self._thread is None:
+            thread = threading.Thread(target=self._run, daemon=True, name="proxima-live-files")
+            try:
+                thread.start()
+            except RuntimeError:
+                return False
+            self._thread = thread
+        return True
 
     def flush(self) -> None:
         """Write every pending text now, on the caller's thread, after the write the

@@ -130,7 +130,7 @@ class StatusWriter:
         payload = stats()
         if buddy is not None:
             payload.update(self._invariants.current(buddy, force=check))
-        write_status(payload, self.path, wait=force or check if wait is None else wait)
+        write_status(payload, self.path, wait=(force or check) if wait is None else wait)
 
 
 def read_status(path: Path | None = None) -> dict | None:

@@ -111,17 +111,21 @@ def _status_timers(acc: dict) -> list:
     saved = [(status.StatusWriter, "publish", status.StatusWriter.__dict__["publish"]),
              (status, "write_status", status.write_status)]
     for (owner, name, original), key in zip(saved, ("status_publish", "status_write")):
-        samples = acc[key] = []
-
-        def timed(*args, _original=original, _samples=samples, **kwargs):
-            t0 = perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                _samples.append(perf_counter() - t0)
-
-        setattr(owner, name, timed)
+        acc[key] = []
+        setattr(owner, name, _timed(original, acc[key].append))
     return saved
+
+
+def _timed(original, record):
+    """``original`` wrapped: ``record(seconds)`` after each call."""
+    def timed(*args, **kwargs):
+        t0 = perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            record(perf_counter() - t0)
+
+    return timed
 
 
 # phases inside schedule() / update_from_output(): these rows of engineprof.py's PHASES
@@ -143,15 +147,11 @@ def _inner_phases(acc: dict, steady) -> list:
         owner = getattr(importlib.import_module(module), cls)
         original = owner.__dict__[method]
 
-        def timed(*args, _original=original, _name=name, **kwargs):
-            t0 = perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                if steady():
-                    acc[_name] = acc.get(_name, 0.0) + perf_counter() - t0
+        def record(seconds, _name=name):
+            if steady():
+                acc[_name] = acc.get(_name, 0.0) + seconds
 
-        setattr(owner, method, timed)
+        setattr(owner, method, _timed(original, record))
         saved.append((owner, method, original))
     return saved
 
