@@ -83,3 +83,42 @@ def test_phase_timers_alone_take_no_samples(tmp_path):
         engineprof.uninstall()
     assert w["phases"]["schedule"]["calls"] == result.steps
     assert w["samples"] == 0 and w["leaf"] == [] and w["incl"] == []
+
+
+def test_both_executors_are_timed_and_a_worker_process_writes_a_file_of_its_own(tmp_path):
+    """With ``distributed_executor_backend="mp"`` the worker runs in a process of its own,
+    forked from the engine core: its phases go to ``-worker.jsonl``, the engine core's stay
+    in ``-engine.jsonl``, and neither executor's phases count as missing."""
+    import json
+    import os
+
+    from vllm.v1.executor.multiproc_executor import FutureWrapper, MultiprocExecutor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    from vllm.v1.worker.gpu_worker import Worker
+
+    prefix = str(tmp_path / "mp")
+    missing = engineprof.install(prefix, period_s=0.0)
+    try:
+        for name in ("execute_model", "sample_tokens", "wait", "worker_execute"):
+            assert name not in missing
+        for klass, method in [(UniProcExecutor, "execute_model"),
+                              (MultiprocExecutor, "execute_model"),
+                              (FutureWrapper, "result"), (Worker, "execute_model")]:
+            assert hasattr(klass.__dict__[method], "__wrapped__"), (klass, method)
+        pid = os.fork()
+        if pid == 0:                 # the worker's process: a step of its own, then exit
+            try:
+                Worker.execute_model(object(), None)     # fails inside vLLM: still timed
+            except Exception:  # noqa: BLE001
+                pass
+            os._exit(0)
+        os.waitpid(pid, 0)
+        engineprof.flush()           # this process: no step ran here, an engine-core file
+    finally:
+        engineprof.uninstall()
+    worker = engineprof.read(f"{prefix}-worker.jsonl")
+    engine = engineprof.read(f"{prefix}-engine.jsonl")
+    assert [line["pid"] for line in worker] == [pid]
+    assert worker[0]["phases"]["worker_execute"][0] == 1
+    assert [line["pid"] for line in engine] == [os.getpid()]
+    assert "worker_execute" not in json.dumps(engine)

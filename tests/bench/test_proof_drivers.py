@@ -72,6 +72,28 @@ def test_driver_a_d_can_still_run_the_held_passes(tmp_path):
     assert d["summary"]["ratio_mean"] == round(1995 / 2010, 4)
 
 
+def test_driver_a_gives_every_engine_the_executor_asked_for(tmp_path):
+    # (d) then (b) on (d)'s elastic engine (the taker's path), engines side by side in turns
+    done = run("elastic_proof.py", tmp_path / "seq", "--budget", "440", "--only", "d,b",
+               "--executor", "mp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "seq" / "elastic_proof.json").read_text())
+    assert data["executor"] == "mp"
+    assert data["executors"] == {"d-elastic": "mp", "d-stock": "mp"}
+    assert "executor mp" in (tmp_path / "seq" / "elastic_proof.log").read_text()
+    done = run("elastic_proof.py", tmp_path / "turns", "--budget", "300", "--only", "d",
+               "--d-turns", "1", "--executor", "mp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "turns" / "elastic_proof.json").read_text())
+    assert data["executors"] == {"d-elastic": "mp", "d-stock": "mp"}
+    # without the flag the children are left to vLLM's choice, as before
+    done = run("elastic_proof.py", tmp_path / "plain", "--budget", "60", "--only", "b")
+    data = json.loads((tmp_path / "plain" / "elastic_proof.json").read_text())
+    assert data["executor"] == "default" and set(data["executors"].values()) == {"default"}
+    bad = run("elastic_proof.py", tmp_path / "bad", "--only", "d", "--executor", "ray")
+    assert bad.returncode == 2 and "--executor: invalid choice: 'ray'" in bad.stderr
+
+
 def test_driver_a_d_also_runs_more_engines_against_stock(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "900", "--only", "d",
                "--d-also", "elastic-off,elastic-fixed,elastic-compacted,proxima")

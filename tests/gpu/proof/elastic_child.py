@@ -5,6 +5,7 @@
     python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
         [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
         [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]] [--step-log]
+    (every job) [--executor uni|mp]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 MODEL = os.environ.get("PROXIMA_PROOF_MODEL", "/tmp/vllm-kit/dummy-llama")
 KV_30K = 30720 * 131072            # 30,720 tokens of Llama-3.1-8B's KV (3.75 GiB)
 GiB = 1 << 30
+EXECUTOR = None     # --executor: vLLM's distributed_executor_backend (None: vLLM's choice)
 
 
 def tokens(rng, n):
@@ -94,8 +96,20 @@ def build(mode: str, stats_dir: Path, **kw):
     if mode.startswith("elastic"):
         options.setdefault("stats_file", str(stats_dir / f"{mode}-elastic.json"))
         kw["kv_transfer_config"] = connector(options)
+    if EXECUTOR:
+        # mp: the worker (input preparation, launches) in a process of its own, beside the
+        # engine core's scheduler; uni (vLLM's default for one GPU): both on one thread
+        kw["distributed_executor_backend"] = EXECUTOR
     return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, seed=0,
                disable_log_stats=False, enable_prefix_caching=True, **kw)
+
+
+def executor_of(llm) -> str | None:
+    """The executor vLLM chose for ``llm`` (``distributed_executor_backend``: uni, mp)."""
+    try:
+        return str(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
+    except AttributeError:
+        return None
 
 
 def preemptions(llm) -> int | None:
@@ -428,8 +442,8 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
 
 
 def profile(prefix: str, epoch: float, windows: list) -> dict:
-    """``--profile``: the engine core's phases and stack samples, and the child's own
-    loop's samples, over the warm-up window and over the measurement windows together
+    """``--profile``: the engine core's phases and stack samples (with ``--executor mp`` the
+    worker process's too, as ``worker``), and the child's own loop's samples, over the warm-up window and over the measurement windows together
     (:mod:`engineprof`; seconds since the loop began -> wall clock at ``epoch``)."""
     import engineprof
 
@@ -437,8 +451,10 @@ def profile(prefix: str, epoch: float, windows: list) -> dict:
         return {"error": "no window closed"}
     warm_end, first, last = windows[0]["end_s"], windows[min(1, len(windows) - 1)], windows[-1]
     out = {}
-    for side in ("engine", "client"):
+    for side in ("engine", "worker", "client"):
         lines = engineprof.read(f"{prefix}-{side}.jsonl")
+        if side == "worker" and not lines:      # the worker has a process of its own only
+            continue                            # with --executor mp
         out[side] = {"warmup": engineprof.window(lines, epoch, epoch + warm_end),
                      "measure": engineprof.window(lines, epoch + first["start_s"],
                                                   epoch + last["end_s"])}
@@ -495,6 +511,7 @@ def job_throughput(args, result: dict) -> None:
         llm = build(mode, stats, max_model_len=8192,
                     gpu_memory_utilization=args.gpu_memory_utilization or 0.85, **kw)
         entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1)})
+        entry["executor"] = executor_of(llm)
         if args.start_after:
             entry["waited_s"] = start_together(Path(args.start_after))
         rel = None
@@ -649,6 +666,11 @@ def main() -> int:
                     help="throughput, steady: record each step's end (monotonic clock) and "
                          "output tokens in the result (the driver's --d-interleave counts its "
                          "slices from them) (default: off)")
+    ap.add_argument("--executor", choices=("uni", "mp"), default=None,
+                    help="every engine's vLLM executor (distributed_executor_backend): uni "
+                         "runs the worker on the engine core's thread, mp in a process of "
+                         "its own, beside the scheduler (default: vLLM's choice, uni for one "
+                         "GPU)")
     ap.add_argument("--cpus", default=None, metavar="LIST",
                     help="run on these CPUs only, e.g. 0-7 or 0,2,4 (the engine core's "
                          "process inherits them) (default: wherever the OS puts it)")
@@ -662,7 +684,9 @@ def main() -> int:
                            and len(args.modes.split(",")) == 1):
         ap.error("--turns needs --turn-dir, --start-after, --load steady and one engine in "
                  "--modes")
-    result: dict = {"job": args.job, "mode": args.mode}
+    global EXECUTOR
+    EXECUTOR = args.executor
+    result: dict = {"job": args.job, "mode": args.mode, "executor": args.executor or "default"}
     code = 0
     try:
         {"identity": job_identity, "burst": job_burst, "throughput": job_throughput}[args.job](

@@ -3,7 +3,7 @@
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
         [--d-turns ROUNDS [--d-interleave SLICE[,WARMUP]] | --d-together GIB] [--d-also M,...]
-        [--d-phases]
+        [--d-phases] [--executor uni|mp]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
@@ -63,6 +63,7 @@ CHILD = str(HERE / "elastic_child.py")
 GiB = 1 << 30
 _STOCK: dict = {}          # stock's identity run, for the informational (a2) comparison
 A_MODES = ["elastic"]      # (a)'s engines beside stock (--a-modes)
+EXECUTOR = ""              # --executor: every engine's vLLM executor ("": vLLM's choice)
 DRY = False
 WANTED: set = set()
 
@@ -107,6 +108,7 @@ def _collect(out: kit.Out, name: str, path: Path, rc: int, started: float) -> di
     path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # a child killed as it saved
     result["rc"] = rc
     result["wall_s"] = round(time.monotonic() - started, 1)
+    out.results.setdefault("executors", {})[name] = result.get("executor")   # as the child ran
     if rc != 0:
         result.setdefault("error", f"exit {rc}" + (" (timed out)" if rc == 124 else ""))
         result["log_tail"] = kit.tail(out.child_log(name))
@@ -115,12 +117,18 @@ def _collect(out: kit.Out, name: str, path: Path, rc: int, started: float) -> di
     return result
 
 
+def engine_cmd(args: list[str], path: Path) -> list[str]:
+    """The command of an engine child running ``args``, its result to ``path``; every engine
+    the driver starts gets ``--executor``'s backend."""
+    executor = ["--executor", EXECUTOR] if EXECUTOR else []
+    return [sys.executable, CHILD, *args, *executor, "--out", str(path)]
+
+
 def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -> dict:
     path = out.dir / f".{name}.json"
     path.unlink(missing_ok=True)
     started = time.monotonic()
-    rc = kit.run([sys.executable, CHILD, *args, "--out", str(path)], env,
-                 out.child_log(name), timeout)
+    rc = kit.run(engine_cmd(args, path), env, out.child_log(name), timeout)
     return _collect(out, name, path, rc, started)
 
 
@@ -142,8 +150,7 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
     for name, args in jobs.items():
         path = out.dir / f".{name}.json"
         path.unlink(missing_ok=True)
-        procs[name] = (kit.start([sys.executable, CHILD, *args, "--out", str(path)], env,
-                                 out.child_log(name)), path)
+        procs[name] = (kit.start(engine_cmd(args, path), env, out.child_log(name)), path)
     def signal(name: str, sig: int) -> None:
         proc = procs[name][0]
         if proc.poll() is None:
@@ -264,9 +271,8 @@ def with_taker(out: kit.Out, name: str, args: list[str], env: dict, share: float
     for f in (progress, go, taken, path):
         f.unlink(missing_ok=True)
     started = time.monotonic()
-    proc = kit.start([sys.executable, CHILD, *args, "--out", str(path), "--progress",
-                      str(progress), "--go", str(go), "--delay", str(delay)], env,
-                     out.child_log(name))
+    proc = kit.start(engine_cmd([*args, "--progress", str(progress), "--go", str(go),
+                                 "--delay", str(delay)], path), env, out.child_log(name))
     deadline = started + share
     taker = None
     rc = 124
@@ -839,7 +845,7 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
 
 def main() -> int:
     global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS, D_CPUS, D_INTERLEAVE, \
-        D_INTERLEAVE_WARMUP
+        D_INTERLEAVE_WARMUP, EXECUTOR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
@@ -904,6 +910,12 @@ def main() -> int:
                          "and the loop's, over the warm-up and the measurement windows, "
                          "into (d)'s record as profile (engineprof.py; a diagnostic, it "
                          "costs each engine alike) (default: off)")
+    ap.add_argument("--executor", choices=("uni", "mp"), default="",
+                    help="every engine's vLLM executor, stock's and Proxima's alike: uni runs "
+                         "the worker's input preparation and launches on the engine core's "
+                         "thread, after the scheduler (a CPU-bound step pays for both); mp "
+                         "runs the worker in a process of its own, beside the scheduler "
+                         "(default: vLLM's choice, uni for one GPU)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -915,6 +927,7 @@ def main() -> int:
               f"a2, b and/or d", file=sys.stderr)
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
+    EXECUTOR = args.executor
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
     D_PROFILE = "full" if args.d_profile else "phases" if args.d_phases else ""
     D_TOGETHER = args.d_together
@@ -979,8 +992,10 @@ def main() -> int:
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof"))
     env = kit.engine_env(cache)
     wanted = WANTED = set(args.only.split(","))
+    out.results["executor"] = EXECUTOR or "default"
     out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
-            f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}")
+            f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}, executor "
+            f"{EXECUTOR or 'default'}")
     plan = {"a": (proof_a, 170), "b": (proof_b, 110),
             "d": (lambda *a: proof_d(*a, load=args.d_load), 440)}
     for name in order:               # in the order asked: the first get the budget

@@ -12,8 +12,10 @@ a span of the run and keeps the top entries.
 
 Phases (vLLM 0.26, V1 engine core, async scheduling's batch queue):
 ``schedule`` (the scheduler, Proxima's connector hooks included), ``execute_model`` and
-``sample_tokens`` (the in-process worker preparing and launching the step), ``wait``
-(waiting for a step's sampled tokens: the GPU-bound part), ``update_from_output``, ``input``
+``sample_tokens`` (with vLLM's default executor for one GPU, ``uni``, the in-process worker
+preparing and launching the step; with ``mp`` only handing it to the worker's process),
+``wait`` (waiting for a step's sampled tokens: the GPU-bound part with ``uni``; with ``mp``
+whatever of the worker's step did not overlap the scheduler's), ``update_from_output``, ``input``
 (new requests and aborts taken in) and ``step`` (one ``step_with_batch_queue``, all of it);
 within them ``allocate_slots`` (called per scheduled request), ``get_new_blocks``,
 ``free_blocks`` and Proxima's ``connector_meta``; within ``allocate_slots`` the
@@ -26,6 +28,9 @@ connector's ``write_stats``; within ``execute_model`` the V2 model runner's
 connector that layer's two hooks) and a connector's ``kv_pre_forward`` and
 ``kv_post_forward``. A wrapper costs ~1 us a call, alike for every engine.
 A method missing in this vLLM is skipped, named in the first line (``missing``).
+``worker_execute`` is the worker's ``execute_model`` wherever it runs; a worker with a process
+of its own (``mp``) writes its phases to ``<prefix>-worker.jsonl`` (its engine-core lines
+stay in ``-engine.jsonl``); it is forked from the engine core, so it has the patches.
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ PHASES = (
     ("execute_model", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model"),
     ("sample_tokens", "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens"),
     ("wait", "vllm.v1.executor.uniproc_executor", "AsyncOutputFuture", "result"),
+    # the same three with the worker in a process of its own (distributed_executor_backend
+    # mp): handing the step to the worker, and waiting for its answer
+    ("execute_model", "vllm.v1.executor.multiproc_executor", "MultiprocExecutor",
+     "execute_model"),
+    ("sample_tokens", "vllm.v1.executor.multiproc_executor", "MultiprocExecutor",
+     "sample_tokens"),
+    ("wait", "vllm.v1.executor.multiproc_executor", "FutureWrapper", "result"),
+    # the worker's own step, in whichever process runs it (the engine core's with uni)
+    ("worker_execute", "vllm.v1.worker.gpu_worker", "Worker", "execute_model"),
     # inside schedule() / update_from_output(): where a KV pool's own work shows
     ("allocate_slots", "vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
     ("get_new_blocks", "vllm.v1.core.block_pool", "BlockPool", "get_new_blocks"),
@@ -77,8 +91,12 @@ PHASES = (
 
 
 class _State:
-    def __init__(self, path: str, every_s: float, period_s: float) -> None:
+    def __init__(self, path: str, every_s: float, period_s: float,
+                 worker_path: str | None = None) -> None:
         self.path, self.every_s, self.period_s = path, every_s, period_s
+        self.worker_path = worker_path or path
+        self.engine = False             # this process runs the engine core's steps
+        self.worker = False             # ... or only a worker's (executor mp)
         self.pid = os.getpid()
         self.main = threading.get_ident()
         self.phases: dict[str, list] = {}
@@ -129,7 +147,9 @@ class _State:
             line = {"t": now, "pid": self.pid, "samples": self.samples,
                     "phases": {k: [v[0], round(v[1], 6)] for k, v in self.phases.items()},
                     "leaf": dict(self.leaf), "incl": dict(self.incl)}
-        with open(self.path, "a") as f:
+        # a worker process of its own (executor mp) writes its lines to a file of its own
+        with open(self.worker_path if self.worker and not self.engine else self.path,
+                  "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
@@ -143,7 +163,8 @@ def _here() -> _State | None:
     if not _config:
         return None
     if _state is None or _state.pid != os.getpid():
-        _state = _State(_config["engine"], _config["every_s"], _config["period_s"])
+        _state = _State(_config["engine"], _config["every_s"], _config["period_s"],
+                        _config.get("worker"))
     return _state
 
 
@@ -152,12 +173,16 @@ def _wrap(name: str, original):
         state = _here()
         if state is None or threading.get_ident() != state.main:
             return original(*args, **kwargs)
+        if name in ("step", "step_sync"):
+            state.engine = True
+        elif name == "worker_execute" and not state.engine:
+            state.worker = True
         began = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             state.add(name, time.perf_counter() - began)
-            if name in ("step", "step_sync"):
+            if name in ("step", "step_sync") or (state.worker and not state.engine):
                 state.maybe_dump()
     timed.__wrapped__ = original
     return timed
@@ -168,19 +193,22 @@ def install(prefix: str, every_s: float = 1.0, period_s: float = 0.004) -> list[
     that runs them (the engine core). ``period_s``: the stack sampler's period (0: no
     sampler; it costs a Python-bound engine ~20% of its throughput, the timers ~nothing).
     Returns the phases this vLLM lacks."""
-    _config.update(engine=f"{prefix}-engine.jsonl", every_s=every_s, period_s=period_s)
+    _config.update(engine=f"{prefix}-engine.jsonl", worker=f"{prefix}-worker.jsonl",
+                   every_s=every_s, period_s=period_s)
     if "missing" in _config:              # patched already (another engine of this process)
         return _config["missing"]
-    missing = _config["missing"] = []
+    found = set()
     for name, module, cls, method in PHASES:
         try:
             klass = getattr(importlib.import_module(module), cls)
             original = klass.__dict__[method]
         except (ImportError, AttributeError, KeyError):
-            missing.append(name)
             continue
         setattr(klass, method, _wrap(name, original))
         _config.setdefault("patched", []).append((klass, method, original))
+        found.add(name)
+    # a phase is missing when no executor's method for it was found
+    missing = _config["missing"] = list(dict.fromkeys(n for n, *_ in PHASES if n not in found))
     return missing
 
 

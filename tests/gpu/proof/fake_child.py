@@ -52,6 +52,7 @@ def main() -> int:
         else:
             opts[rest[0]], rest = True, rest[1:]
     out = Path(opts["--out"])
+    executor = str(opts.get("--executor", "default"))     # as the real child reports it
     if opts.get("--mode") == "hang":
         time.sleep(3600)
     if job == "identity":
@@ -129,6 +130,7 @@ def main() -> int:
                     result[m] = {"steady": run}
                 if events:
                     result[m]["elastic"] = {"grows": 1, "events": events}
+    result["executor"] = executor
     time.sleep(0.2)
     out.write_text(json.dumps(result))
     return 0
