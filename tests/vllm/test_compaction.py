@@ -221,7 +221,18 @@ def drive_elastic(scheduler, workload, runner, conn):
         vllm_v1.deactivate()
 
 
-def run(num_blocks, depth=1, workload=None, **compaction):
+class ProcessModelRunner(ModelRunner):
+    """The runner as vLLM's ``mp`` executor runs it, in a process of its own: each step's
+    output (its compaction work included) reaches it pickled, as vLLM's message queue
+    sends it, so it shares no object with the scheduler."""
+
+    def execute(self, out) -> None:
+        import pickle
+
+        super().execute(pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def run(num_blocks, depth=1, workload=None, runner_class=None, **compaction):
     scheduler = build_scheduler(proxima=True, num_blocks=num_blocks,
                                 async_scheduling=depth == 2, kv_transfer_config=ktc(**compaction),
                                 max_num_batched_tokens=2048)
@@ -229,7 +240,7 @@ def run(num_blocks, depth=1, workload=None, **compaction):
     total = num_blocks
     if compactor is not None:
         total = compaction_v1.scratch_first(num_blocks, GRANULE) + compactor.scratch_blocks
-    runner = ModelRunner(scheduler, total)
+    runner = (runner_class or ModelRunner)(scheduler, total)
     vllm_v1.activate()
     try:
         log = drive(scheduler, workload or specs(), runner, depth)
@@ -255,6 +266,16 @@ def test_compaction_changes_no_decision_and_every_slot_reads_what_was_written(mo
     assert stats["relocations"] > 0 and runner.moves > 0
     assert sum(len(s[1]) for s in plain[0]) > 0  # the workload did preempt
     assert plain[1][0] > 0                       # and hit the prefix cache
+
+
+def test_compaction_work_reaches_a_worker_in_a_process_of_its_own_whole():
+    # distributed_executor_backend="mp" on one GPU: the moves and table changes travel as
+    # a copy; every slot still reads what was written, and nothing is decided otherwise
+    _, here, log_here = run(300, 2, mode="every:3")
+    _, apart, log_apart = run(300, 2, runner_class=ProcessModelRunner, mode="every:3")
+    assert log_apart == log_here
+    assert apart.moves == here.moves > 0
+    assert apart.checked == here.checked > 10_000
 
 
 @pytest.mark.parametrize("mode", ["every:1", "1"])

@@ -444,15 +444,17 @@ def test_elastic_needs_the_allocator_and_is_one_clear_error(monkeypatch):
 
 # ----------------------------------------------------------------------------- the policy
 
-def auto_run(num_granules, depth=1, capacity_after=None, background=False, **extra):
+def auto_run(num_granules, depth=1, capacity_after=None, background=False, worker_class=None,
+             **extra):
     """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
-    from the second step on the GPU can back ``capacity_after`` bytes (None: plenty)."""
+    from the second step on the GPU can back ``capacity_after`` bytes (None: plenty);
+    ``worker_class``: the worker's stand-in (default :class:`Worker`)."""
     extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
     scheduler = scheduler_for(True, num_granules * GRANULE, depth, elastic_config(**extra))
     conn = scheduler.connector
     now = [0.0]
     conn.clock = lambda: now[0]
-    worker = Worker(scheduler, background=background)
+    worker = (worker_class or Worker)(scheduler, background=background)
     mapped = []
 
     def between(step):
@@ -481,6 +483,36 @@ def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(d
     assert worker.memory.mapped_granules == 1           # on the worker too
     assert stats.bytes_returned == stats.granules_released * conn.bytes_per_granule
     conn.queue.check()
+
+
+class ProcessWorker(Worker):
+    """The worker as vLLM's ``mp`` executor runs it, in a process of its own: each step's
+    output reaches it pickled (vLLM's message queue pickles the SchedulerOutput) and its
+    answer goes back pickled, so it shares no object with the scheduler."""
+
+    def __call__(self, out):
+        import pickle
+
+        sent = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        answer = super().__call__(sent)
+        return pickle.loads(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_a_worker_in_a_process_of_its_own_sees_the_same_ops_and_the_schedule_is_the_same(depth):
+    """``distributed_executor_backend="mp"`` on one GPU: the connector's worker side gets
+    copies of the metadata, not the scheduler's objects. Every grow and shrink still reaches
+    it, and every decision is the one made with the worker in the engine core's process."""
+    here = auto_run(32, depth)
+    apart = auto_run(32, depth, worker_class=ProcessWorker)
+    assert apart[3] == here[3]                               # every step's schedule
+    assert apart[4] == here[4]                               # mapped granules, step by step
+    assert apart[2].ops == here[2].ops and apart[2].ops       # the same ops reached it
+    assert apart[2].checked == here[2].checked > 0           # every block read was mapped
+    assert apart[1].policy.stats.as_dict() == here[1].policy.stats.as_dict()
+    assert apart[1].policy.stats.shrinks >= 1
+    assert apart[2].memory.mapped_granules == apart[1].channel.count(MAPPED) == 1
+    apart[1].queue.check()
 
 
 class SlowDriver(FakeDriver):
