@@ -25,6 +25,7 @@ from proxima.engines.elastic_connector import ElasticMetadata
 from proxima.memory.channel import MAPPED
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
+from tests.vllm.test_elastic_connector import across_processes
 
 if elastic_v1.unsupported_reason():
     pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
@@ -223,13 +224,11 @@ def drive_elastic(scheduler, workload, runner, conn):
 
 class ProcessModelRunner(ModelRunner):
     """The runner as vLLM's ``mp`` executor runs it, in a process of its own: each step's
-    output (its compaction work included) reaches it pickled, as vLLM's message queue
-    sends it, so it shares no object with the scheduler."""
+    output (its compaction work included) reaches it as a copy, as vLLM's message queue
+    sends it (:func:`tests.vllm.test_elastic_connector.across_processes`)."""
 
     def execute(self, out) -> None:
-        import pickle
-
-        super().execute(pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
+        super().execute(across_processes(out))
 
 
 def run(num_blocks, depth=1, workload=None, runner_class=None, **compaction):

@@ -485,17 +485,21 @@ def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(d
     conn.queue.check()
 
 
+def across_processes(obj):
+    """``obj`` as another process receives it from vLLM's ``mp`` executor: its message
+    queues pickle what they carry (the SchedulerOutput one way, the runner's output back),
+    so the copy shares no object with the sender."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 class ProcessWorker(Worker):
     """The worker as vLLM's ``mp`` executor runs it, in a process of its own: each step's
-    output reaches it pickled (vLLM's message queue pickles the SchedulerOutput) and its
-    answer goes back pickled, so it shares no object with the scheduler."""
+    output reaches it as a copy and its answer goes back as one (:func:`across_processes`)."""
 
     def __call__(self, out):
-        import pickle
-
-        sent = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
-        answer = super().__call__(sent)
-        return pickle.loads(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        return across_processes(super().__call__(across_processes(out)))
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])

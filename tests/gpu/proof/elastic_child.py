@@ -34,6 +34,7 @@ MODEL = os.environ.get("PROXIMA_PROOF_MODEL", "/tmp/vllm-kit/dummy-llama")
 KV_30K = 30720 * 131072            # 30,720 tokens of Llama-3.1-8B's KV (3.75 GiB)
 GiB = 1 << 30
 EXECUTOR = None     # --executor: vLLM's distributed_executor_backend (None: vLLM's choice)
+BUILT: list = []    # the executor vLLM chose for each engine built here, in order
 
 
 def tokens(rng, n):
@@ -100,8 +101,10 @@ def build(mode: str, stats_dir: Path, **kw):
         # mp: the worker (input preparation, launches) in a process of its own, beside the
         # engine core's scheduler; uni (vLLM's default for one GPU): both on one thread
         kw["distributed_executor_backend"] = EXECUTOR
-    return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, seed=0,
-               disable_log_stats=False, enable_prefix_caching=True, **kw)
+    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, seed=0,
+              disable_log_stats=False, enable_prefix_caching=True, **kw)
+    BUILT.append(executor_of(llm))
+    return llm
 
 
 def executor_of(llm) -> str | None:
@@ -443,8 +446,9 @@ def steady(llm, requests, args, entry: dict, result: dict, t0: float, sampler=No
 
 def profile(prefix: str, epoch: float, windows: list) -> dict:
     """``--profile``: the engine core's phases and stack samples (with ``--executor mp`` the
-    worker process's too, as ``worker``), and the child's own loop's samples, over the warm-up window and over the measurement windows together
-    (:mod:`engineprof`; seconds since the loop began -> wall clock at ``epoch``)."""
+    worker process's too, as ``worker``), and the child's own loop's samples, over the
+    warm-up window and over the measurement windows together (:mod:`engineprof`; seconds
+    since the loop began -> wall clock at ``epoch``)."""
     import engineprof
 
     if not windows:
@@ -511,7 +515,6 @@ def job_throughput(args, result: dict) -> None:
         llm = build(mode, stats, max_model_len=8192,
                     gpu_memory_utilization=args.gpu_memory_utilization or 0.85, **kw)
         entry = result.setdefault(mode, {"start_s": round(time.time() - t0, 1)})
-        entry["executor"] = executor_of(llm)
         if args.start_after:
             entry["waited_s"] = start_together(Path(args.start_after))
         rel = None
@@ -686,6 +689,7 @@ def main() -> int:
                  "--modes")
     global EXECUTOR
     EXECUTOR = args.executor
+    # the executor asked for; once engines are built, the one vLLM chose for them
     result: dict = {"job": args.job, "mode": args.mode, "executor": args.executor or "default"}
     code = 0
     try:
@@ -695,6 +699,8 @@ def main() -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
         code = 1
+    if BUILT:
+        result["executor"] = ",".join(dict.fromkeys(map(str, BUILT)))
     save(args, result)
     return code
 

@@ -95,8 +95,9 @@ class _State:
                  worker_path: str | None = None) -> None:
         self.path, self.every_s, self.period_s = path, every_s, period_s
         self.worker_path = worker_path or path
-        self.engine = False             # this process runs the engine core's steps
-        self.worker = False             # ... or only a worker's (executor mp)
+        # "engine": this process runs the engine core's steps; "worker": only a worker's
+        # (executor mp: its lines go to a file of its own); None: neither yet
+        self.role: str | None = None
         self.pid = os.getpid()
         self.main = threading.get_ident()
         self.phases: dict[str, list] = {}
@@ -147,9 +148,7 @@ class _State:
             line = {"t": now, "pid": self.pid, "samples": self.samples,
                     "phases": {k: [v[0], round(v[1], 6)] for k, v in self.phases.items()},
                     "leaf": dict(self.leaf), "incl": dict(self.incl)}
-        # a worker process of its own (executor mp) writes its lines to a file of its own
-        with open(self.worker_path if self.worker and not self.engine else self.path,
-                  "a") as f:
+        with open(self.worker_path if self.role == "worker" else self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
@@ -174,15 +173,15 @@ def _wrap(name: str, original):
         if state is None or threading.get_ident() != state.main:
             return original(*args, **kwargs)
         if name in ("step", "step_sync"):
-            state.engine = True
-        elif name == "worker_execute" and not state.engine:
-            state.worker = True
+            state.role = "engine"
+        elif name == "worker_execute" and state.role is None:
+            state.role = "worker"
         began = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             state.add(name, time.perf_counter() - began)
-            if name in ("step", "step_sync") or (state.worker and not state.engine):
+            if name in ("step", "step_sync") or state.role == "worker":
                 state.maybe_dump()
     timed.__wrapped__ = original
     return timed
