@@ -119,6 +119,23 @@ def check_options_without_gpu(argv: list[str], also: str) -> None:
         return
 
 
+def elastic_executor_hint(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """With ``--elastic`` on one GPU: a line advising vLLM's ``mp`` executor when the user
+    chose none (vLLM's default there, ``uni``, runs the worker on the scheduler's thread, so
+    elastic mode's scheduler work lengthens every step; with ``mp`` the worker has a
+    process of its own and that work overlaps it: docs/benchmarks.md section 7.3, session
+    19). None where nothing is to be said."""
+    if given(argv, "--distributed-executor-backend"):
+        return None
+    gpus = (getattr(args, "tensor_parallel_size", 1) or 1) * \
+        (getattr(args, "pipeline_parallel_size", 1) or 1)
+    if gpus > 1:
+        return None                     # vLLM picks mp itself for more than one GPU
+    return ("--elastic on one GPU: add --distributed-executor-backend mp. Under a steady load "
+            "on an H200 elastic mode ran at 0.95-0.97x of stock with vLLM's default executor "
+            "(uni) and 0.997x with mp, both engines on the same executor (docs/benchmarks.md 7.3)")
+
+
 def check_supported(args: argparse.Namespace) -> None:
     """Modes of ``vllm serve`` that do not fit one engine behind one gunicorn worker."""
     if getattr(args, "headless", False):

@@ -71,3 +71,19 @@ def test_demo_keeps_what_the_user_chose(serve_args):
     assert args.served_model_name == ["demo"]
     assert (args.gpu_memory_utilization, args.max_model_len) == (0.5, 512)
     assert args.kv_cache_memory_bytes is None  # sized by the utilization the user asked for
+
+
+@pytest.mark.parametrize("argv, advised", [
+    ([], True),                                              # vLLM's one-GPU default: uni
+    (["--max-model-len", "4096"], True),
+    (["--distributed-executor-backend", "mp"], False),       # chosen: nothing to advise
+    (["--distributed_executor_backend=uni"], False),         # uni asked for on purpose
+    (["-tp", "2"], False),                                   # vLLM takes mp itself
+    (["--pipeline-parallel-size", "2"], False),
+])
+def test_elastic_on_one_gpu_advises_the_mp_executor_unless_one_was_chosen(serve_args, argv,
+                                                                         advised):
+    hint = vllm_args.elastic_executor_hint(serve_args(*argv), argv)
+    assert (hint is not None) == advised
+    if advised:
+        assert "--distributed-executor-backend mp" in hint and "\n" not in hint
