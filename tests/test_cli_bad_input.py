@@ -196,6 +196,9 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["max_bytes: 'lots' is not a size"]),
+    # ---- issue 37: proxima kv, selfcheck, serve ---------------------------------------------
+    Row("serve-elastic-no-gpu", ["serve", "--elastic"],
+        ["self-check failed, not serving: gpu: failed: no NVIDIA GPU visible"], skip=NO_GPU),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
