@@ -196,6 +196,63 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["max_bytes: 'lots' is not a size"]),
+    # ---- issue 37: proxima kv, selfcheck, serve ---------------------------------------------
+    # The server's fault is exit 1, the user's exit 2; either way one line on stderr and
+    # nothing on stdout ({url:answers}/NAME is a server whose GET/POST NAME/proxima/kv and
+    # NAME/proxima/selfcheck answer as ANSWERS[NAME] says).
+    Row("kv-answer-list", ["kv", "--url", "{url:answers}/list"],
+        ["the server's answer is not an elastic KV status: it is a list [], not a JSON object"],
+        code=1),
+    Row("kv-answer-list-json", ["kv", "--url", "{url:answers}/list", "--json"],
+        ["not an elastic KV status: it is a list []"], code=1),
+    Row("kv-answer-null", ["kv", "--url", "{url:answers}/null"], ["it is null"], code=1),
+    Row("kv-answer-wrong-type", ["kv", "--url", "{url:answers}/wrongtype", "--json"],
+        ['mapped_bytes is a string "lots" (expected a number of bytes'], code=1),
+    Row("kv-answer-bool-count", ["kv", "--url", "{url:answers}/boolcount"],
+        ["grows is a boolean true (expected an integer"], code=1),
+    Row("kv-answer-missing-field", ["kv", "--url", "{url:answers}/empty"],
+        ["policy is missing (expected a string): is this proxima serve --elastic?"], code=1),
+    Row("kv-500-html", ["kv", "--url", "{url:answers}/html500"],
+        ["/html500/proxima/kv answered 500 Internal Server Error: ", "Oops, the worker died"],
+        code=1),
+    Row("kv-not-json", ["kv", "--url", "{url:answers}/text"],
+        ["answered 200 OK with a body that is not JSON (text/plain: 'hello')"], code=1),
+    Row("kv-huge-body", ["kv", "--url", "{url:answers}/huge"],
+        ["with a body over 1,048,576 bytes (read no further)"], code=1),
+    Row("kv-redirect", ["kv", "--url", "{url:answers}/redirect"],
+        ["answered 302 Found, a redirect to https://elsewhere.example/, which is not followed"],
+        code=1),
+    Row("kv-404", ["kv", "--url", "{url:answers}/nosuch"],
+        ["answered 404 Not Found: not found (is this proxima serve with --elastic?"], code=1),
+    Row("kv-openai-error", ["kv", "--url", "{url:answers}/openai", "--max", "1GiB"],
+        ["answered 400 Bad Request: max_bytes 1073741824 is below min_bytes"], code=1),
+    Row("kv-no-scheme", ["kv", "--url", "127.0.0.1:8000"],
+        ["got '127.0.0.1:8000': add the scheme, http://127.0.0.1:8000"]),
+    Row("kv-url-ipv6-unclosed", ["kv", "--url", "http://[::1"], ["(Invalid IPv6 URL)"]),
+    Row("kv-url-port-not-number", ["kv", "--url", "http://localhost:port"],
+        ["got 'http://localhost:port' (Port could not be cast to integer"]),
+    Row("kv-url-query", ["kv", "--url", "http://127.0.0.1:8000/?x=1"],
+        ["drop the query or fragment"]),
+    Row("kv-timeout-inf", ["kv", "--url", "{closed}", "--timeout", "inf"],
+        ["--timeout must be a number of seconds > 0, got inf"]),
+    Row("kv-timeout-huge", ["kv", "--url", "{closed}", "--timeout", "1e12"],
+        ["--timeout 1e+12 is above the bound of 3600 seconds"]),
+    Row("selfcheck-url-ipv6-unclosed", ["selfcheck", "--url", "http://[::1"],
+        ["--url must look like http://HOST:PORT", "'http://[::1' (Invalid IPv6 URL)"]),
+    Row("selfcheck-url-port-range", ["selfcheck", "--url", "http://127.0.0.1:99999"],
+        ["(Port out of range 0-65535)"]),
+    Row("selfcheck-url-no-host", ["selfcheck", "--url", "http:///x"], ["it has no host"]),
+    Row("selfcheck-url-empty", ["selfcheck", "--url", ""], ["give --url URL"]),
+    Row("selfcheck-url-space", ["selfcheck", "--url", "http://a b:1"],
+        ["holds a space or a control character"]),
+    Row("selfcheck-answer-list", ["selfcheck", "--url", "{url:answers}/list"],
+        ["the server's answer is not a self-check report: it is '[]'"], code=1),
+    Row("selfcheck-answer-bad-check", ["selfcheck", "--url", "{url:answers}/badcheck"],
+        ["checks[0] is"], code=1),
+    Row("selfcheck-500-html", ["selfcheck", "--url", "{url:answers}/html500"],
+        ["answered 500 Internal Server Error: ", "Oops, the worker died"], code=1),
+    Row("serve-elastic-no-gpu", ["serve", "--elastic"],
+        ["self-check failed, not serving: gpu: failed: no NVIDIA GPU visible"], skip=NO_GPU),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
@@ -208,6 +265,30 @@ SERVERS = {
     "list": ServerConfig(models_answer=b"[]"),
     "html": ServerConfig(models_answer=b"<html>hello</html>"),
     "empty": ServerConfig(models_answer=b'{"object": "list", "data": []}'),
+    "answers": ServerConfig(routes={
+        f"/{name}/proxima/{route}": answer
+        for name, answer in {
+            "list": (200, b"[]", "application/json"),
+            "null": (200, b"null", "application/json"),
+            "wrongtype": (200, b'{"policy": "auto", "granule_blocks": 32, "bytes_per_granule": '
+                               b'1, "mapped_bytes": "lots", "pool_bytes": 1}',
+                          "application/json"),
+            "boolcount": (200, b'{"policy": "auto", "granule_blocks": 32, "bytes_per_granule": '
+                               b'1, "mapped_bytes": 1, "pool_bytes": 1, "grows": true}',
+                          "application/json"),
+            "empty": (200, b"{}", "application/json"),
+            "html500": (500, b"<html><head><title>500 Internal Server Error</title></head>"
+                             b"<body><h1>Oops, the worker died</h1>\x1b[31m</body></html>",
+                        "text/html"),
+            "text": (200, b"hello\n", "text/plain"),
+            "huge": (200, b"[" + b"0," * (1 << 19) + b"0]", "application/json"),
+            "redirect": (302, b"", "text/plain", {"Location": "https://elsewhere.example/"}),
+            "openai": (400, b'{"object": "error", "message": "x", "error": {"message": '
+                            b'"max_bytes 1073741824 is below min_bytes 2147483648", '
+                            b'"type": "BadRequestError", "code": 400}}', "application/json"),
+            "badcheck": (200, b'{"passed": true, "checks": [{"name": "gpu", "status": 1}]}',
+                         "application/json"),
+        }.items() for route in ("kv", "selfcheck")}),
 }
 
 

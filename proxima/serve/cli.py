@@ -145,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
             os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
         log.info("elastic KV memory on%s", f": {elastic}" if elastic else "")
     validate.validate_environment()
+    # Proxima is on for every process this one starts or imports vLLM in, from here: vLLM
+    # loads its general plugins (Proxima's checks PROXIMA_ELASTIC against it) as soon as its
+    # parser is built, and that happens on the no-GPU path below too.
+    os.environ["PROXIMA_ALLOCATOR"] = "1"
     scanned = validate.scan(argv)
     validate.validate_options(scanned.model, scanned.block_size, scanned.host, scanned.port,
                               scanned.uds)
@@ -168,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"self-check failed, not serving: {first.line()}")
     validate.check_plugin()
 
-    os.environ["PROXIMA_ALLOCATOR"] = "1"  # before vLLM loads its general plugins
     from proxima.serve import vllm_args
 
     if vllm_args.card_stack():

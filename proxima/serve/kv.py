@@ -7,15 +7,30 @@ minimum above the mapped size grows now, a maximum below it releases granules wi
 live blocks now). Sizes: bytes or a number with a unit (``8GiB``, ``512MiB``, ``20GB``);
 ``--max none`` removes the maximum (the pool's size is the limit).
 
-Exit status: 0 done, 1 the server refused or failed, 2 bad input or no server there.
+Exit status: 0 done; 1 the server refused or failed (an error status, an answer that is
+not an elastic KV status, no whole answer within ``--timeout``); 2 bad input (a malformed
+``--url``, size or ``--timeout``) or nothing listening at ``--url``. Errors are one line on
+stderr; stdout carries only the result.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from proxima.errors import UserError
+from proxima.serve.remote import (ServerFailure, check_timeout, error_message, json_body,
+                                  one_line, refusal, request, server_url)
+
+EXIT_STATUS = """\
+exit status:
+  0  done: the status (after the change, if one was asked) is printed on stdout
+  1  server or runtime failure: the server refused the change or answered an error
+     (its status and message are shown), its answer is not an elastic KV status, or
+     no whole answer came within --timeout (one line on stderr)
+  2  bad input: a malformed --url, --min/--max or --timeout, or nothing listening at
+     --url (one line on stderr)"""
 
 ROWS = (("mapped_bytes", "mapped"), ("used_bytes", "used by requests"),
         ("reclaimable_bytes", "reclaimable (granules without a live block)"),
@@ -28,8 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Read a running proxima serve's elastic KV memory (mapped, used and "
                           "reclaimable bytes, bounds, counters), or set its bounds. Sizes: "
                           "bytes or a number with a unit (8GiB, 512MiB, 20GB).")
-    parser.epilog = ("exit status: 0 done; 1 the server refused the change or answered an "
-                     "error; 2 bad input or nothing listening at --url")
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--url",
                         help="the proxima serve to talk to, e.g. http://127.0.0.1:8000 (required)")
     parser.add_argument("--min", dest="min_bytes", metavar="SIZE",
@@ -41,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the server's answer as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for the server")
+                        help="seconds the whole request may take (connecting, and the whole answer)")
 
 
 def _request(args) -> dict:
@@ -67,46 +81,75 @@ def _request(args) -> dict:
 
 
 def _url(url: str | None) -> str:
-    from urllib.parse import urlsplit
+    return server_url(url) + "/proxima/kv"
 
-    if not url:
-        raise UserError("give --url URL: the proxima serve to talk to (e.g. "
-                        "http://127.0.0.1:8000)")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UserError(f"--url must look like http://HOST:PORT (a running proxima serve), "
-                        f"got {url!r}")
-    return url.strip().rstrip("/") + "/proxima/kv"
+
+#: what the command reads of the server's answer: field -> (kind, required); the kinds are
+#: _KINDS' keys. An optional field may be missing or null.
+FIELDS = {"policy": ("text", True), "granule_blocks": ("positive", True),
+          "bytes_per_granule": ("bytes", True), "mapped_bytes": ("bytes", True),
+          "pool_bytes": ("bytes", True), "used_bytes": ("bytes", False),
+          "reclaimable_bytes": ("bytes", False), "min_bytes": ("bytes", False),
+          "max_bytes": ("bytes", False), "grows": ("count", False),
+          "shrinks": ("count", False), "failed_grows": ("count", False),
+          "bytes_returned": ("bytes", False), "evicted_cached": ("count", False),
+          "short": ("flag", False)}
+_KINDS = {"text": "a string", "count": "an integer from 0 to 2**63", "positive":
+          "an integer from 1 to 2**63", "bytes": "a number of bytes from 0 to 2**63",
+          "flag": "true or false"}
+
+
+def check_answer(data) -> dict:
+    """The server's 200 answer, if it is an elastic KV status (every field this command
+    reads, of its type; ``null`` allowed where a field is optional); else ServerFailure."""
+    where = "the server's answer is not an elastic KV status"
+    if not isinstance(data, dict):
+        raise ServerFailure(f"{where}: it is {_shown(data)}, not a JSON object")
+    if "error" in data:
+        raise ServerFailure(f"{where}: it carries an error with status 200: "
+                            f"{error_message(data) or _shown(data['error'])}")
+    for key, (kind, required) in FIELDS.items():
+        value = data.get(key)
+        if value is None:
+            if required:
+                raise ServerFailure(f"{where}: {key} is {'null' if key in data else 'missing'}"
+                                    f" (expected {_KINDS[kind]}): is this proxima serve "
+                                    f"--elastic?")
+            continue
+        if kind == "text":
+            good = isinstance(value, str)
+        elif kind == "flag":
+            good = isinstance(value, bool)
+        else:
+            good = (isinstance(value, int) and not isinstance(value, bool)
+                    and (1 if kind == "positive" else 0) <= value < 2**63)
+        if not good:
+            raise ServerFailure(f"{where}: {key} is {_shown(value)} (expected {_KINDS[kind]})")
+    return data
+
+
+def _shown(value) -> str:
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), "?")
+    return kind if value is None else f"{kind} {one_line(json.dumps(value), 40)}"
 
 
 def run(args: argparse.Namespace) -> int:
     target = _url(args.url)
     body = _request(args)
-    if not args.timeout > 0:
-        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    import httpx
-
+    timeout = check_timeout(args.timeout)
     try:
-        if body:
-            response = httpx.post(target, json=body, timeout=args.timeout)
-        else:
-            response = httpx.get(target, timeout=args.timeout)
-    except httpx.HTTPError as exc:
-        raise UserError(f"cannot reach {target} ({type(exc).__name__}: {exc}): is proxima "
-                        f"serve running there?") from None
-    try:
-        data = response.json()
-    except ValueError:
-        raise UserError(f"{target} answered {response.status_code} without JSON: is this a "
-                        f"proxima serve?") from None
+        answer = request(target, timeout, payload=body or None)
+        if answer.status != 200:
+            raise refusal(answer, "is this proxima serve with --elastic? GET /proxima/kv is "
+                                  "its route")
+        data = check_answer(json_body(answer))
+    except ServerFailure as exc:
+        print(f"proxima kv: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(data, indent=2))
-    if response.status_code != 200:
-        message = data.get("error") if isinstance(data, dict) else data
-        if not args.json:
-            print(f"proxima kv: error: the server answered {response.status_code}: {message}")
-        return 1
-    if not args.json:
+    else:
         print(format_status(data))
     return 0
 
@@ -114,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 def format_status(data: dict) -> str:
     from proxima.memory.policy import format_bytes
 
-    lines = [f"elastic KV memory (policy {data.get('policy', '?')}, granules of "
+    lines = [f"elastic KV memory (policy {one_line(data.get('policy', '?'), 40)}, granules of "
              f"{data.get('granule_blocks', '?')} blocks = "
              f"{format_bytes(int(data.get('bytes_per_granule') or 0))}):"]
     for key, label in ROWS:

@@ -5,7 +5,9 @@
     proxima selfcheck --no-engine   only gpu, cuda, versions (seconds)
     proxima selfcheck --url URL     the report of a running `proxima serve` (its canary too)
 
-Exit status: 0 when no check failed, 1 otherwise, 2 for bad input.
+Exit status: 0 when no check failed; 1 when one failed, or (``--url``) the server failed,
+answered what is not a self-check report, or gave no whole answer in ``URL_TIMEOUT_S``;
+2 for bad input (``--url`` malformed or nothing listening there).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +24,22 @@ from proxima.engines.status import STATS_ENV, read_status
 from proxima.errors import UserError
 from proxima.serve.report import Check, Report, failed, ok, skipped
 
+EXIT_STATUS = """\
+exit status:
+  0  no check failed
+  1  a check failed; or with --url, a runtime failure of the server: it answered an
+     error, what is not a self-check report, or no whole answer within 10 s (one line
+     on stderr)
+  2  bad input: a malformed --url or --model, an option that does not apply, or nothing
+     listening at --url (one line on stderr)"""
+#: seconds the whole GET URL/proxima/selfcheck may take
+URL_TIMEOUT_S = 10.0
 ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants", "elastic-kv")
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--no-engine", action="store_true",
                         help="only the checks that need no engine: gpu, cuda, versions")
     parser.add_argument("--model", default=None,
@@ -40,12 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _validate(args: argparse.Namespace) -> None:
     """Bad input in one line before any check runs (the GPU probe takes seconds)."""
     if args.url is not None:
-        from urllib.parse import urlsplit
+        from proxima.serve.remote import server_url
 
-        parts = urlsplit(args.url.strip())
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise UserError(f"--url must look like http://HOST:PORT (a running proxima serve), "
-                            f"got {args.url!r}")
+        server_url(args.url)
         if args.no_engine or args.model:
             raise UserError("--url reads a running server's report: --no-engine and --model "
                             "do not apply with it")
@@ -60,9 +71,15 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    if args.url:
-        data = fetch_remote(args.url)
-        checks = [Check(**c) for c in data.get("checks", [])]
+    if args.url is not None:
+        from proxima.serve.remote import ServerFailure
+
+        try:
+            data = fetch_remote(args.url)
+        except ServerFailure as exc:
+            print(f"proxima selfcheck: error: {exc}", file=sys.stderr)
+            return 1
+        checks = [Check(**c) for c in data["checks"]]
         _print(checks, data, args.json)
         if data.get("passed") is None:
             print(f"(the server is still in phase {data.get('phase')!r})")
@@ -98,21 +115,46 @@ def _print(checks: list[Check], data: dict, as_json: bool) -> None:
             print(check.line(), flush=True)
 
 
-def fetch_remote(url: str) -> dict:
-    import httpx
+def fetch_remote(url: str, timeout: float = URL_TIMEOUT_S) -> dict:
+    """A running server's report, checked to be one (ServerFailure otherwise; UserError for a
+    malformed URL or nothing listening)."""
+    from proxima.serve.remote import json_body, refusal, request, server_url
 
-    target = url.rstrip("/") + "/proxima/selfcheck"
-    try:
-        response = httpx.get(target, timeout=10)
-    except httpx.HTTPError as exc:
-        raise UserError(f"cannot reach {target} ({type(exc).__name__}: {exc}): is proxima "
-                        f"serve running there?") from None
-    if response.status_code != 200:
-        raise UserError(f"{target} answered {response.status_code}: is this a proxima serve?")
-    try:
-        return response.json()
-    except ValueError:
-        raise UserError(f"{target} did not answer JSON: is this a proxima serve?") from None
+    answer = request(server_url(url) + "/proxima/selfcheck", timeout, timeout_flag=None)
+    if answer.status != 200:
+        raise refusal(answer, "is this a proxima serve? GET /proxima/selfcheck is its route")
+    return check_report(json_body(answer))
+
+
+def check_report(data) -> dict:
+    """``{"passed": true|false|null, "phase": str?, "checks": [{"name", "status", "detail",
+    "fix"?: str}, ...]}`` or ServerFailure naming what is not."""
+    from proxima.serve.remote import ServerFailure, one_line
+
+    where = "the server's answer is not a self-check report"
+    if not isinstance(data, dict):
+        raise ServerFailure(f"{where}: it is {one_line(json.dumps(data), 60)!r}, not a JSON "
+                            f"object: is this a proxima serve?")
+    if data.get("passed") not in (True, False, None):
+        raise ServerFailure(f"{where}: passed is {one_line(json.dumps(data['passed']), 40)}, "
+                            f"expected true, false or null")
+    if not isinstance(data.get("phase", ""), (str, type(None))):
+        raise ServerFailure(f"{where}: phase is {one_line(json.dumps(data['phase']), 40)}, "
+                            f"expected a string")
+    checks = data.get("checks")
+    if not isinstance(checks, list):
+        raise ServerFailure(f"{where}: checks is {one_line(json.dumps(checks), 40)}, expected a "
+                            f"list of checks: is this a proxima serve?")
+    for i, check in enumerate(checks):
+        fields = ("name", "status", "detail")
+        if (not isinstance(check, dict) or not set(check) <= {*fields, "fix"}
+                or not all(isinstance(check.get(k), str) for k in fields)
+                or not isinstance(check.get("fix", ""), str)):
+            raise ServerFailure(f"{where}: checks[{i}] is {one_line(json.dumps(check), 60)}, "
+                                f"expected {{\"name\", \"status\", \"detail\", \"fix\"}} strings")
+        for key in check:               # one line each: no terminal escapes from the server
+            check[key] = one_line(check[key], 2000)
+    return data
 
 
 def engine_checks(model: str | None) -> list[Check]:

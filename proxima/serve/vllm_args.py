@@ -105,7 +105,9 @@ def check_options_without_gpu(argv: list[str], also: str) -> None:
     vLLM builds its parser only under a detected platform; here its CPU platform stands in.
     Hundreds of vLLM modules bind ``current_platform`` when imported, so after this the
     process must not build an engine: call it only on the way out (the GPU check failed).
-    Options that parse are left to the GPU error; anything else going wrong is ignored."""
+    Options that parse are left to the GPU error; anything else going wrong is ignored,
+    a ``SystemExit`` included (a vLLM plugin refusing to load under the CPU platform: the
+    GPU's refusal is the one to report)."""
     try:
         if not card_stack():           # vLLM 0.6 builds its parser on any machine
             import vllm.platforms as platforms
@@ -115,7 +117,7 @@ def check_options_without_gpu(argv: list[str], also: str) -> None:
         parse(argv)
     except UserError as exc:
         raise UserError(f"{exc}; the {also}") from None
-    except Exception:  # noqa: BLE001 - the GPU error is the one to report then
+    except (Exception, SystemExit):  # noqa: BLE001 - the GPU error is the one to report then
         return
 
 

@@ -35,6 +35,8 @@ class ServerConfig:
     die_after: int = 0                  # SIGKILL this process midway through the k-th stream
                                         # (a server dying mid-run: run it as a subprocess,
                                         # tests/bench/standin_server.py)
+    routes: dict = field(default_factory=dict)  # path -> (status, body, content type[,
+                                        # {header: value}]): answered as is to GET and POST
 
 
 @dataclass
@@ -77,16 +79,20 @@ class FakeOpenAIServer:
             def log_message(self, *args):    # keep pytest output clean
                 pass
 
-            def _send(self, status: int, body: bytes, ctype: str) -> None:
+            def _send(self, status: int, body: bytes, ctype: str, headers=None) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
             def do_GET(self):
                 cfg = server.config
-                if self.path == "/v1/models" and cfg.models_answer is not None:
+                if self.path in cfg.routes:
+                    self._send(*cfg.routes[self.path])
+                elif self.path == "/v1/models" and cfg.models_answer is not None:
                     self._send(200, cfg.models_answer, "application/json")
                 elif self.path == "/v1/models":
                     data = {"object": "list",
@@ -107,6 +113,9 @@ class FakeOpenAIServer:
 
             def do_POST(self):
                 cfg, state = server.config, server.state
+                if self.path in cfg.routes:
+                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                    return self._send(*cfg.routes[self.path])
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 chat = self.path == "/v1/chat/completions"
                 if self.path not in ("/v1/completions", "/v1/chat/completions"):

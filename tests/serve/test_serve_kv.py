@@ -143,7 +143,7 @@ def test_proxima_kv_cli_reads_and_sets(live_server, capsys):
     assert main(["kv", "--url", live_server, "--max", "none"]) == 0
     capsys.readouterr()
     assert main(["kv", "--url", live_server, "--min", "100TiB"]) == 1
-    assert "above the pool" in capsys.readouterr().out
+    assert "above the pool" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
