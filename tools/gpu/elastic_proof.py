@@ -1,6 +1,6 @@
 """Issue 13's GPU proof, driver A: elastic KV memory in one vLLM 0.26 engine on one H200.
 
-    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
+    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
         [--d-turns ROUNDS [--d-interleave SLICE[,WARMUP]] | --d-together GIB] [--d-also M,...]
         [--d-phases] [--executor uni|mp]

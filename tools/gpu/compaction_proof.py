@@ -1,6 +1,6 @@
 """Issue 14's GPU proof, one process, one engine: KV compaction inside vLLM 0.26 on an H200.
 
-    PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/compaction_proof.py --out "$OUT" \\
+    PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/compaction_proof.py --out "$OUT" \\
         --budget 235 --rounds 5
 
 One engine (dummy Llama-3.1-8B, ``load_format=dummy``, token-id prompts, CUDA graphs on,
@@ -43,7 +43,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 BYTES_PER_TOKEN = 131072            # Llama-3.1-8B's KV: 32 layers x 8 heads x 128 x 2 x bf16
 
 

@@ -19,7 +19,7 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "/tmp/vllm-kit/dummy-llama"
 TOKENIZER = str(ROOT / "proxima" / "models" / "tiny-llama")
 

@@ -13,10 +13,10 @@
 #      watchfiles jmespath email-validator dnspython pydantic-extra-types jsonschema \
 #      jsonschema-specifications referencing rpds-py      # what vLLM's api_server imports
 #
-#   bash tests/gpu/proof/run.sh c1                  # volume 1 + wheels (carry .stage/c1,
-#                                                   # .stage/plugin, .stage/serve-extra); exit 2 expected
-#   bash tests/gpu/proof/run.sh c2 BUDGET_S LANE... # volume 2 (carry .stage/c2), then the lanes
-#   bash tests/gpu/proof/run.sh run BUDGET_S LANE...  # later calls on the warm host
+#   bash tools/gpu/run.sh c1                    # volume 1 + wheels (carry .stage/c1,
+#                                               # .stage/plugin, .stage/serve-extra); exit 2 expected
+#   bash tools/gpu/run.sh c2 BUDGET_S LANE...   # volume 2 (carry .stage/c2), then the lanes
+#   bash tools/gpu/run.sh run BUDGET_S LANE...  # later calls on the warm host
 #
 # LANE is "GPUS:TASK,TASK,...", e.g. "0:identity,gpu-tests" "1:serve-tests" or "0,1:tp2".
 # Lanes run side by side (one per GPU set), their tasks one after the other, each task on
@@ -32,10 +32,10 @@
 #                default KV: chat (concurrency 20) x ${REPEAT_online_chat:-5} rounds, sharegpt x ${REPEAT_online_sharegpt:-2};
 #                30,720-token KV: pressure x ${REPEAT_online_pressure:-3}
 #   (offline tasks hold arrivals, bench's default; ARRIVALS=as-sent as before 2026-11-30 s3)
-#   elastic-proof  issue 13 driver A (tests/gpu/proof/elastic_proof.py): (a) identity through
+#   elastic-proof  issue 13 driver A (tools/gpu/elastic_proof.py): (a) identity through
 #                forced cycles, (b) release after a burst / another process takes it / regrow,
 #                (d) steady-load throughput; ~6 min; files elastic_proof.{json,log,-logs.tgz}
-#   two-engines  issue 13 driver B (tests/gpu/proof/two_engines.py): (c) two engines on one GPU,
+#   two-engines  issue 13 driver B (tools/gpu/two_engines.py): (c) two engines on one GPU,
 #                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min (the driver
 #                itself takes --engines N for N servers, bursts in turn: run it directly)
 #                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
@@ -57,8 +57,9 @@ left() { echo $(( BUDGET - SECONDS )); }
 facts() {
   echo "== step $STEP, $(date -u +%FT%TZ), lanes: $*"
   # The device copy of the tree carries no git history (HEAD is unborn there): name the code
-  # by a hash of proxima/ + tests/gpu/ (*.py) + pyproject.toml, to compare with a local commit.
-  echo "code hash $( (find proxima tests/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
+  # by a hash of proxima/ + tests/gpu/ + tools/gpu/ (*.py) + pyproject.toml, to compare with a
+  # local commit.
+  echo "code hash $( (find proxima tests/gpu tools/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
     | LC_ALL=C sort | xargs sha256sum | sha256sum) | cut -c1-64)"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv,noheader
   echo "cores $(nproc)"
@@ -152,9 +153,9 @@ task() {
     online-default)  online online-default 40000000000 "chat:${REPEAT_online_chat:-5}" \
                        "sharegpt:${REPEAT_online_sharegpt:-2}" ;;
     online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
-    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tests/gpu/proof/elastic_proof.py \
+    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
-    two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tests/gpu/proof/two_engines.py \
+    two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tools/gpu/two_engines.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
