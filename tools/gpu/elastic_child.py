@@ -11,7 +11,7 @@ Runs in its own process (vLLM starts its engine core from here -- forked, so it 
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
 point is not installed; this process never touches CUDA). Writes its results as JSON to --out when done (and what it has, when it fails).
 Model: the Llama-3.1-8B-shaped config with dummy weights (PROXIMA_PROOF_MODEL, default
-/tmp/vllm-kit/dummy-llama); prompts are token ids.
+tools/gpu/dummy-llama); prompts are token ids.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-MODEL = os.environ.get("PROXIMA_PROOF_MODEL", "/tmp/vllm-kit/dummy-llama")
+MODEL = os.environ.get("PROXIMA_PROOF_MODEL", str(ROOT / "tools" / "gpu" / "dummy-llama"))
 KV_30K = 30720 * 131072            # 30,720 tokens of Llama-3.1-8B's KV (3.75 GiB)
 GiB = 1 << 30
 EXECUTOR = None     # --executor: vLLM's distributed_executor_backend (None: vLLM's choice)
