@@ -40,7 +40,7 @@ def burst_sequence(sequence: list[int], tokens: int, visits: int, prompt: int, o
     """Driver B's reuse bursts as one replay workload: a burst of ``count`` contexts for each
     count of ``sequence`` (``two_engines.burst_requests``, seed 100 x its place, so each has
     contexts of its own), ``gap`` steps apart. One burst keeps the names ``r0``, ``r1``, ..."""
-    proof = str(Path(__file__).resolve().parents[1] / "gpu" / "proof")
+    proof = str(Path(__file__).resolve().parents[2] / "tools" / "gpu")
     if proof not in sys.path:
         sys.path.insert(0, proof)
     import two_engines

@@ -12,7 +12,7 @@ idle steps while it waits to release memory, are left out). A measurement script
 other on the same machine (docs/benchmarks.md section 7.3).
 
 A second line gives the same steps by phase, as the H200 proof's ``--d-phases`` names them
-(``tests/gpu/proof/engineprof.py``): ``allocate_slots`` (per scheduled request), within it
+(``tools/gpu/engineprof.py``): ``allocate_slots`` (per scheduled request), within it
 ``get_new_blocks`` and the rest (``allocate_other``), ``free_blocks``, and Proxima's
 ``connector_meta`` (the elastic connector's step), in ms per steady step.
 
@@ -137,7 +137,7 @@ def _inner_phases(acc: dict, steady) -> list:
     import importlib
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "proof"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
     import engineprof
 
     saved = []

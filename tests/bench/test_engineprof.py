@@ -1,4 +1,4 @@
-"""The (d) proof's diagnostic profiler (tests/gpu/proof/engineprof.py) on vLLM 0.26's real
+"""The (d) proof's diagnostic profiler (tools/gpu/engineprof.py) on vLLM 0.26's real
 scheduler on CPU: its phase timers count every call of the wrapped methods, its window
 differences count what happened between two lines, and its stack sampler sees where the
 calling thread was. The engine-core phases (``step``, ``wait``) need a GPU engine; here the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu" / "proof"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
 
 import engineprof  # noqa: E402
 

@@ -3,7 +3,7 @@
 What is checked is what the lead cannot afford to find out on the GPU: a driver finishes
 within its budget, writes at most three files to $OUT (results JSON, log, children's logs
 packed), prints one PASS/FAIL line per sub-proof, and kills a child that outlives its time.
-Nothing here proves anything about elastic KV memory (tests/gpu/proof/*.py on the H200 do).
+Nothing here proves anything about elastic KV memory (tools/gpu/*.py on the H200 do).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROOF = REPO / "tests" / "gpu" / "proof"
+PROOF = REPO / "tools" / "gpu"
 
 
 def run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:

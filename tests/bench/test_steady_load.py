@@ -1,4 +1,4 @@
-"""The steady load of the elastic proof's (d) (tests/gpu/proof/elastic_child.py
+"""The steady load of the elastic proof's (d) (tools/gpu/elastic_child.py
 ``closed_loop``), on CPU against a small stand-in of vLLM V1's offline ``LLMEngine``.
 
 vLLM's engine cannot run a model on this CPU-only machine, so the stand-in implements the
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu" / "proof"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
 
 from elastic_child import closed_loop  # noqa: E402
 

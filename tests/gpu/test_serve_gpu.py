@@ -43,7 +43,7 @@ DEMO = "proxima-demo-random-weights"
 START_TIMEOUT_S = 600
 CHECK_NAMES = ["gpu", "cuda", "versions", "engine", "proxima-active", "allocator-invariants",
                "canary"]
-# Llama-3.1-8B's shape (as /work/shared/gpu/dummy-llama), weights random (load_format=dummy).
+# Llama-3.1-8B's shape (as tools/gpu/dummy-llama), weights random (load_format=dummy).
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
     "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 128, "hidden_act": "silu",

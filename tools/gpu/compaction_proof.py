@@ -1,6 +1,6 @@
 """Issue 14's GPU proof, one process, one engine: KV compaction inside vLLM 0.26 on an H200.
 
-    PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/compaction_proof.py --out "$OUT" \\
+    PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/compaction_proof.py --out "$OUT" \\
         --budget 235 --rounds 5
 
 One engine (dummy Llama-3.1-8B, ``load_format=dummy``, token-id prompts, CUDA graphs on,
@@ -26,7 +26,7 @@ the JSON rewritten after each (``$OUT/compaction_proof.json``):
    (:func:`summarize_throughput`).
 
 Needs: a CUDA GPU, vLLM 0.26 importable, the Llama config (``--model``, default
-``/tmp/vllm-kit/dummy-llama``). About 60-100 s of engine start, ~25 s of identity runs,
+``tools/gpu/dummy-llama``). About 60-100 s of engine start, ~25 s of identity runs,
 then ~8 s per throughput run (5 rounds: ~80 s); ~200 s in all.
 """
 
@@ -43,7 +43,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 BYTES_PER_TOKEN = 131072            # Llama-3.1-8B's KV: 32 layers x 8 heads x 128 x 2 x bf16
 
 
@@ -466,8 +466,8 @@ def main() -> int:
                     help="folder for compaction_proof.json and .log (default: $OUT)")
     ap.add_argument("--budget", type=float, default=235,
                     help="seconds for everything (default 235)")
-    ap.add_argument("--model", default="/tmp/vllm-kit/dummy-llama",
-                    help="a Llama-3.1-8B config dir (default /tmp/vllm-kit/dummy-llama)")
+    ap.add_argument("--model", default=str(ROOT / "tools" / "gpu" / "dummy-llama"),
+                    help="a Llama-3.1-8B config dir (default tools/gpu/dummy-llama)")
     ap.add_argument("--kv-tokens", type=int, default=24576,
                     help="KV cache size in tokens (default 24576: 3 GiB, preempts)")
     ap.add_argument("--rounds", type=int, default=3,

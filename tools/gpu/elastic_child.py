@@ -1,8 +1,8 @@
-"""One engine job of the elastic KV proof (driver: tests/gpu/proof/elastic_proof.py).
+"""One engine job of the elastic KV proof (driver: tools/gpu/elastic_proof.py).
 
-    python3 tests/gpu/proof/elastic_child.py identity --mode stock|proxima|elastic|elastic-auto --out F
-    python3 tests/gpu/proof/elastic_child.py burst --out F --progress F --go F
-    python3 tests/gpu/proof/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
+    python3 tools/gpu/elastic_child.py identity --mode stock|proxima|elastic|elastic-auto --out F
+    python3 tools/gpu/elastic_child.py burst --out F --progress F --go F
+    python3 tools/gpu/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
         [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
         [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]] [--step-log]
     (every job) [--executor uni|mp]
@@ -11,7 +11,7 @@ Runs in its own process (vLLM starts its engine core from here -- forked, so it 
 Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
 point is not installed; this process never touches CUDA). Writes its results as JSON to --out when done (and what it has, when it fails).
 Model: the Llama-3.1-8B-shaped config with dummy weights (PROXIMA_PROOF_MODEL, default
-/tmp/vllm-kit/dummy-llama); prompts are token ids.
+tools/gpu/dummy-llama); prompts are token ids.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-MODEL = os.environ.get("PROXIMA_PROOF_MODEL", "/tmp/vllm-kit/dummy-llama")
+MODEL = os.environ.get("PROXIMA_PROOF_MODEL", str(ROOT / "tools" / "gpu" / "dummy-llama"))
 KV_30K = 30720 * 131072            # 30,720 tokens of Llama-3.1-8B's KV (3.75 GiB)
 GiB = 1 << 30
 EXECUTOR = None     # --executor: vLLM's distributed_executor_backend (None: vLLM's choice)
@@ -647,7 +647,7 @@ def main() -> int:
                          "(--progress, --go) (default: off)")
     ap.add_argument("--profile", action="store_true",
                     help="throughput, steady: time the engine core's phases and sample its "
-                         "stack and this loop's (tests/gpu/proof/engineprof.py; a "
+                         "stack and this loop's (tools/gpu/engineprof.py; a "
                          "diagnostic) (default: off)")
     ap.add_argument("--phases", action="store_true",
                     help="throughput, steady: --profile's phase timers alone, without the "

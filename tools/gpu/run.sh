@@ -2,21 +2,18 @@
 # Issues 4 and 5 on the lent H200s: the driver of the recorded GPU runs (docs/results/).
 # Run from the repo root on the GPU host; files land in $OUT (default ./gpu-out).
 #
-# Staging (on a networked machine, into the git-ignored .stage/):
-#   bash /work/shared/gpu/stage-vllm.sh                          # .stage/c1, .stage/c2: vLLM 0.26.0
-#   pip wheel --no-deps -w .stage/plugin .                       # Proxima (its plugin entry point)
-#   W="pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-#      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
-#   $W -d .stage/plugin gunicorn==27.0.1 uvicorn-worker==0.4.0 uvicorn==0.54.0 httptools \
-#      prometheus-fastapi-instrumentator python-multipart sse-starlette
-#   $W -d .stage/serve-extra model-hosting-container-standards==0.1.16 supervisor truststore \
-#      watchfiles jmespath email-validator dnspython pydantic-extra-types jsonschema \
-#      jsonschema-specifications referencing rpds-py      # what vLLM's api_server imports
+# Staging (on a networked CPU machine, from the repo root, into the git-ignored .stage/;
+# about 1.5 GB of downloads in /tmp/vllm-stage, some minutes of xz):
+#   bash tools/gpu/stage-vllm.sh    # .stage/c1, c2: vLLM 0.26.0; .stage/plugin: Proxima's wheel
+#                                   # (its plugin entry point); .stage/serve-extra: serve's wheels
+# It prints the calls below with what each carries, and fails if one would not fit the 64 MiB
+# a device call carries with the tree.
 #
-#   bash tests/gpu/proof/run.sh c1                  # volume 1 + wheels (carry .stage/c1,
-#                                                   # .stage/plugin, .stage/serve-extra); exit 2 expected
-#   bash tests/gpu/proof/run.sh c2 BUDGET_S LANE... # volume 2 (carry .stage/c2), then the lanes
-#   bash tests/gpu/proof/run.sh run BUDGET_S LANE...  # later calls on the warm host
+#   bash tools/gpu/run.sh c1                    # volume 1 + wheels (carry .stage/c1,
+#                                               # .stage/plugin, .stage/serve-extra); installer rc=2
+#   bash tools/gpu/run.sh c2 BUDGET_S LANE...   # volume 2 (carry .stage/c2), then the lanes
+#   bash tools/gpu/run.sh run BUDGET_S LANE...  # later calls on the warm host
+# (cN for each volume N: the call that brings the last one runs the lanes.)
 #
 # LANE is "GPUS:TASK,TASK,...", e.g. "0:identity,gpu-tests" "1:serve-tests" or "0,1:tp2".
 # Lanes run side by side (one per GPU set), their tasks one after the other, each task on
@@ -32,10 +29,10 @@
 #                default KV: chat (concurrency 20) x ${REPEAT_online_chat:-5} rounds, sharegpt x ${REPEAT_online_sharegpt:-2};
 #                30,720-token KV: pressure x ${REPEAT_online_pressure:-3}
 #   (offline tasks hold arrivals, bench's default; ARRIVALS=as-sent as before 2026-11-30 s3)
-#   elastic-proof  issue 13 driver A (tests/gpu/proof/elastic_proof.py): (a) identity through
+#   elastic-proof  issue 13 driver A (tools/gpu/elastic_proof.py): (a) identity through
 #                forced cycles, (b) release after a burst / another process takes it / regrow,
 #                (d) steady-load throughput; ~6 min; files elastic_proof.{json,log,-logs.tgz}
-#   two-engines  issue 13 driver B (tests/gpu/proof/two_engines.py): (c) two engines on one GPU,
+#   two-engines  issue 13 driver B (tools/gpu/two_engines.py): (c) two engines on one GPU,
 #                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min (the driver
 #                itself takes --engines N for N servers, bursts in turn: run it directly)
 #                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
@@ -48,7 +45,9 @@ set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 STEP=${1:?step}; shift
 BUDGET=${1:-570}; [ $# -gt 0 ] && shift
-MODEL=/tmp/vllm-kit/dummy-llama
+STAGE=${STAGE:-.stage}   # what stage-vllm.sh wrote, as carried
+SITE=${VLLM_SITE:-/tmp/site}   # where install-on-device.sh puts vLLM (it reads VLLM_SITE too)
+MODEL=$PWD/tools/gpu/dummy-llama   # Llama-3.1-8B's shape, weights random (load_format=dummy)
 LOG="$OUT/call-$STEP.txt"
 KV_30K=4026531840        # 30,720 tokens of Llama-3.1-8B's KV (131,072 bytes per token)
 KV_30K_TP2=2013265920    # the same 30,720 tokens with the KV heads split over 2 GPUs
@@ -57,24 +56,25 @@ left() { echo $(( BUDGET - SECONDS )); }
 facts() {
   echo "== step $STEP, $(date -u +%FT%TZ), lanes: $*"
   # The device copy of the tree carries no git history (HEAD is unborn there): name the code
-  # by a hash of proxima/ + tests/gpu/ (*.py) + pyproject.toml, to compare with a local commit.
-  echo "code hash $( (find proxima tests/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
+  # by a hash of proxima/ + tests/gpu/ + tools/gpu/ (*.py) + pyproject.toml, to compare with a
+  # local commit.
+  echo "code hash $( (find proxima tests/gpu tools/gpu pyproject.toml -type f -name '*.py' -o -name pyproject.toml \
     | LC_ALL=C sort | xargs sha256sum | sha256sum) | cut -c1-64)"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv,noheader
   echo "cores $(nproc)"
 }
 use_site() {
-  export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
+  export PYTHONPATH=$PWD:$SITE VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
   # NVLink multicast stays off on the shared multi-GPU hosts (KINDS.md).
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
-install_wheels() {   # the Proxima wheel (entry point only), gunicorn & co, serve's extra deps
+install_wheels() {   # the Proxima wheel (entry point only), serve's wheels
   local d
-  for d in .stage/plugin .stage/serve-extra; do
+  for d in "$STAGE/plugin" "$STAGE/serve-extra"; do
     [ -d "$d" ] || continue
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl 2>&1 \
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$d"/*.whl 2>&1 \
       | grep -v "already exists" | tee -a "$LOG"
-    echo "wheels from $d installed into /tmp/site" | tee -a "$LOG"
+    echo "wheels from $d installed into $SITE" | tee -a "$LOG"
   done
 }
 # timed NAME LIMIT CMD...: run CMD with a time limit, its output into $OUT/NAME.log
@@ -152,9 +152,9 @@ task() {
     online-default)  online online-default 40000000000 "chat:${REPEAT_online_chat:-5}" \
                        "sharegpt:${REPEAT_online_sharegpt:-2}" ;;
     online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
-    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tests/gpu/proof/elastic_proof.py \
+    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
-    two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tests/gpu/proof/two_engines.py \
+    two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tools/gpu/two_engines.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
@@ -176,9 +176,14 @@ lanes() {
   for l in "$@"; do lane "$l" & pids+=($!); done
   for l in "${pids[@]}"; do wait "$l"; done
 }
-check_install() {  # check_install INSTALLER
-  bash "$1" .stage 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}; echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
+check_install() {  # install the volumes carried (if any), check vLLM, then what serve needs
+  bash tools/gpu/install-on-device.sh "$STAGE" "$SITE" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" = 2 ]; then   # volumes still to come: the wheels now, the lanes in a later call
+    echo "installer rc=2 (volumes still to come)" | tee -a "$LOG"; install_wheels; return 2
+  fi
+  echo "installer rc=$rc" | tee -a "$LOG"; [ "$rc" = 0 ] || exit "$rc"
+  install_wheels
   use_site
   python3 -c "import torch; print('torch sees', torch.cuda.device_count(), 'GPUs')" 2>&1 | tee -a "$LOG"
   # what proxima serve needs on top of the offline kit: say so now, not deep inside a test
@@ -196,17 +201,10 @@ pack_out() {
 
 facts "$@" 2>&1 | tee "$LOG"
 case "$STEP" in
-  c1)
-    bash .stage/c1/kit/install-on-device.sh .stage 2>&1 | tee -a "$LOG"
-    echo "installer rc=${PIPESTATUS[0]} (2 expected: volume 2 to come)" | tee -a "$LOG"
-    install_wheels ;;
-  c2)
-    check_install .stage/c2/kit/install-on-device.sh     # it keeps the kit in /tmp/vllm-kit
-    lanes "$@" ;;
-  run)
-    check_install /tmp/vllm-kit/install-on-device.sh
-    lanes "$@" ;;
-  *) echo "unknown step $STEP"; exit 64 ;;
+  c[0-9]*|run)
+    check_install && lanes "$@" ;;
+  *) echo "run.sh: unknown step '$STEP' (c1, c2, ... for the call that brings that volume, or run)" \
+       | tee -a "$LOG"; exit 64 ;;
 esac
 echo "== step $STEP done after ${SECONDS}s" | tee -a "$LOG"
 pack_out

@@ -19,8 +19,8 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = "/tmp/vllm-kit/dummy-llama"
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = str(ROOT / "tools" / "gpu" / "dummy-llama")   # Llama-3.1-8B's shape, for load_format=dummy
 TOKENIZER = str(ROOT / "proxima" / "models" / "tiny-llama")
 
 _children: list[subprocess.Popen] = []

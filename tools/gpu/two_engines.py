@@ -1,6 +1,6 @@
 """Issue 13's GPU proof, driver B: N engines on one GPU (default two), bursts in turn.
 
-    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/two_engines.py \\
+    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/two_engines.py \\
         [--engines 2] [--budget 410] [--requests 1000] [--compactor module:factory]
 
 (c) N vLLM OpenAI servers (vLLM 0.26's api_server, dummy Llama-3.1-8B) on one GPU, named A,

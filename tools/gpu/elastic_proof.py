@@ -1,6 +1,6 @@
 """Issue 13's GPU proof, driver A: elastic KV memory in one vLLM 0.26 engine on one H200.
 
-    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tests/gpu/proof/elastic_proof.py \\
+    OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
         [--d-turns ROUNDS [--d-interleave SLICE[,WARMUP]] | --d-together GIB] [--d-also M,...]
         [--d-phases] [--executor uni|mp]
@@ -39,7 +39,7 @@ as it can: (a)'s engines start side by side, and (b) runs on (d)'s elastic engin
     allocate it, and more load must map memory again.
 
 Needs: vLLM 0.26.0 importable (PYTHONPATH=$PWD:/tmp/site as staged by run.sh c1/c2), the
-Llama-3.1-8B-shaped config at /tmp/vllm-kit/dummy-llama (PROXIMA_PROOF_MODEL overrides).
+Llama-3.1-8B-shaped config tools/gpu/dummy-llama (PROXIMA_PROOF_MODEL overrides).
 About 8-9 minutes (four engine start-ups); ``--only d,b --budget 440`` about 6.
 """
 
