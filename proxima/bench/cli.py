@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "Proxima's connector; stock runs unchanged) (default: off)")
     off.add_argument("--elastic-options", metavar="K=V,...",
                      help="with --elastic: elastic KV options, e.g. min_bytes=2GiB,"
-                          "release_delay_s=5 (see proxima serve --help; default: none)")
+                          "release_delay_s=5 (sizes: bytes or KiB MiB GiB TiB, KB MB GB TB; "
+                          "see proxima serve --help; default: none)")
     off.add_argument("--check-outputs", action="store_true", default=None,
                      help="compare generated token ids of every run with the first stock run "
                           "(default: off)")
@@ -380,14 +381,9 @@ def _elastic_options(args) -> dict | None:
         raise UserError("--elastic-options needs --elastic")
     if not args.elastic:
         return None
-    from proxima.engines import elastic_v1
+    from proxima import config
 
-    options = elastic_v1._parse_options(args.elastic_options or "")
-    try:
-        elastic_v1.ElasticOptions.from_extra(options)
-    except UserError as exc:
-        raise UserError(f"--elastic-options: {exc}") from None
-    return options
+    return config.elastic_options_text(args.elastic_options or "", "--elastic-options")
 
 
 def run_offline_mode(args) -> int:

@@ -148,7 +148,7 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
     (["--elastic", "--eviction", "fifo"], "--eviction: eviction policy 'fifo'"),
     (["--kv-max", "8GiB"], "--kv-max needs --elastic"),
     (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "--kv-max 4GiB is below --kv-min"),
-    (["--elastic", "--step-seconds", "0"], "--step-seconds must be > 0"),
+    (["--elastic", "--step-seconds", "0"], "--step-seconds: '0' is out of range"),
     (["--granule-blocks", "0"], "--granule-blocks must be >= 1"),
 ])
 def test_elastic_bad_input_is_one_line_and_exit_2(argv, message, capsys):
