@@ -126,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run vLLM in-process instead (needs a GPU; default: online)")
     off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only "
                                            "(default: vLLM's, auto)")
-    off.add_argument("--kv-cache-memory-bytes", type=int, metavar="B",
-                     help="fix the KV cache size, e.g. to force preemption (default: vLLM "
+    off.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
+                     help="fix the KV cache size, e.g. to force preemption: bytes, or KiB MiB "
+                          "GiB TiB / KB MB GB TB, any case, not a bare G (default: vLLM "
                           "sizes it from --gpu-memory-utilization)")
     off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                      help="share of GPU memory for vLLM (default: vLLM's, 0.9)")
@@ -394,9 +395,11 @@ def run_offline_mode(args) -> int:
         raise UserError("--offline needs --model DIR (a model directory, or a config.json "
                         "directory with --load-format dummy)")
     from proxima.bench.offline import OfflineConfig, run_offline, validate
+    from proxima.config import parse_size
     config = OfflineConfig(
         model=args.model, load_format=args.load_format,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=None if args.kv_cache_memory_bytes is None else parse_size(
+            args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", least=1),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
         enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
