@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from proxima.config import MAX_DELAY_S, MAX_SHARE
+from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_SHARE
 from proxima.errors import UserError
 from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
 from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
@@ -175,6 +175,9 @@ def _validate(args) -> None:
     if args.compaction_budget_mib is not None and args.compaction_budget_mib < 1:
         raise UserError(f"--compaction-budget-mib must be >= 1, got "
                         f"{args.compaction_budget_mib}")
+    if args.compaction_budget_mib is not None and args.compaction_budget_mib > MAX_BYTES >> 20:
+        raise UserError(f"--compaction-budget-mib {args.compaction_budget_mib:,} is above the "
+                        f"bound of {MAX_BYTES >> 20:,} (1024TiB): use at most that")
     if args.compaction_budget_mib is not None and args.compaction is None:
         raise UserError("--compaction-budget-mib needs --compaction")
     if args.compaction is not None:
@@ -439,7 +442,7 @@ def _engine_settings(args, driver, version: str) -> dict:
         value = getattr(args, name, None)
         if value in (None, False):
             continue
-        if name not in accepted:
+        if name.replace("_mib", "_bytes") not in accepted:      # the driver takes bytes
             raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
                             f"drop {flag}")
         settings[name] = value

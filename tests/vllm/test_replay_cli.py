@@ -188,6 +188,15 @@ def test_compaction_replay_reports_its_copies_and_keeps_parity(tmp_path, capsys)
     assert p["reclaimable_granule_fraction"] > s["reclaimable_granule_fraction"]
 
 
+def test_the_compaction_budget_reaches_the_driver_in_bytes(tmp_path, capsys):
+    """--compaction-budget-mib was refused as "needs vLLM's V1 engine" on V1 itself (the
+    driver takes the budget in bytes)."""
+    out = tmp_path / "b.json"
+    assert main(["replay", "--workload", "chat", "--requests", "4", "--compaction", "1",
+                 "--compaction-budget-mib", "64", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["compaction_budget_bytes"] == 64 << 20
+
+
 def test_elastic_replay_with_compaction_runs_the_connectors_compactor(tmp_path, capsys):
     from proxima.engines import elastic_v1
 
