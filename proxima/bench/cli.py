@@ -126,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run vLLM in-process instead (needs a GPU; default: online)")
     off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only "
                                            "(default: vLLM's, auto)")
-    off.add_argument("--kv-cache-memory-bytes", type=int, metavar="B",
-                     help="fix the KV cache size, e.g. to force preemption (default: vLLM "
+    off.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
+                     help="fix the KV cache size, e.g. to force preemption: bytes, or KiB MiB "
+                          "GiB TiB / KB MB GB TB, any case, not a bare G (default: vLLM "
                           "sizes it from --gpu-memory-utilization)")
     off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                      help="share of GPU memory for vLLM (default: vLLM's, 0.9)")
@@ -139,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "Proxima's connector; stock runs unchanged) (default: off)")
     off.add_argument("--elastic-options", metavar="K=V,...",
                      help="with --elastic: elastic KV options, e.g. min_bytes=2GiB,"
-                          "release_delay_s=5 (see proxima serve --help; default: none)")
+                          "release_delay_s=5 (sizes: bytes or KiB MiB GiB TiB, KB MB GB TB; "
+                          "see proxima serve --help; default: none)")
     off.add_argument("--check-outputs", action="store_true", default=None,
                      help="compare generated token ids of every run with the first stock run "
                           "(default: off)")
@@ -380,14 +382,9 @@ def _elastic_options(args) -> dict | None:
         raise UserError("--elastic-options needs --elastic")
     if not args.elastic:
         return None
-    from proxima.engines import elastic_v1
+    from proxima import config
 
-    options = elastic_v1._parse_options(args.elastic_options or "")
-    try:
-        elastic_v1.ElasticOptions.from_extra(options)
-    except UserError as exc:
-        raise UserError(f"--elastic-options: {exc}") from None
-    return options
+    return config.elastic_options_text(args.elastic_options or "", "--elastic-options")
 
 
 def run_offline_mode(args) -> int:
@@ -398,9 +395,11 @@ def run_offline_mode(args) -> int:
         raise UserError("--offline needs --model DIR (a model directory, or a config.json "
                         "directory with --load-format dummy)")
     from proxima.bench.offline import OfflineConfig, run_offline, validate
+    from proxima.config import parse_size
     config = OfflineConfig(
         model=args.model, load_format=args.load_format,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=None if args.kv_cache_memory_bytes is None else parse_size(
+            args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", least=1),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
         enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,

@@ -21,7 +21,7 @@ naming the variable, the value and what is accepted)
                            (:mod:`proxima.engines.elastic_v1`); ``0`` / unset: a fixed pool.
     ``PROXIMA_ELASTIC_OPTIONS``  with ``PROXIMA_ELASTIC=1``: the elastic options,
                            ``key=value,...`` or a JSON object (checked by
-                           :class:`proxima.engines.elastic_v1.ElasticOptions`); unset: defaults.
+                           :func:`proxima.config.elastic_options`); unset: defaults.
     ``PROXIMA_STATS_FILE`` a file path in a writable directory: where the engine writes its
                            status (:mod:`proxima.engines.status`); unset: no status file.
     ``PROXIMA_COMPACTION`` ``1`` (with ``PROXIMA_ELASTIC=1``): KV compaction, live blocks
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from proxima import config
 from proxima.errors import UserError
 
 ENV = "PROXIMA_ALLOCATOR"
@@ -286,7 +287,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(ELASTIC_ENV, "1 (elastic KV memory, with PROXIMA_ALLOCATOR=1) or 0 / unset "
              "(a fixed KV pool)", _switch, False),
     Variable(ELASTIC_OPTIONS_ENV, "key=value,... or a JSON object of elastic KV options "
-             "(see proxima serve --help), or unset (the defaults)", str, ""),
+             "(see proxima serve --help), or unset (the defaults)",
+             config.elastic_options_text, {}),
     Variable(STATS_ENV, "a file path in a writable directory, or unset (no status file)",
              _stats_file, None),
     Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1), every:K (forced "

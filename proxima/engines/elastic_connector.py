@@ -70,13 +70,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from proxima.config import parse_size
 from proxima.engines import compaction_v1, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
-from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
+from proxima.memory.policy import GrowShrinkPolicy
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -532,7 +533,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 return {"error": f"unknown field(s) {', '.join(unknown)}: give min_bytes "
                                  "and/or max_bytes"}
             try:
-                values = {k: (None if v is None else parse_bytes(v)) for k, v in request.items()}
+                values = {k: (None if v is None else parse_size(v, k)) for k, v in request.items()}
                 lo = values.get("min_bytes", self.policy.options.min_bytes)
                 if lo is None:
                     lo = 0

@@ -48,6 +48,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from proxima import config
 from proxima.engines import activation
 from proxima.errors import UserError
 from proxima.memory.policy import PolicyOptions
@@ -67,7 +68,7 @@ def enabled(environ: dict | None = None) -> bool:
 
 # ----------------------------------------------------------------------------- options
 
-POLICIES = ("auto", "fixed", "off")
+POLICIES = config.ELASTIC_POLICIES
 _POLICY = PolicyOptions()          # the grow/shrink defaults: one place (proxima.memory.policy)
 
 
@@ -134,86 +135,18 @@ class ElasticOptions:
     verify: bool = True
     compaction: dict | None = None
 
-    _SIZES = ("min_bytes", "max_bytes", "initial_bytes", "granule_bytes")
-
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":
-        extra = dict(extra or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - names)
-        if unknown:
-            raise UserError(f"{CONNECTOR}: unknown option(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(sorted(names))}")
-        from proxima.memory.policy import parse_bytes
-
-        for name in cls._SIZES:
-            if isinstance(extra.get(name), str):
-                try:
-                    extra[name] = parse_bytes(extra[name])
-                except ValueError as exc:
-                    raise UserError(f"{CONNECTOR}: {name}: {exc}") from None
-        opts = cls(**extra)
-        opts._validate()
-        return opts
-
-    def _validate(self) -> None:
-        def bad(name, what):
-            raise UserError(f"{CONNECTOR}: {name} must be {what}, got {getattr(self, name)!r}")
-
-        if self.policy not in POLICIES:
-            bad("policy", " or ".join(POLICIES))
-        for name in ("granule_bytes", "force_cycle_hold", "force_cycle_granules"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                bad(name, "a positive integer")
-        for name in ("min_bytes", "reserve_blocks"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                bad(name, "an integer >= 0")
-        for name in ("max_bytes", "initial_bytes"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 0):
-                bad(name, "a size >= 0 or null")
-        if self.max_bytes is not None and self.max_bytes < self.min_bytes:
-            raise UserError(f"{CONNECTOR}: max_bytes ({self.max_bytes}) is below min_bytes "
-                            f"({self.min_bytes})")
-        for name in ("headroom", "band", "release_delay_s", "retry_s", "idle_sleep_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                bad(name, "a number >= 0")
-        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map",
-                     "map_in_background"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "true or false")
-        if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:
-            bad("force_cycle_every", "0 (off) or a number of steps")
-        if self.initial_granules is not None and (
-                type(self.initial_granules) is not int or self.initial_granules < 1):
-            bad("initial_granules", "at least 1 (granule 0 holds the null block)")
-        if self.force_cycle_every and self.policy == "off":
-            raise UserError(f"{CONNECTOR}: forced cycles need the pool to place by granule: "
-                            f"use policy fixed or auto, not off")
-        if self.compactor is not None and (not isinstance(self.compactor, str)
-                                           or ":" not in self.compactor):
-            bad("compactor", "'module:factory' or null")
-        from proxima.allocator.granules import EvictionPolicy
-
-        try:
-            EvictionPolicy.parse(self.eviction)
-        except ValueError as exc:
-            raise UserError(f"{CONNECTOR}: {exc}") from None
+        """The options of ``extra`` (sizes as bytes or with a unit), checked by the one
+        table of :data:`proxima.config.ELASTIC_OPTIONS`; UserError naming a bad one."""
+        return cls(**config.elastic_options(dict(extra or {}), CONNECTOR))
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> dict:
         """``PROXIMA_ELASTIC_OPTIONS`` as an extra-config dict (validated): empty when
         unset. ``key=value`` pairs are comma-separated; values are JSON where they parse
         (numbers, true/false, null), else strings (sizes with units, policy names)."""
-        text = activation.read(activation.ELASTIC_OPTIONS_ENV, environ)
-        if not text:
-            return {}
-        extra = _parse_options(text)
-        cls.from_extra(extra)
-        return extra
+        return dict(activation.read(activation.ELASTIC_OPTIONS_ENV, environ))
 
     def eviction_policy(self):
         from proxima.allocator.granules import EvictionPolicy
@@ -227,33 +160,6 @@ class ElasticOptions:
                              release_delay_s=float(self.release_delay_s),
                              retry_s=float(self.retry_s), forecast=self.forecast,
                              band=float(self.band))
-
-
-def _parse_options(text: str) -> dict:
-    import json
-
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: not JSON ({exc.msg}): give "
-                            f"key=value,key=value or a JSON object") from None
-        if not isinstance(value, dict):
-            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: a JSON object is needed")
-        return value
-    out = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip():
-            raise UserError(f"{activation.ELASTIC_OPTIONS_ENV}: {item!r} is not key=value "
-                            f"(e.g. min_bytes=2GiB,max_bytes=80GiB)")
-        raw = raw.strip()
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw
-    return out
 
 
 def warmup_blocks(vllm_config, kv_cache_config) -> int:

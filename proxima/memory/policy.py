@@ -43,35 +43,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
+from proxima.config import ELASTIC_OPTIONS
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ElasticChannel
 
 logger = logging.getLogger("vllm.proxima")
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
-          "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(text) -> int:
-    """``"80GiB"`` / ``"512MiB"`` / ``"8GB"`` / ``"1048576"`` -> bytes (an int >= 0);
-    ValueError naming the value otherwise."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"a size must be >= 0, got {text}")
-        return text
-    value = str(text).strip().lower().replace(" ", "").replace("_", "")
-    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = value[len(number):]
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = None
-    if amount is None or unit not in _UNITS or amount < 0 or amount != amount:
-        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
-                         f"(KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 80GiB")
-    return int(amount * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:
@@ -125,8 +101,9 @@ class PolicyOptions:
                              f"({self.min_bytes}), got {self.max_bytes!r}")
         for name in ("headroom", "release_delay_s", "retry_s", "band"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            ELASTIC_OPTIONS[name](name, value)     # finite, in its bounds (ConfigError)
 
 
 @dataclass

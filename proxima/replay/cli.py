@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_SHARE
 from proxima.errors import UserError
 from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
 from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
@@ -39,6 +40,12 @@ MAX_NUM_BLOCKS = 4_194_304
 # vLLM refuses a longer --max-model-len for it.
 REPLAY_MAX_MODEL_LEN = 131_072
 TIMELINE_POINTS = 100                 # free-space samples wanted per run (--plot)
+# --elastic: after the last request the replay steps idle until the release delay has run
+# out (release delay / step seconds steps, ~4 ms each on a loaded CPU): bounded, not a hang.
+MAX_IDLE_STEPS = 20_000
+MAX_STEP_SECONDS = 60.0
+SIZE_UNITS = ("bytes, or KiB MiB GiB TiB (1024^n) / KB MB GB TB (1000^n), any case, not a "
+              "bare G; at most 1024TiB")
 
 COLUMNS = """\
 the table (one row per figure; columns: stock, proxima, proxima/stock):
@@ -110,24 +117,30 @@ def add_arguments(p) -> None:
                    help="with --elastic: auto grows and shrinks; fixed keeps the whole pool "
                         "mapped (placement alone)")
     p.add_argument("--eviction", default="auto", metavar="SPEC",
-                   help="with --elastic: how far eviction may depart from LRU: auto (learnt "
-                        "reuse horizon), auto:Q (its quantile), age:N (steps), window:W "
-                        "(blocks), lru (strict)")
-    p.add_argument("--kv-min", default="0", metavar="SIZE",
-                   help="with --elastic: least KV memory kept mapped (e.g. 4GiB; the replay's "
-                        "KV is shaped like Llama-3.1-8B's: 2 MiB per block)")
+                   help="with --elastic (checked always): how far eviction may depart from "
+                        "LRU: auto (learnt reuse horizon), auto:Q (its quantile), age:N "
+                        "(steps), window:W (blocks), lru (strict)")
+    p.add_argument("--kv-min", metavar="SIZE",
+                   help=f"with --elastic: least KV memory kept mapped, e.g. 4GiB ({SIZE_UNITS}; "
+                        f"the replay's KV is shaped like Llama-3.1-8B's: 2 MiB per block; "
+                        f"default: 0)")
     p.add_argument("--kv-max", metavar="SIZE",
-                   help="with --elastic: most KV memory mapped (default: the pool)")
-    p.add_argument("--headroom", type=float, default=0.10, metavar="F",
-                   help="with --elastic: free share of the live blocks kept mapped")
-    p.add_argument("--release-delay", type=float, default=10.0, metavar="S",
-                   help="with --elastic: seconds free memory must be in excess before release")
-    p.add_argument("--step-seconds", type=float, default=0.025, metavar="S",
-                   help="with --elastic: the policy's clock per scheduler step")
+                   help=f"with --elastic: most KV memory mapped ({SIZE_UNITS}; default: the "
+                        f"pool)")
+    p.add_argument("--headroom", default=0.10, metavar="F",
+                   help=f"with --elastic: free share of the live blocks kept mapped, 0 to "
+                        f"{MAX_SHARE}")
+    p.add_argument("--release-delay", default=10.0, metavar="S",
+                   help=f"with --elastic: seconds free memory must be in excess before "
+                        f"release, 0 to {MAX_DELAY_S} and at most {MAX_IDLE_STEPS:,} steps of "
+                        f"--step-seconds (the replay steps idle until the release)")
+    p.add_argument("--step-seconds", default=0.025, metavar="S",
+                   help=f"with --elastic: the policy's clock per scheduler step, seconds above "
+                        f"0, at most {MAX_STEP_SECONDS:g}")
     p.add_argument("--gpu-kv", metavar="SIZE",
-                   help="with --elastic: room the simulated GPU has for this engine's KV (maps "
-                        "beyond it fail, as when another process holds the memory; default: "
-                        "the pool)")
+                   help=f"with --elastic: room the simulated GPU has for this engine's KV (maps "
+                        f"beyond it fail, as when another process holds the memory; "
+                        f"{SIZE_UNITS}; default: the pool)")
     p.add_argument("--compaction", metavar="MODE",
                    help="Proxima's runs with KV compaction planned after every schedule() "
                         "(copies counted, not made): 1 (the policy) or every:K (forced; V1 "
@@ -162,6 +175,9 @@ def _validate(args) -> None:
     if args.compaction_budget_mib is not None and args.compaction_budget_mib < 1:
         raise UserError(f"--compaction-budget-mib must be >= 1, got "
                         f"{args.compaction_budget_mib}")
+    if args.compaction_budget_mib is not None and args.compaction_budget_mib > MAX_BYTES >> 20:
+        raise UserError(f"--compaction-budget-mib {args.compaction_budget_mib:,} is above the "
+                        f"bound of {MAX_BYTES >> 20:,} (1024TiB): use at most that")
     if args.compaction_budget_mib is not None and args.compaction is None:
         raise UserError("--compaction-budget-mib needs --compaction")
     if args.compaction is not None:
@@ -187,11 +203,12 @@ def _validate(args) -> None:
                         f"use at most {MAX_NUM_BLOCKS:,}")
     if not 1 <= args.granule_blocks <= MAX_NUM_BLOCKS:
         raise UserError(f"--granule-blocks must be >= 1, got {args.granule_blocks}")
-    elastic_flags = [f for f, v in (("--kv-max", args.kv_max), ("--gpu-kv", args.gpu_kv))
-                     if v is not None]
+    elastic_flags = [f for f, v in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
+                                    ("--gpu-kv", args.gpu_kv)) if v is not None]
     if elastic_flags and not args.elastic:
         raise UserError(f"{elastic_flags[0]} needs --elastic")
-    args.elastic_spec = _elastic_spec(args) if args.elastic else None
+    spec = _elastic_spec(args)       # checked without --elastic too: refused, not ignored
+    args.elastic_spec = spec if args.elastic else None
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot", suffix=".png")
     if args.plot:
@@ -206,35 +223,31 @@ def _validate(args) -> None:
 
 def _elastic_spec(args):
     """The --elastic options as the replay's :class:`~proxima.replay.elastic.ElasticReplay`
-    (every value checked first: one line for a bad one)."""
-    from proxima.allocator.granules import EvictionPolicy
-    from proxima.memory.policy import parse_bytes
+    (every value checked first, by :mod:`proxima.config`: one line for a bad one)."""
+    from proxima import config
     from proxima.replay.elastic import ElasticReplay
 
-    try:
-        EvictionPolicy.parse(args.eviction)
-    except ValueError as exc:
-        raise UserError(f"--eviction: {exc}") from None
-    sizes = {}
-    for flag, value in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
-                        ("--gpu-kv", args.gpu_kv)):
-        if value is not None:
-            try:
-                sizes[flag] = parse_bytes(value)
-            except ValueError as exc:
-                raise UserError(f"{flag}: {exc}") from None
-    for flag, value in (("--headroom", args.headroom), ("--release-delay", args.release_delay),
-                        ("--step-seconds", args.step_seconds)):
-        if not value >= 0:
-            raise UserError(f"{flag} must be >= 0, got {value}")
-    if args.step_seconds == 0:
-        raise UserError("--step-seconds must be > 0 (the policy's clock), got 0")
+    config.parse_eviction(args.eviction, "--eviction")
+    sizes = {flag: config.parse_size(value, flag)
+             for flag, value in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
+                                 ("--gpu-kv", args.gpu_kv)) if value is not None}
+    headroom = config.parse_number(args.headroom, "--headroom", most=MAX_SHARE,
+                                   unit="a share of the live blocks")
+    delay = config.parse_number(args.release_delay, "--release-delay", most=MAX_DELAY_S,
+                                unit="seconds")
+    step = config.parse_number(args.step_seconds, "--step-seconds", most=MAX_STEP_SECONDS,
+                               unit="seconds", above=True)
+    if delay / step > MAX_IDLE_STEPS:
+        raise UserError(f"--release-delay {delay:g} is {delay / step:,.0f} steps of "
+                        f"--step-seconds {step:g}, above the bound of {MAX_IDLE_STEPS:,} (the "
+                        f"replay steps idle until the release): lower --release-delay or "
+                        f"raise --step-seconds")
     if "--kv-max" in sizes and sizes["--kv-max"] < sizes.get("--kv-min", 0):
         raise UserError(f"--kv-max {args.kv_max} is below --kv-min {args.kv_min}")
     return ElasticReplay(policy=args.elastic_policy, eviction=args.eviction,
                          min_bytes=sizes.get("--kv-min", 0), max_bytes=sizes.get("--kv-max"),
-                         headroom=args.headroom, release_delay_s=args.release_delay,
-                         step_seconds=args.step_seconds, gpu_bytes=sizes.get("--gpu-kv"))
+                         headroom=headroom, release_delay_s=delay, step_seconds=step,
+                         gpu_bytes=sizes.get("--gpu-kv"))
 
 
 def _engine():
@@ -429,7 +442,7 @@ def _engine_settings(args, driver, version: str) -> dict:
         value = getattr(args, name, None)
         if value in (None, False):
             continue
-        if name not in accepted:
+        if name.replace("_mib", "_bytes") not in accepted:      # the driver takes bytes
             raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
                             f"drop {flag}")
         settings[name] = value

@@ -48,11 +48,15 @@ the GPU can take it). Proxima's options, taken out before vLLM sees the command 
   --kv-max SIZE           most KV memory mapped (default: the pool, i.e.
                           --kv-cache-memory-bytes or what gpu_memory_utilization gives)
   --elastic-options K=V,...  any other option of proxima.engines.elastic_v1.ElasticOptions
-                          (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...)
+                          (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...;
+                          finite numbers: headroom, band 0 to 100; release_delay_s, retry_s
+                          0 to 86400 seconds; idle_sleep_s 0 to 1)
 On one GPU, add --distributed-executor-backend mp: with vLLM's default there (uni) the
 model's worker runs on the scheduler's thread and elastic mode's bookkeeping lengthens every
 step (0.95-0.97x of stock under a steady load on an H200; 0.997x with mp).
-Sizes: bytes or a number with a unit (8GiB, 512MiB). Give the maximum as
+SIZE: bytes, or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB
+(powers of 1000), any case (gib = GiB); a bare K, M, G, T is refused (write GiB or GB); from 0
+to 1024TiB (e.g. 8GiB, 512MiB). Give the maximum as
 --kv-cache-memory-bytes and a low --gpu-memory-utilization (vLLM checks at start-up that
 this much is free): e.g. two engines on one GPU, each allowed more than half of it. Read or
 change the bounds at run time: GET/POST /proxima/kv, or `proxima kv --url URL --max SIZE`.
@@ -96,18 +100,17 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
         return rest, None
     if "--elastic" not in given:
         raise UserError(f"{next(iter(given))} needs --elastic (elastic KV memory)")
-    from proxima.engines import elastic_v1
+    from proxima import config
 
     options = {}
     if "--elastic-options" in given:
-        options.update(elastic_v1._parse_options(given["--elastic-options"]))
+        options.update(config.elastic_options_text(given["--elastic-options"],
+                                                   "--elastic-options"))
     for flag, key in (("--kv-min", "min_bytes"), ("--kv-max", "max_bytes")):
         if flag in given:
+            config.parse_size(given[flag], flag)
             options[key] = given[flag]
-    try:
-        elastic_v1.ElasticOptions.from_extra(options)
-    except UserError as exc:
-        raise UserError(f"proxima serve --elastic: {exc}") from None
+    config.elastic_options(options, "proxima serve --elastic")
     return rest, options
 
 

@@ -40,18 +40,22 @@ COUNTERS = (("grows", "grows"), ("shrinks", "shrinks"), ("failed_grows", "failed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from proxima.config import MAX_BYTES, SIZE_FORMS, size_text
+
     parser.description = ("Read a running proxima serve's elastic KV memory (mapped, used and "
-                          "reclaimable bytes, bounds, counters), or set its bounds. Sizes: "
-                          "bytes or a number with a unit (8GiB, 512MiB, 20GB).")
+                          f"reclaimable bytes, bounds, counters), or set its bounds. SIZE: "
+                          f"{SIZE_FORMS} (a bare G is refused: write GiB or GB); e.g. "
+                          f"8GiB, 512MiB, 20GB; from 0 to "
+                          f"{size_text(MAX_BYTES)}.")
     parser.epilog = EXIT_STATUS
     parser.add_argument("--url",
                         help="the proxima serve to talk to, e.g. http://127.0.0.1:8000 (required)")
     parser.add_argument("--min", dest="min_bytes", metavar="SIZE",
-                        help="set the least KV memory kept mapped (e.g. 4GiB; default: "
-                             "unchanged)")
+                        help="set the least KV memory kept mapped, e.g. 4GiB (units: KiB "
+                             "MiB GiB TiB, KB MB GB TB; default: unchanged)")
     parser.add_argument("--max", dest="max_bytes", metavar="SIZE",
-                        help="set the most KV memory mapped, or 'none' for the pool's size "
-                             "(default: unchanged)")
+                        help="set the most KV memory mapped, e.g. 80GiB, or 'none' for the "
+                             "pool's size (default: unchanged)")
     parser.add_argument("--json", action="store_true",
                         help="print the server's answer as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
@@ -59,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args) -> dict:
-    from proxima.memory.policy import parse_bytes
+    from proxima.config import parse_size
 
     body = {}
     for flag, key, value in (("--min", "min_bytes", args.min_bytes),
@@ -69,10 +73,7 @@ def _request(args) -> dict:
         if key == "max_bytes" and str(value).strip().lower() in ("none", "null", "pool"):
             body[key] = None
             continue
-        try:
-            body[key] = parse_bytes(value)
-        except ValueError as exc:
-            raise UserError(f"{flag}: {exc}") from None
+        body[key] = parse_size(value, flag)
     lo, hi = body.get("min_bytes"), body.get("max_bytes")
     if lo is not None and hi is not None and hi < lo:
         raise UserError(f"--max {args.max_bytes} is below --min {args.min_bytes}: give a "

@@ -94,7 +94,9 @@ def test_offline_refuses_online_flags(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--repeat", "0"], "--repeat must be >= 1, got 0"),
-    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes must be >= 1"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes: '0' is below 1"),
+    (["--kv-cache-memory-bytes", "1e400"], "--kv-cache-memory-bytes: '1e400' is above the "
+                                           "bound of 1024TiB"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--requests", "0"], "--requests must be >= 1, got 0"),

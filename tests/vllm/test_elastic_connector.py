@@ -388,9 +388,9 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"granule_bytes": 0}, "granule_bytes must be a positive integer"),
-    ({"initial_granules": 0}, "initial_granules must be at least 1"),
-    ({"force_cycle_every": -1}, "force_cycle_every must be 0"),
+    ({"granule_bytes": 0}, "granule_bytes: 0 is below 1"),
+    ({"initial_granules": 0}, r"initial_granules: 0 is out of range: .* \(granule 0 holds"),
+    ({"force_cycle_every": -1}, r"force_cycle_every: -1 is out of range: .* steps \(0: off\)"),
     ({"granule": 1}, "unknown option"),
     ({"policy": "elastic"}, "policy must be auto or fixed or off"),
     ({"min_bytes": "lots"}, "min_bytes: 'lots' is not a size"),
@@ -398,7 +398,9 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
     ({"eviction": "fifo"}, "eviction policy 'fifo'"),
     ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
     ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
-    ({"headroom": -1}, "headroom must be a number >= 0"),
+    ({"headroom": -1}, "headroom: -1 is out of range: give a share of the live blocks"),
+    ({"headroom": "NaN"}, "headroom: 'NaN' is not finite"),
+    ({"max_bytes": "1e400GiB"}, "max_bytes: '1e400GiB' is above the bound of 1024TiB"),
 ])
 def test_bad_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError

@@ -148,7 +148,7 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
     (["--elastic", "--eviction", "fifo"], "--eviction: eviction policy 'fifo'"),
     (["--kv-max", "8GiB"], "--kv-max needs --elastic"),
     (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "--kv-max 4GiB is below --kv-min"),
-    (["--elastic", "--step-seconds", "0"], "--step-seconds must be > 0"),
+    (["--elastic", "--step-seconds", "0"], "--step-seconds: '0' is out of range"),
     (["--granule-blocks", "0"], "--granule-blocks must be >= 1"),
 ])
 def test_elastic_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -186,6 +186,15 @@ def test_compaction_replay_reports_its_copies_and_keeps_parity(tmp_path, capsys)
         (s["completed"], s["preemptions"], s["steps"])
     assert p["compaction"]["relocations"] > 0 and "compaction" not in s
     assert p["reclaimable_granule_fraction"] > s["reclaimable_granule_fraction"]
+
+
+def test_the_compaction_budget_reaches_the_driver_in_bytes(tmp_path, capsys):
+    """--compaction-budget-mib was refused as "needs vLLM's V1 engine" on V1 itself (the
+    driver takes the budget in bytes)."""
+    out = tmp_path / "b.json"
+    assert main(["replay", "--workload", "chat", "--requests", "4", "--compaction", "1",
+                 "--compaction-budget-mib", "64", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["compaction_budget_bytes"] == 64 << 20
 
 
 def test_elastic_replay_with_compaction_runs_the_connectors_compactor(tmp_path, capsys):
