@@ -63,9 +63,10 @@ exit status:
   1    the report is printed (and written) but is NOT trustworthy: a request failed or
        its stream was cut before [DONE] (a server that died), a server completed no
        request, --check-outputs found differing tokens, or the Proxima runs did not
-       report Proxima active
+       report Proxima active (offline: or the stock runs did)
   2    bad input or environment (one line), nothing measured
-  130  interrupted (with --json: what was measured so far is kept, "partial": true)
+  130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): with --json, what was
+       measured so far is kept ("partial": true: the runs or rounds finished)
 
 vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
 (= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
@@ -432,6 +433,11 @@ def run_offline_mode(args) -> int:
     if measured["results"]["proxima"]["proxima_active"] is not True:
         print("proxima bench: not trustworthy: Proxima did not report itself active in the "
               "'proxima' runs", file=sys.stderr)
+        status = 1
+    if measured["results"]["stock"]["proxima_active"]:
+        print("proxima bench: not trustworthy: the 'stock' runs reported Proxima active, so "
+              "the comparison is invalid (is PROXIMA_ALLOCATOR set where vLLM's engine "
+              "starts?)", file=sys.stderr)
         status = 1
     return status
 

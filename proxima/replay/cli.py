@@ -3,8 +3,9 @@
 Both runs see the identical request list. With ``--repeat K`` the two allocators run
 alternately K times each; counts must agree between repeats (the scheduler is
 deterministic) and the scheduler time is the median of the K runs. Interrupted (Ctrl-C,
-SIGINT), the repeats already finished are kept: their table is printed and, with --json,
-written (``"partial": true``); --json is also rewritten after every finished repeat.
+SIGINT; or SIGTERM: :mod:`proxima.interrupts`), the repeats already finished are kept:
+their table is printed and, with --json / --plot, written (``"partial": true``); --json
+is also rewritten after every finished repeat. A failed parity check is exit status 1.
 
 Every input is checked before the first scheduler is built: sizes against their bounds
 (the pool and the prompts are built in memory), --json / --plot as writable file names.
@@ -25,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+from proxima import interrupts
 from proxima.errors import UserError
 from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
 from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
@@ -63,8 +65,14 @@ the table (one row per figure; columns: stock, proxima, proxima/stock):
 then the parity checks (same completed count, no more preemptions than stock, prefix-hit
 rate within 0.005, no block leaked) and the scheduler time ratio.
 
-exit status: 0 done (parity checks are printed, not turned into an exit status);
-2 bad input (one line, nothing run); 130 interrupted (finished repeats kept)."""
+exit status:
+  0    done, every parity check passed
+  1    done, but a parity check FAILED: the table, --json and --plot are still written,
+       and stderr names the failed checks
+  2    bad input (one line, nothing run or written)
+  130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): the repeats already
+       finished are kept (their table printed, --json and --plot written, "partial":
+       true); with --repeat K each finished repeat is announced on stderr"""
 
 
 def add_arguments(p) -> None:
@@ -335,15 +343,24 @@ def run(args) -> int:
             if args.json and done < args.repeat:     # a replay cut short keeps these
                 write_text_atomic(args.json, _json_text(
                     _report(workload, args, version, settings, runs, done)))
-    except KeyboardInterrupt:
+            if done < args.repeat:
+                print(f"proxima replay: repeat {done}/{args.repeat} done", file=sys.stderr,
+                      flush=True)
+    except KeyboardInterrupt as exc:       # Ctrl-C, or SIGTERM (proxima.interrupts)
         if not done:
             raise
-        print(f"proxima replay: interrupted during repeat {done + 1} of {args.repeat}: "
-              f"keeping the {done} finished", file=sys.stderr, flush=True)
+        print(f"proxima replay: {interrupts.describe(exc)} during repeat {done + 1} of "
+              f"{args.repeat}: keeping the {done} finished", file=sys.stderr, flush=True)
         _emit(_report(workload, args, version, settings, runs, done), args, runs, workload,
               done)
         raise
-    _emit(_report(workload, args, version, settings, runs, done), args, runs, workload, done)
+    report = _report(workload, args, version, settings, runs, done)
+    _emit(report, args, runs, workload, done)
+    failed = [k for k, v in report["checks"].items() if v is False]
+    if failed:
+        print(f"proxima replay: parity checks FAILED: {', '.join(failed)} (the figures "
+              f"above; exit status 1)", file=sys.stderr)
+        return 1
     return 0
 
 
