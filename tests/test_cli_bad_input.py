@@ -196,6 +196,36 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["max_bytes: 'lots' is not a size"]),
+    # ---- issue 37: replay, bench, traces --------------------------------------------------
+    Row("replay-json-plot-same", ["replay", "--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"],
+        ["--json {tmp}/r.png and --plot {tmp}/r.png are the same file"],
+        absent=["{tmp}/r.png"]),
+    Row("replay-json-plot-same-dot", ["replay", "--json", "r.png", "--plot", "./r.png"],
+        ["--json r.png and --plot ./r.png are the same file"], absent=["{tmp}/r.png"]),
+    Row("replay-json-plot-symlink", ["replay", "--json", "{tmp}/link.png", "--plot",
+                                     "{tmp}/plotted.png"],
+        ["--json {tmp}/link.png and --plot {tmp}/plotted.png are the same file"]),
+    Row("replay-json-symlink-to-trace", ["replay", "--trace", "{tmp}/good.jsonl", "--json",
+                                         "{tmp}/tracelink.json"],
+        ["--json {tmp}/tracelink.json would overwrite the trace (--trace {tmp}/good.jsonl)"]),
+    Row("replay-plot-over-trace", ["replay", "--trace", "{tmp}/trace.png", "--plot",
+                                   "{tmp}/trace.png"],
+        ["--plot {tmp}/trace.png would overwrite the trace"]),
+    Row("bench-json-plot-same", ["bench", "--base-url", "{url:good}", "--json", "{tmp}/b.png",
+                                 "--plot", "{tmp}/b.png"],
+        ["--json {tmp}/b.png and --plot {tmp}/b.png are the same file"],
+        absent=["{tmp}/b.png"]),
+    Row("bench-result-filename-plot-same", ["bench", "--base-url", "{url:good}",
+                                            "--save-result", "--result-filename", "b.png",
+                                            "--plot", "{tmp}/b.png"],
+        ["--result-filename b.png and --plot {tmp}/b.png are the same file"],
+        absent=["{tmp}/b.png"]),
+    Row("bench-json-over-trace", ["bench", "--base-url", "{url:good}", "--trace",
+                                  "{tmp}/good.jsonl", "--json", "./good.jsonl"],
+        ["--json ./good.jsonl would overwrite the trace"]),
+    Row("bench-offline-json-plot-same", ["bench", "--offline", "--model", TINY, "--json",
+                                         "{tmp}/o.png", "--plot", "{tmp}/o.png"],
+        ["are the same file"], absent=["{tmp}/o.png"]),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
@@ -228,6 +258,10 @@ def world(tmp_path_factory):
     (tmp / "float.jsonl").write_text('{"prompt_len": 1.5, "output_len": 5}\n')
     (tmp / "long.jsonl").write_text('{"prompt_len": 8000, "output_len": 1000}\n')
     (tmp / "notimg.txt").write_text("not an image\n")
+    (tmp / "plotted.png").write_bytes(b"\x89PNG not really\n")
+    (tmp / "link.png").symlink_to(tmp / "plotted.png")
+    (tmp / "tracelink.json").symlink_to("good.jsonl")
+    (tmp / "trace.png").write_text(good)
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

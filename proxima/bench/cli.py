@@ -26,7 +26,7 @@ from proxima.bench import report as report_mod
 from proxima.bench.offline import ARRIVALS
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
-from proxima.ioutil import logs_to_stderr
+from proxima.ioutil import check_distinct_paths, logs_to_stderr
 from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS, RequestSpec, Workload, \
     check_sizes, load_trace, make_workload
 
@@ -312,8 +312,13 @@ def run_online_mode(args) -> int:
         raise UserError(f"--repeat must be >= 1, got {args.repeat}")
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
     if args.save_result and args.result_filename:
-        report_mod.check_writable(_save_result_path(args, "", None), "--result-filename")
+        named = _save_result_path(args, "", None)
+        report_mod.check_writable(named, "--result-filename")
+        check_distinct_paths({"--result-filename": named, "--plot": args.plot},
+                             inputs={"--trace": args.trace})
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
@@ -328,6 +333,8 @@ def run_online_mode(args) -> int:
     if args.save_result:
         args.json = _save_result_path(args, model, args.concurrency)
         report_mod.check_writable(args.json, "--save-result")
+        check_distinct_paths({"--save-result": args.json, "--plot": args.plot},
+                             inputs={"--trace": args.trace})
     info = _workload_info(args, workload, specs, "online")
     info.update(model=model, endpoint=endpoint, concurrency=concurrency,
                 request_rate=args.request_rate, timeout_s=timeout, repeat=repeat)
@@ -411,6 +418,8 @@ def run_offline_mode(args) -> int:
     validate(config)
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
     workload, specs = request_list(args)
     # vLLM logs to stdout by default: its lines go to stderr, the table alone to stdout
     # (the engine-core processes inherit it). A user's own setting wins.

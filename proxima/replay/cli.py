@@ -24,11 +24,11 @@ import inspect
 import json
 import os
 import sys
-from pathlib import Path
 
 from proxima import interrupts
 from proxima.errors import UserError
-from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
+from proxima.ioutil import check_distinct_paths, check_output_path, logs_to_stderr, \
+    write_text_atomic
 from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
 from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
     make_workload
@@ -207,9 +207,8 @@ def _validate(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib: pip install 'proxima[plot]'") from None
-    if args.trace and any(p and Path(p).resolve() == Path(args.trace).resolve()
-                          for p in (args.json, args.plot)):
-        raise UserError(f"--json {args.json} would overwrite the trace: give another name")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
 
 
 def _elastic_spec(args):
