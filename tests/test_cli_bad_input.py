@@ -197,6 +197,16 @@ ROWS = [
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["max_bytes: 'lots' is not a size"]),
     # ---- issue 37: replay, bench, traces --------------------------------------------------
+    Row("replay-trace-deep-nesting", ["replay", "--trace", "{tmp}/deep.jsonl"],
+        ["{tmp}/deep.jsonl:1: JSON nested 30,000 deep, past the bound of 8"]),
+    Row("replay-trace-5000-digits", ["replay", "--trace", "{tmp}/bigint.jsonl"],
+        ["{tmp}/bigint.jsonl:2: a number of 5,000 characters", "longer than the bound of 20"]),
+    Row("replay-trace-dev-zero", ["replay", "--trace", "/dev/zero"],
+        ["cannot read trace /dev/zero: it is a character device, not a regular file"]),
+    Row("replay-trace-fifo", ["replay", "--trace", "{tmp}/fifo.jsonl"],
+        ["cannot read trace {tmp}/fifo.jsonl: it is a FIFO (named pipe), not a regular file"]),
+    Row("replay-trace-1gb-line", ["replay", "--trace", "{tmp}/huge.jsonl"],
+        ["{tmp}/huge.jsonl:1: the line is longer than the bound of 65,536 bytes"]),
     Row("replay-json-plot-same", ["replay", "--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"],
         ["--json {tmp}/r.png and --plot {tmp}/r.png are the same file"],
         absent=["{tmp}/r.png"]),
@@ -226,6 +236,16 @@ ROWS = [
     Row("bench-offline-json-plot-same", ["bench", "--offline", "--model", TINY, "--json",
                                          "{tmp}/o.png", "--plot", "{tmp}/o.png"],
         ["are the same file"], absent=["{tmp}/o.png"]),
+    Row("bench-trace-fifo", ["bench", "--base-url", "{url:good}", "--trace",
+                             "{tmp}/fifo.jsonl"], ["it is a FIFO (named pipe)"]),
+    Row("bench-trace-deep-nesting", ["bench", "--base-url", "{url:good}", "--trace",
+                                     "{tmp}/deep.jsonl"], ["past the bound of 8"]),
+    Row("bench-trace-5000-digits", ["bench", "--base-url", "{url:good}", "--trace",
+                                    "{tmp}/bigint.jsonl"], ["longer than the bound of 20"]),
+    Row("bench-trace-dev-zero", ["bench", "--base-url", "{url:good}", "--trace", "/dev/zero"],
+        ["it is a character device"]),
+    Row("bench-trace-1gb-line", ["bench", "--base-url", "{url:good}", "--trace",
+                                 "{tmp}/huge.jsonl"], ["longer than the bound of 65,536 bytes"]),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
@@ -258,6 +278,14 @@ def world(tmp_path_factory):
     (tmp / "float.jsonl").write_text('{"prompt_len": 1.5, "output_len": 5}\n')
     (tmp / "long.jsonl").write_text('{"prompt_len": 8000, "output_len": 1000}\n')
     (tmp / "notimg.txt").write_text("not an image\n")
+    (tmp / "deep.jsonl").write_text("[" * 30_000 + "]" * 30_000 + "\n")   # past json's recursion
+    (tmp / "bigint.jsonl").write_text(good + '{"prompt_len": ' + "7" * 5000
+                                      + ', "output_len": 5}\n')
+    os.mkfifo(tmp / "fifo.jsonl")
+    with open(tmp / "huge.jsonl", "wb") as huge:        # one 1 GiB line, sparse on disk
+        huge.write(b'{"prompt_len": 10, "output_len": 5, "prefix_id": "')
+        huge.seek(2**30)
+        huge.write(b'"}\n')
     (tmp / "plotted.png").write_bytes(b"\x89PNG not really\n")
     (tmp / "link.png").symlink_to(tmp / "plotted.png")
     (tmp / "tracelink.json").symlink_to("good.jsonl")
