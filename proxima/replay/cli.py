@@ -307,7 +307,7 @@ def run(args) -> int:
           f"(scheduler on CPU, no model)", file=sys.stderr)
     elastic = {}
     if args.elastic_spec is not None:
-        if "elastic" not in params:
+        if driver.ENGINE != "v1":
             raise UserError(f"--elastic needs vLLM's V1 engine; vLLM {version} runs the V0 "
                             f"one: drop --elastic")
         from proxima.engines import elastic_v1
@@ -430,24 +430,25 @@ def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
         print(f"wrote {args.plot}", file=sys.stderr)
 
 
-#: options only one engine generation's driver has: flag -> run_replay parameter
-ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "vLLM's V1 engine"),
-                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine"),
-                  "compaction": ("--compaction", "vLLM's V1 engine"),
-                  "compaction_budget_mib": ("--compaction-budget-mib", "vLLM's V1 engine")}
+#: options only one engine generation's driver has: args name -> (flag, the generation,
+#: the driver's ``ENGINE``); checked against the driver that runs, not its parameter names
+ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "v1"),
+                  "preemption_mode": ("--preemption-mode", "v0"),
+                  "compaction": ("--compaction", "v1"),
+                  "compaction_budget_mib": ("--compaction-budget-mib", "v1")}
 
 
 def _engine_settings(args, driver, version: str) -> dict:
-    """The engine-specific options given, refused (one line) where this driver lacks them."""
-    accepted = inspect.signature(driver.run_replay).parameters
+    """The engine-specific options given, refused (one line) where this vLLM runs the
+    other engine generation."""
     settings = {}
     for name, (flag, needs) in ENGINE_OPTIONS.items():
         value = getattr(args, name, None)
         if value in (None, False):
             continue
-        if name not in accepted:
-            raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
-                            f"drop {flag}")
+        if driver.ENGINE != needs:
+            raise UserError(f"{flag} needs vLLM's {needs.upper()} engine; vLLM {version} runs "
+                            f"the {driver.ENGINE.upper()} one: drop {flag}")
         settings[name] = value
     mib = settings.pop("compaction_budget_mib", None)
     if mib is not None:

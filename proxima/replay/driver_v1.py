@@ -22,6 +22,10 @@ from proxima.replay.reclaim import LLAMA_8B_BYTES_PER_BLOCK, ReclaimTally
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
+#: the engine generation this driver replays: what ``proxima replay`` checks its
+#: engine-specific options against (``ENGINE_OPTIONS`` there)
+ENGINE = "v1"
+
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
