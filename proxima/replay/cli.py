@@ -45,7 +45,10 @@ TIMELINE_POINTS = 100                 # free-space samples wanted per run (--plo
 COLUMNS = """\
 the table (one row per figure; columns: stock, proxima, proxima/stock):
   completed              requests that finished (must be equal)
-  steps                  scheduler steps until the last request finished
+  steps                  scheduler steps until the last request finished (--elastic:
+                         proxima's steps marked * include idle ones, with no request,
+                         waiting out --release-delay to give memory back; its ratio *
+                         is then of the steps with requests)
   peak_running           most requests running in one step
   preemptions            preemptions over the run (a running request's KV blocks
                          taken back to make room; it is computed again later)
@@ -474,11 +477,19 @@ def format_table(report: dict) -> str:
     lines = [f"{'':28} {'stock':>12} {'proxima':>12} {'proxima/stock':>14}"]
     shown = list(FIELDS) + [k for k in OPTIONAL_FIELDS if k in s and k in p
                             and (k != "mapped_granule_fraction" or s[k] != p[k])]
+    idle = p.get("idle_steps") or 0     # elastic: steps waiting to release memory
     for key in shown:
         a, b = s[key], p[key]
         ratio = f"{b / a:.3f}" if isinstance(a, (int, float)) and a else "-"
         fmt = (lambda v: f"{v:.4f}") if isinstance(a, float) else str
-        lines.append(f"{key:28} {fmt(a):>12} {fmt(b):>12} {ratio:>14}")
+        mark = ""
+        if key == "steps" and idle:         # not a slowdown: the busy steps are compared
+            mark, ratio = "*", f"{(b - idle) / a:.3f}*" if a else "-"
+        lines.append(f"{key:28} {fmt(a):>12} {fmt(b) + mark:>12} {ratio:>14}")
+    if idle:
+        lines.append(f"* incl. {idle} idle steps waiting to release memory (no request left; "
+                     f"--release-delay): {p['steps'] - idle} steps with requests, stock "
+                     f"{s['steps']}")
     if "packed_ideal_fraction" in p and p["packed_ideal_fraction"]:
         lines.append(f"reclaimable / packed ideal: stock "
                      f"{s['reclaimable_granule_fraction'] / s['packed_ideal_fraction']:.3f}, "

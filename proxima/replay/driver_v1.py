@@ -213,6 +213,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     in_flight = 0
     completed = 0
     steps = 0
+    idle_steps = 0          # elastic: steps with no request left, kept alive by the connector
     scheduled_tokens = 0    # tokens the model runner would compute (prefill chunks, decodes)
     step = 0
     sched_seconds = 0.0
@@ -260,6 +261,10 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             if scheduler.has_requests():
                 if elastic_run is not None:
                     elastic_run.before_step(step)
+                    # no request to run or to clean up: this step exists only because the
+                    # connector waits out its release delay (Scheduler.has_requests)
+                    idle_steps += not (scheduler.has_unfinished_requests()
+                                       or scheduler.finished_req_ids)
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
                 if compactor is not None and elastic_run is None:   # as the connector does
@@ -330,6 +335,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                  "scheduled_tokens": scheduled_tokens,
                  **tally.means(), "reclaim_timeline": tally.timeline(),
                  **(elastic_run.report() if elastic_run is not None else {}),
+                 **({"idle_steps": idle_steps} if elastic_run is not None else {}),
                  **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )

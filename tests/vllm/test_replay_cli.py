@@ -243,6 +243,29 @@ def test_compaction_budget_is_taken_on_the_v1_engine(tmp_path, capsys):
     assert report["results"]["proxima"]["compaction"]["budget_bytes"] == 64 << 20
 
 
+def test_elastic_steps_row_says_which_steps_were_idle(tmp_path, capsys):
+    """With 3 requests the elastic side keeps stepping through its release delay after the
+    last one finished: its 501 steps hold 400 idle ones. The row marks them, compares the
+    101 steps with requests (1.000, not 4.960), and the other figures stay as they were."""
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
+    out = tmp_path / "e.json"
+    assert main(["replay", "--requests", "3", "--elastic", "--no-progress",
+                 "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = next(line for line in lines if line.startswith("steps "))
+    assert steps.split() == ["steps", "101", "501*", "1.000*"]
+    assert ("* incl. 400 idle steps waiting to release memory (no request left; "
+            "--release-delay): 101 steps with requests, stock 101") in lines
+    completed = next(line for line in lines if line.startswith("completed "))
+    assert completed.split() == ["completed", "3", "3", "1.000"]
+    p, s = (json.loads(out.read_text())["results"][k] for k in ("proxima", "stock"))
+    assert (p["steps"], p["idle_steps"], s["steps"]) == (501, 400, 101)
+    assert "idle_steps" not in s
+
+
 def _replay_process(tmp_path, *argv):
     import os
     import subprocess
