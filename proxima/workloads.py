@@ -44,6 +44,9 @@ from proxima.errors import UserError
 
 WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure", "bursts")
 BURSTS, BURST_GAP_STEPS, BURST_PREFIX_TOKENS = 4, 1500, 512
+# multiturn's first turn: a system prompt of up to 300 tokens, a message of up to 120, an
+# answer of up to 160. A shorter --max-model-len would leave conversations without turns.
+MULTITURN_MIN_MODEL_LEN = 300 + 120 + 160
 VOCAB = (3, 31999)          # token ids drawn here: clear of bos/eos (1, 2) of the tiny models
 # Bounds on what is built in memory before any work starts (prompts are lists of ints,
 # ~36 bytes a token): 100,000 requests, 50 M prompt tokens (~2 GB), 1 M tokens a request.
@@ -95,6 +98,10 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
         raise UserError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)} "
                         f"or pass --trace FILE")
     check_sizes(requests, max_model_len)
+    if name == "multiturn" and max_model_len < MULTITURN_MIN_MODEL_LEN:
+        raise UserError(f"--max-model-len {max_model_len} is too short for the multiturn "
+                        f"workload (its first turns take up to {MULTITURN_MIN_MODEL_LEN} "
+                        f"tokens): use at least {MULTITURN_MIN_MODEL_LEN}")
     rng = random.Random(f"{name}:{seed}")
     specs: list[RequestSpec] = []
     concurrency = None
@@ -148,6 +155,12 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
         for i in range(n):
             specs.append(RequestSpec(f"pressure-{i}", _tokens(rng, rng.randint(64, 1024)),
                                      rng.randint(32, 512)))
+    longest = max(specs, key=lambda r: r.prompt_len + r.max_tokens)
+    if longest.prompt_len + longest.max_tokens > max_model_len:
+        raise UserError(f"--max-model-len {max_model_len} is too short for the {name} "
+                        f"workload: request {longest.request_id} takes {longest.prompt_len} "
+                        f"prompt + {longest.max_tokens} output tokens: use at least "
+                        f"{longest.prompt_len + longest.max_tokens}, or a --trace")
     return Workload(name, specs, concurrency)
 
 

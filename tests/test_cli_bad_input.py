@@ -221,6 +221,14 @@ ROWS = [
     Row("replay-plot-over-trace", ["replay", "--trace", "{tmp}/trace.png", "--plot",
                                    "{tmp}/trace.png"],
         ["--plot {tmp}/trace.png would overwrite the trace"]),
+    Row("replay-compaction-budget-alone", ["replay", "--compaction-budget-mib", "64"],
+        ["--compaction-budget-mib needs --compaction"]),
+    Row("replay-compaction-bad-mode", ["replay", "--compaction", "always"],
+        ["--compaction must be 1 or every:K (K >= 1), got 'always'"]),
+    Row("replay-granule-blocks-huge", ["replay", "--granule-blocks", "100000000"],
+        ["--granule-blocks 100,000,000 is above the bound of 4,194,304"]),
+    Row("replay-seed-5000-digits", ["replay", "--seed", "9" * 5000],
+        ["argument --seed: invalid int value"]),
     Row("bench-json-plot-same", ["bench", "--base-url", "{url:good}", "--json", "{tmp}/b.png",
                                  "--plot", "{tmp}/b.png"],
         ["--json {tmp}/b.png and --plot {tmp}/b.png are the same file"],
@@ -246,6 +254,18 @@ ROWS = [
         ["it is a character device"]),
     Row("bench-trace-1gb-line", ["bench", "--base-url", "{url:good}", "--trace",
                                  "{tmp}/huge.jsonl"], ["longer than the bound of 65,536 bytes"]),
+    Row("replay-trace-empty-name", ["replay", "--trace", ""],
+        ["--trace needs a file name, got ''"]),                # ran the chat workload instead
+    Row("bench-trace-empty-name", ["bench", "--base-url", "{url:good}", "--trace", ""],
+        ["--trace needs a file name, got ''"]),
+    Row("replay-max-model-len-below-workload", ["replay", "--max-model-len", "100"],
+        ["--max-model-len 100 is too short for the chat workload", "use at least"]),
+    Row("replay-multiturn-max-model-len", ["replay", "--workload", "multiturn",
+                                           "--max-model-len", "64"],          # used to hang
+        ["--max-model-len 64 is too short for the multiturn workload", "use at least 580"]),
+    Row("bench-multiturn-max-model-len", ["bench", "--base-url", "{url:good}", "--workload",
+                                          "multiturn", "--max-model-len", "64"],
+        ["use at least 580"]),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)

@@ -173,6 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _resolve_aliases(args) -> None:
     """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
+    if args.trace is not None and not args.trace.strip():
+        raise UserError(f"--trace needs a file name, got {args.trace!r}")
     if args.dataset_name is not None:
         name = args.dataset_name
         if name in WORKLOADS:

@@ -170,6 +170,8 @@ def _validate(args) -> None:
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UserError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     check_sizes(args.requests, args.max_model_len)
+    if args.trace is not None and not args.trace.strip():
+        raise UserError(f"--trace needs a file name, got {args.trace!r}")
     if args.compaction_budget_mib is not None and args.compaction_budget_mib < 1:
         raise UserError(f"--compaction-budget-mib must be >= 1, got "
                         f"{args.compaction_budget_mib}")
@@ -196,8 +198,12 @@ def _validate(args) -> None:
         raise UserError(f"--num-blocks {args.num_blocks:,} is above the bound of "
                         f"{MAX_NUM_BLOCKS:,} (vLLM builds one object per block in memory): "
                         f"use at most {MAX_NUM_BLOCKS:,}")
-    if not 1 <= args.granule_blocks <= MAX_NUM_BLOCKS:
+    if args.granule_blocks < 1:
         raise UserError(f"--granule-blocks must be >= 1, got {args.granule_blocks}")
+    if args.granule_blocks > MAX_NUM_BLOCKS:
+        raise UserError(f"--granule-blocks {args.granule_blocks:,} is above the bound of "
+                        f"{MAX_NUM_BLOCKS:,} (--num-blocks' bound): use at most "
+                        f"{MAX_NUM_BLOCKS:,}")
     elastic_flags = [f for f, v in (("--kv-max", args.kv_max), ("--gpu-kv", args.gpu_kv))
                      if v is not None]
     if elastic_flags and not args.elastic:
