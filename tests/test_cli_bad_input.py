@@ -435,3 +435,21 @@ def test_a_trace_error_names_the_line_even_after_good_lines(tmp_path):
                                for _ in range(3)) + '\n{"prompt_len": 5}\n')
     done = run_proxima(["replay", "--trace", str(trace)])
     assert_bad_input(done, "replay", [f"{trace}:4: missing 'output_len'"])
+
+
+@pytest.mark.parametrize("name, lines", [
+    ("replay", ["1    done, but a parity check FAILED", "143 terminated (SIGTERM)"]),
+    ("bench", ["1    the report is printed (and written) but is NOT trustworthy",
+               "143 terminated (SIGTERM)"]),
+    ("selfcheck", ["1    a check failed", "2    bad input or environment"]),
+    ("bundle", ["1    --verify: a file is missing or does not match"]),
+    ("", ["143 terminated (SIGTERM): replay and bench keep what was finished"]),
+])
+def test_help_states_the_exit_statuses(name, lines):
+    """Each command's --help says what its exit statuses mean (issue 37: replay said 0
+    when a parity check failed, selfcheck and bundle said nothing)."""
+    done = run_proxima([name, "--help"] if name else ["--help"])
+    assert done.returncode == 0, done.stderr
+    assert "exit status" in done.stdout
+    for line in lines:
+        assert line in done.stdout, line

@@ -25,7 +25,16 @@ ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants", "elastic-kv
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
 
 
+EXIT_STATUS = """\
+exit status:
+  0    no check failed (skipped ones are not failures)
+  1    a check failed; with --url also a server whose self-check has not passed yet
+       (still starting: its phase is printed)
+  2    bad input or environment (one line), or --url answered no self-check report"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--no-engine", action="store_true",
                         help="only the checks that need no engine: gpu, cuda, versions")
     parser.add_argument("--model", default=None,
@@ -110,9 +119,18 @@ def fetch_remote(url: str) -> dict:
     if response.status_code != 200:
         raise UserError(f"{target} answered {response.status_code}: is this a proxima serve?")
     try:
-        return response.json()
+        data = response.json()
     except ValueError:
         raise UserError(f"{target} did not answer JSON: is this a proxima serve?") from None
+    checks = data.get("checks", []) if isinstance(data, dict) else None
+    fields = {"name", "status", "detail", "fix"}
+    if not isinstance(checks, list) or not all(
+            isinstance(c, dict) and {"name", "status", "detail"} <= set(c) <= fields
+            and all(isinstance(v, str) for v in c.values()) for c in checks):
+        raise UserError(f"{target} answered JSON that is not a self-check report (an object "
+                        f"with a list of checks: name, status, detail[, fix]), got "
+                        f"{response.text[:60]!r}: is this a proxima serve?")
+    return data
 
 
 def engine_checks(model: str | None) -> list[Check]:
