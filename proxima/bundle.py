@@ -55,7 +55,16 @@ MIN_DRIVER = {"12.1": "530.30.02", "12.4": "550.54.14", "12.8": "570.26", "13.0"
 SERVING_STACKS = ("card", "tested")
 
 
+EXIT_STATUS = """\
+exit status:
+  0    the bundle was written; with --verify: every file matches SHA256SUMS
+  1    --verify: a file is missing or does not match (each named on stderr)
+  2    bad input or environment (one line)
+  130  interrupted (Ctrl-C)"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="directory to write; must not exist or be empty (default: none, "
                              "required unless --verify)")

@@ -8,18 +8,23 @@ exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import sys
 
 from proxima import __version__
 from proxima.errors import UserError
+from proxima.interrupts import describe, exit_status, sigterm_as_interrupt
 
 EXIT_STATUS = """\
 exit status of every command: 0 done; 1 done, but a check failed or the results are
 not trustworthy (the command says why; see its --help); 2 bad input or environment (one
 line: what was wrong, the value, what to do; nothing was run or written); 130 interrupted
-(what was finished is kept)."""
+(Ctrl-C, SIGINT), 143 terminated (SIGTERM): replay and bench keep what was finished."""
+
+#: commands that stop on SIGTERM as on Ctrl-C (finished work kept, exit 143) instead of dying
+SIGTERM_STOPS = ("replay", "bench")
 
 # name -> (module, one-line help). Modules import lazily.
 SUBCOMMANDS = {
@@ -103,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    stops = sigterm_as_interrupt() if args.command in SIGTERM_STOPS else contextlib.nullcontext()
     try:
-        return int(args._run(args) or 0)
+        with stops:
+            return int(args._run(args) or 0)
     except UserError as exc:
         print(f"proxima {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"proxima {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:          # Ctrl-C; SIGTERM too where SIGTERM_STOPS
+        print(f"proxima {args.command}: {describe(exc)}", file=sys.stderr)
+        return exit_status(exc)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,34 @@ def check_output_path(path: str | os.PathLike | None, flag: str,
     return target
 
 
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one file: the same name, ``./name``, ``dir/../name``, a symlink
+    to it (followed even where the target does not exist yet), or a hard link."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:             # one of them does not exist (yet): not the same file
+        return False
+
+
+def check_distinct_paths(outputs: dict[str, str | os.PathLike | None],
+                         inputs: dict[str, str | os.PathLike | None] | None = None) -> None:
+    """Fail now, in one line, when two outputs (``{flag: path}``) would be written to one
+    file (the second would replace the first), or an output would replace an input."""
+    given = [(flag, os.fspath(path)) for flag, path in outputs.items() if path]
+    for flag, path in given:
+        for in_flag, source in (inputs or {}).items():
+            if source and _same_file(path, os.fspath(source)):
+                raise UserError(f"{flag} {path} would overwrite the {in_flag.lstrip('-')} "
+                                f"({in_flag} {os.fspath(source)}): give another name")
+    for i, (flag, path) in enumerate(given):
+        for other_flag, other in given[i + 1:]:
+            if _same_file(path, other):
+                raise UserError(f"{flag} {path} and {other_flag} {other} are the same file "
+                                f"(one would overwrite the other): give each its own name")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

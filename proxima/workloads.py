@@ -22,7 +22,10 @@ prefix_len tokens (default: 256, capped at the prompt); arrival_step (default 0)
 scheduler step at which the request arrives. Any other key is refused (a misspelt
 ``promt_len`` must not be silently ignored), and so is a file that is not UTF-8 text.
 Sizes are bounded (MAX_REQUESTS, MAX_PROMPT_TOKENS, MAX_MODEL_LEN below): everything is
-built in memory before the work starts.
+built in memory before the work starts. The file is read within bounds too (TRACE_MAX_*
+below): only a regular file (not a FIFO, a device such as /dev/zero, a directory), lines
+of at most 64 KiB, 256 MiB in all, JSON nested at most 8 deep, numbers of at most 20
+characters; past a bound, one error line names the file, the line and the bound.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import random
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +44,9 @@ from proxima.errors import UserError
 
 WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure", "bursts")
 BURSTS, BURST_GAP_STEPS, BURST_PREFIX_TOKENS = 4, 1500, 512
+# multiturn's first turn: a system prompt of up to 300 tokens, a message of up to 120, an
+# answer of up to 160. A shorter --max-model-len would leave conversations without turns.
+MULTITURN_MIN_MODEL_LEN = 300 + 120 + 160
 VOCAB = (3, 31999)          # token ids drawn here: clear of bos/eos (1, 2) of the tiny models
 # Bounds on what is built in memory before any work starts (prompts are lists of ints,
 # ~36 bytes a token): 100,000 requests, 50 M prompt tokens (~2 GB), 1 M tokens a request.
@@ -89,6 +98,10 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
         raise UserError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)} "
                         f"or pass --trace FILE")
     check_sizes(requests, max_model_len)
+    if name == "multiturn" and max_model_len < MULTITURN_MIN_MODEL_LEN:
+        raise UserError(f"--max-model-len {max_model_len} is too short for the multiturn "
+                        f"workload (its first turns take up to {MULTITURN_MIN_MODEL_LEN} "
+                        f"tokens): use at least {MULTITURN_MIN_MODEL_LEN}")
     rng = random.Random(f"{name}:{seed}")
     specs: list[RequestSpec] = []
     concurrency = None
@@ -142,10 +155,24 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
         for i in range(n):
             specs.append(RequestSpec(f"pressure-{i}", _tokens(rng, rng.randint(64, 1024)),
                                      rng.randint(32, 512)))
+    longest = max(specs, key=lambda r: r.prompt_len + r.max_tokens)
+    if longest.prompt_len + longest.max_tokens > max_model_len:
+        raise UserError(f"--max-model-len {max_model_len} is too short for the {name} "
+                        f"workload: request {longest.request_id} takes {longest.prompt_len} "
+                        f"prompt + {longest.max_tokens} output tokens: use at least "
+                        f"{longest.prompt_len + longest.max_tokens}, or a --trace")
     return Workload(name, specs, concurrency)
 
 
 TRACE_KEYS = ("prompt_len", "output_len", "prefix_id", "prefix_len", "arrival_step")
+# How a trace file is read: a line is a small object (~100 bytes), so these bounds only
+# stop hostile or mistaken files (a 1 GB line, /dev/zero, [[[[...]]]], a 5,000-digit number)
+# before they exhaust memory or the parser's recursion.
+TRACE_MAX_LINE_BYTES = 65_536
+TRACE_MAX_BYTES = 256 * 2**20
+TRACE_MAX_DEPTH = 8
+TRACE_MAX_NUMBER_CHARS = 20
+_TRACE_EXAMPLE = '{"prompt_len": 100, "output_len": 50}'
 
 
 def check_sizes(requests: int | None = None, max_model_len: int | None = None) -> None:
@@ -165,16 +192,56 @@ def check_sizes(requests: int | None = None, max_model_len: int | None = None) -
                             f"{MAX_MODEL_LEN:,} tokens: use at most {MAX_MODEL_LEN:,}")
 
 
-def _trace_lines(path: Path):
-    """(line number, text) of a trace file, read as UTF-8 line by line."""
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_trace(path: Path):
+    """The trace opened for reading, once it is known to be a regular file: a FIFO is
+    opened without waiting for a writer, and refused, as are devices (/dev/zero, endless)
+    and directories."""
     try:
-        handle = path.open("rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except IsADirectoryError:
         raise UserError(f"cannot read trace {path}: it is a directory (give a .jsonl file)") from None
     except OSError as exc:
         raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    with handle:
-        for lineno, raw in enumerate(handle, 1):
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UserError(f"cannot read trace {path}: it is a directory (give a .jsonl file)")
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _FILE_TYPES if test(mode)), "an unusual file")
+            raise UserError(f"cannot read trace {path}: it is {what}, not a regular file: a "
+                            f"trace is a JSON Lines file on disk (copy the stream to a file "
+                            f"first)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _trace_lines(path: Path):
+    """(line number, text) of a trace file, read as UTF-8 line by line, within the bounds
+    TRACE_MAX_LINE_BYTES (a line) and TRACE_MAX_BYTES (the file)."""
+    total = 0
+    with _open_trace(path) as handle:
+        lineno = 0
+        while True:
+            raw = handle.readline(TRACE_MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            lineno += 1
+            if len(raw) > TRACE_MAX_LINE_BYTES:
+                raise UserError(f"{path}:{lineno}: the line is longer than the bound of "
+                                f"{TRACE_MAX_LINE_BYTES:,} bytes (a trace line is one small "
+                                f"object like {_TRACE_EXAMPLE}; is this a JSON Lines file?)")
+            total += len(raw)
+            if total > TRACE_MAX_BYTES:
+                raise UserError(f"{path}:{lineno}: the file passes the bound of "
+                                f"{TRACE_MAX_BYTES:,} bytes read (a trace of "
+                                f"{MAX_REQUESTS:,} requests is far smaller): shorten it")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -185,6 +252,47 @@ def _trace_lines(path: Path):
                 raise UserError(f"{path}:{lineno}: holds a NUL byte: a trace is a JSON Lines "
                                 f"text file, one request per line (is this a binary file?)")
             yield lineno, text
+
+
+class _TraceLineError(ValueError):
+    """A trace line past a bound of the parser (its message says which)."""
+
+
+def _bounded_number(convert):
+    def parse(text: str):
+        if len(text) > TRACE_MAX_NUMBER_CHARS:
+            raise _TraceLineError(f"a number of {len(text):,} characters ({text[:12]}...) "
+                                  f"is longer than the bound of {TRACE_MAX_NUMBER_CHARS}")
+        return convert(text)
+    return parse
+
+
+_parse_int, _parse_float = _bounded_number(int), _bounded_number(float)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting(line: str) -> int:
+    """How deep arrays and objects nest in the JSON text ``line`` (strings skipped)."""
+    if line.count("[") + line.count("{") <= TRACE_MAX_DEPTH:
+        return 0                               # cannot be deeper: the common case, fast
+    depth = deepest = 0
+    for char in _STRING.sub('""', line):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _parse_trace_line(line: str):
+    """``json.loads`` within the trace bounds: nesting depth and number length (Python's
+    own limits would end in a RecursionError or a ValueError, i.e. a traceback)."""
+    depth = _nesting(line)
+    if depth > TRACE_MAX_DEPTH:
+        raise _TraceLineError(f"JSON nested {depth:,} deep, past the bound of "
+                              f"{TRACE_MAX_DEPTH}")
+    return json.loads(line, parse_int=_parse_int, parse_float=_parse_float)
 
 
 def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
@@ -210,10 +318,15 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
                             f"bound): pass --requests N (at most {MAX_REQUESTS:,}) to use "
                             f"its first N")
         try:
-            row = json.loads(line)
+            row = _parse_trace_line(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not JSON ({exc.msg}): a trace line looks like "
                             f'{{"prompt_len": 100, "output_len": 50}}') from None
+        except _TraceLineError as exc:
+            raise UserError(f"{where}: {exc}: a trace line looks like {_TRACE_EXAMPLE}") from None
+        except (ValueError, RecursionError) as exc:   # any other limit of the parser
+            raise UserError(f"{where}: not JSON that can be read ({exc}): a trace line "
+                            f"looks like {_TRACE_EXAMPLE}") from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object like "
                             f'{{"prompt_len": 100, "output_len": 50}}, got {line.strip()[:60]}')

@@ -354,6 +354,76 @@ ROWS = [
     Row("serve-elastic-options-env-garbage", ["serve", TINY],
         ["PROXIMA_ELASTIC_OPTIONS must be key=value", "'garbage' is not key=value"],
         env={"PROXIMA_ELASTIC_OPTIONS": "garbage"}),
+    # ---- issue 37: replay, bench, traces --------------------------------------------------
+    Row("replay-trace-deep-nesting", ["replay", "--trace", "{tmp}/deep.jsonl"],
+        ["{tmp}/deep.jsonl:1: JSON nested 30,000 deep, past the bound of 8"]),
+    Row("replay-trace-5000-digits", ["replay", "--trace", "{tmp}/bigint.jsonl"],
+        ["{tmp}/bigint.jsonl:2: a number of 5,000 characters", "longer than the bound of 20"]),
+    Row("replay-trace-dev-zero", ["replay", "--trace", "/dev/zero"],
+        ["cannot read trace /dev/zero: it is a character device, not a regular file"]),
+    Row("replay-trace-fifo", ["replay", "--trace", "{tmp}/fifo.jsonl"],
+        ["cannot read trace {tmp}/fifo.jsonl: it is a FIFO (named pipe), not a regular file"]),
+    Row("replay-trace-1gb-line", ["replay", "--trace", "{tmp}/huge.jsonl"],
+        ["{tmp}/huge.jsonl:1: the line is longer than the bound of 65,536 bytes"]),
+    Row("replay-json-plot-same", ["replay", "--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"],
+        ["--json {tmp}/r.png and --plot {tmp}/r.png are the same file"],
+        absent=["{tmp}/r.png"]),
+    Row("replay-json-plot-same-dot", ["replay", "--json", "r.png", "--plot", "./r.png"],
+        ["--json r.png and --plot ./r.png are the same file"], absent=["{tmp}/r.png"]),
+    Row("replay-json-plot-symlink", ["replay", "--json", "{tmp}/link.png", "--plot",
+                                     "{tmp}/plotted.png"],
+        ["--json {tmp}/link.png and --plot {tmp}/plotted.png are the same file"]),
+    Row("replay-json-symlink-to-trace", ["replay", "--trace", "{tmp}/good.jsonl", "--json",
+                                         "{tmp}/tracelink.json"],
+        ["--json {tmp}/tracelink.json would overwrite the trace (--trace {tmp}/good.jsonl)"]),
+    Row("replay-plot-over-trace", ["replay", "--trace", "{tmp}/trace.png", "--plot",
+                                   "{tmp}/trace.png"],
+        ["--plot {tmp}/trace.png would overwrite the trace"]),
+    Row("replay-compaction-budget-alone", ["replay", "--compaction-budget-mib", "64"],
+        ["--compaction-budget-mib needs --compaction"]),
+    Row("replay-compaction-bad-mode", ["replay", "--compaction", "always"],
+        ["--compaction must be 1 or every:K (K >= 1), got 'always'"]),
+    Row("replay-granule-blocks-huge", ["replay", "--granule-blocks", "100000000"],
+        ["--granule-blocks 100,000,000 is above the bound of 4,194,304"]),
+    Row("replay-seed-5000-digits", ["replay", "--seed", "9" * 5000],
+        ["argument --seed: invalid int value"]),
+    Row("bench-json-plot-same", ["bench", "--base-url", "{url:good}", "--json", "{tmp}/b.png",
+                                 "--plot", "{tmp}/b.png"],
+        ["--json {tmp}/b.png and --plot {tmp}/b.png are the same file"],
+        absent=["{tmp}/b.png"]),
+    Row("bench-result-filename-plot-same", ["bench", "--base-url", "{url:good}",
+                                            "--save-result", "--result-filename", "b.png",
+                                            "--plot", "{tmp}/b.png"],
+        ["--result-filename b.png and --plot {tmp}/b.png are the same file"],
+        absent=["{tmp}/b.png"]),
+    Row("bench-json-over-trace", ["bench", "--base-url", "{url:good}", "--trace",
+                                  "{tmp}/good.jsonl", "--json", "./good.jsonl"],
+        ["--json ./good.jsonl would overwrite the trace"]),
+    Row("bench-offline-json-plot-same", ["bench", "--offline", "--model", TINY, "--json",
+                                         "{tmp}/o.png", "--plot", "{tmp}/o.png"],
+        ["are the same file"], absent=["{tmp}/o.png"]),
+    Row("bench-trace-fifo", ["bench", "--base-url", "{url:good}", "--trace",
+                             "{tmp}/fifo.jsonl"], ["it is a FIFO (named pipe)"]),
+    Row("bench-trace-deep-nesting", ["bench", "--base-url", "{url:good}", "--trace",
+                                     "{tmp}/deep.jsonl"], ["past the bound of 8"]),
+    Row("bench-trace-5000-digits", ["bench", "--base-url", "{url:good}", "--trace",
+                                    "{tmp}/bigint.jsonl"], ["longer than the bound of 20"]),
+    Row("bench-trace-dev-zero", ["bench", "--base-url", "{url:good}", "--trace", "/dev/zero"],
+        ["it is a character device"]),
+    Row("bench-trace-1gb-line", ["bench", "--base-url", "{url:good}", "--trace",
+                                 "{tmp}/huge.jsonl"], ["longer than the bound of 65,536 bytes"]),
+    Row("replay-trace-empty-name", ["replay", "--trace", ""],
+        ["--trace needs a file name, got ''"]),                # ran the chat workload instead
+    Row("bench-trace-empty-name", ["bench", "--base-url", "{url:good}", "--trace", ""],
+        ["--trace needs a file name, got ''"]),
+    Row("replay-max-model-len-below-workload", ["replay", "--max-model-len", "100"],
+        ["--max-model-len 100 is too short for the chat workload", "use at least"]),
+    Row("replay-multiturn-max-model-len", ["replay", "--workload", "multiturn",
+                                           "--max-model-len", "64"],          # used to hang
+        ["--max-model-len 64 is too short for the multiturn workload", "use at least 580"]),
+    Row("bench-multiturn-max-model-len", ["bench", "--base-url", "{url:good}", "--workload",
+                                          "multiturn", "--max-model-len", "64"],
+        ["use at least 580"]),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
@@ -410,6 +480,18 @@ def world(tmp_path_factory):
     (tmp / "float.jsonl").write_text('{"prompt_len": 1.5, "output_len": 5}\n')
     (tmp / "long.jsonl").write_text('{"prompt_len": 8000, "output_len": 1000}\n')
     (tmp / "notimg.txt").write_text("not an image\n")
+    (tmp / "deep.jsonl").write_text("[" * 30_000 + "]" * 30_000 + "\n")   # past json's recursion
+    (tmp / "bigint.jsonl").write_text(good + '{"prompt_len": ' + "7" * 5000
+                                      + ', "output_len": 5}\n')
+    os.mkfifo(tmp / "fifo.jsonl")
+    with open(tmp / "huge.jsonl", "wb") as huge:        # one 1 GiB line, sparse on disk
+        huge.write(b'{"prompt_len": 10, "output_len": 5, "prefix_id": "')
+        huge.seek(2**30)
+        huge.write(b'"}\n')
+    (tmp / "plotted.png").write_bytes(b"\x89PNG not really\n")
+    (tmp / "link.png").symlink_to(tmp / "plotted.png")
+    (tmp / "tracelink.json").symlink_to("good.jsonl")
+    (tmp / "trace.png").write_text(good)
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -535,3 +617,21 @@ def test_a_trace_error_names_the_line_even_after_good_lines(tmp_path):
                                for _ in range(3)) + '\n{"prompt_len": 5}\n')
     done = run_proxima(["replay", "--trace", str(trace)])
     assert_bad_input(done, "replay", [f"{trace}:4: missing 'output_len'"])
+
+
+@pytest.mark.parametrize("name, lines", [
+    ("replay", ["1    done, but a parity check FAILED", "143 terminated (SIGTERM)"]),
+    ("bench", ["1    the report is printed (and written) but is NOT trustworthy",
+               "143 terminated (SIGTERM)"]),
+    ("selfcheck", ["1    a check failed", "2    bad input or environment"]),
+    ("bundle", ["1    --verify: a file is missing or does not match"]),
+    ("", ["143 terminated (SIGTERM): replay and bench keep what was finished"]),
+])
+def test_help_states_the_exit_statuses(name, lines):
+    """Each command's --help says what its exit statuses mean (issue 37: replay said 0
+    when a parity check failed, selfcheck and bundle said nothing)."""
+    done = run_proxima([name, "--help"] if name else ["--help"])
+    assert done.returncode == 0, done.stderr
+    assert "exit status" in done.stdout
+    for line in lines:
+        assert line in done.stdout, line

@@ -26,7 +26,7 @@ from proxima.bench import report as report_mod
 from proxima.bench.offline import ARRIVALS
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
-from proxima.ioutil import logs_to_stderr
+from proxima.ioutil import check_distinct_paths, logs_to_stderr
 from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS, RequestSpec, Workload, \
     check_sizes, load_trace, make_workload
 
@@ -63,9 +63,10 @@ exit status:
   1    the report is printed (and written) but is NOT trustworthy: a request failed or
        its stream was cut before [DONE] (a server that died), a server completed no
        request, --check-outputs found differing tokens, or the Proxima runs did not
-       report Proxima active
+       report Proxima active (offline: or the stock runs did)
   2    bad input or environment (one line), nothing measured
-  130  interrupted (with --json: what was measured so far is kept, "partial": true)
+  130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): with --json, what was
+       measured so far is kept ("partial": true: the runs or rounds finished)
 
 vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
 (= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
@@ -174,6 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _resolve_aliases(args) -> None:
     """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
+    if args.trace is not None and not args.trace.strip():
+        raise UserError(f"--trace needs a file name, got {args.trace!r}")
     if args.dataset_name is not None:
         name = args.dataset_name
         if name in WORKLOADS:
@@ -313,8 +316,13 @@ def run_online_mode(args) -> int:
         raise UserError(f"--repeat must be >= 1, got {args.repeat}")
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
     if args.save_result and args.result_filename:
-        report_mod.check_writable(_save_result_path(args, "", None), "--result-filename")
+        named = _save_result_path(args, "", None)
+        report_mod.check_writable(named, "--result-filename")
+        check_distinct_paths({"--result-filename": named, "--plot": args.plot},
+                             inputs={"--trace": args.trace})
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
@@ -329,6 +337,8 @@ def run_online_mode(args) -> int:
     if args.save_result:
         args.json = _save_result_path(args, model, args.concurrency)
         report_mod.check_writable(args.json, "--save-result")
+        check_distinct_paths({"--save-result": args.json, "--plot": args.plot},
+                             inputs={"--trace": args.trace})
     info = _workload_info(args, workload, specs, "online")
     info.update(model=model, endpoint=endpoint, concurrency=concurrency,
                 request_rate=args.request_rate, timeout_s=timeout, repeat=repeat)
@@ -409,6 +419,8 @@ def run_offline_mode(args) -> int:
     validate(config)
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
     workload, specs = request_list(args)
     # vLLM logs to stdout by default: its lines go to stderr, the table alone to stdout
     # (the engine-core processes inherit it). A user's own setting wins.
@@ -431,6 +443,11 @@ def run_offline_mode(args) -> int:
     if measured["results"]["proxima"]["proxima_active"] is not True:
         print("proxima bench: not trustworthy: Proxima did not report itself active in the "
               "'proxima' runs", file=sys.stderr)
+        status = 1
+    if measured["results"]["stock"]["proxima_active"]:
+        print("proxima bench: not trustworthy: the 'stock' runs reported Proxima active, so "
+              "the comparison is invalid (is PROXIMA_ALLOCATOR set where vLLM's engine "
+              "starts?)", file=sys.stderr)
         status = 1
     return status
 

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from proxima import interrupts
 from proxima.bench.stats import latency_summary, median, spread
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
@@ -429,9 +430,24 @@ async def _run_all(targets: Sequence[Target], specs: Sequence[RequestSpec], mode
     return results
 
 
+def _run(make_coroutine):
+    """``asyncio.run(make_coroutine())``, its event loop built while SIGINT / SIGTERM wait
+    (:func:`proxima.interrupts.held`): Ctrl-C or SIGTERM at any moment stops the bench
+    with one line, never a half-built loop's traceback."""
+    if sys.version_info < (3, 11):              # no asyncio.Runner
+        return asyncio.run(make_coroutine())
+
+    def new_loop():
+        with interrupts.held():
+            return asyncio.new_event_loop()
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        return runner.run(make_coroutine())
+
+
 def check_servers(targets: Sequence[Target], model: str | None) -> str:
     """:func:`resolve_model`, synchronously: the model every server will be asked for."""
-    return asyncio.run(resolve_model(targets, model))
+    return _run(lambda: resolve_model(targets, model))
 
 
 def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: str | None,
@@ -443,8 +459,8 @@ def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: s
         raise UserError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
     if not specs:
         raise UserError("the request list is empty: --requests must be >= 1")
-    return asyncio.run(_run_all(targets, specs, model, endpoint, concurrency, rate, seed,
-                                timeout_s, progress))
+    return _run(lambda: _run_all(targets, specs, model, endpoint, concurrency, rate, seed,
+                                 timeout_s, progress))
 
 
 SUMMED = ("requests", "completed", "errors", "output_tokens", "short_outputs")

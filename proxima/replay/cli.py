@@ -3,8 +3,9 @@
 Both runs see the identical request list. With ``--repeat K`` the two allocators run
 alternately K times each; counts must agree between repeats (the scheduler is
 deterministic) and the scheduler time is the median of the K runs. Interrupted (Ctrl-C,
-SIGINT), the repeats already finished are kept: their table is printed and, with --json,
-written (``"partial": true``); --json is also rewritten after every finished repeat.
+SIGINT; or SIGTERM: :mod:`proxima.interrupts`), the repeats already finished are kept:
+their table is printed and, with --json / --plot, written (``"partial": true``); --json
+is also rewritten after every finished repeat. A failed parity check is exit status 1.
 
 Every input is checked before the first scheduler is built: sizes against their bounds
 (the pool and the prompts are built in memory), --json / --plot as writable file names.
@@ -23,11 +24,12 @@ import inspect
 import json
 import os
 import sys
-from pathlib import Path
 
+from proxima import interrupts
 from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_SHARE
 from proxima.errors import UserError
-from proxima.ioutil import check_output_path, logs_to_stderr, write_text_atomic
+from proxima.ioutil import check_distinct_paths, check_output_path, logs_to_stderr, \
+    write_text_atomic
 from proxima.replay.result import FIELDS, OPTIONAL_FIELDS, ReplayResult, combine
 from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
     make_workload
@@ -50,7 +52,10 @@ SIZE_UNITS = ("bytes, or KiB MiB GiB TiB (1024^n) / KB MB GB TB (1000^n), any ca
 COLUMNS = """\
 the table (one row per figure; columns: stock, proxima, proxima/stock):
   completed              requests that finished (must be equal)
-  steps                  scheduler steps until the last request finished
+  steps                  scheduler steps until the last request finished (--elastic:
+                         proxima's steps marked * include idle ones, with no request,
+                         waiting out --release-delay to give memory back; its ratio *
+                         is then of the steps with requests)
   peak_running           most requests running in one step
   preemptions            preemptions over the run (a running request's KV blocks
                          taken back to make room; it is computed again later)
@@ -70,8 +75,14 @@ the table (one row per figure; columns: stock, proxima, proxima/stock):
 then the parity checks (same completed count, no more preemptions than stock, prefix-hit
 rate within 0.005, no block leaked) and the scheduler time ratio.
 
-exit status: 0 done (parity checks are printed, not turned into an exit status);
-2 bad input (one line, nothing run); 130 interrupted (finished repeats kept)."""
+exit status:
+  0    done, every parity check passed
+  1    done, but a parity check FAILED: the table, --json and --plot are still written,
+       and stderr names the failed checks
+  2    bad input (one line, nothing run or written)
+  130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): the repeats already
+       finished are kept (their table printed, --json and --plot written, "partial":
+       true); with --repeat K each finished repeat is announced on stderr"""
 
 
 def add_arguments(p) -> None:
@@ -172,6 +183,8 @@ def _validate(args) -> None:
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UserError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     check_sizes(args.requests, args.max_model_len)
+    if args.trace is not None and not args.trace.strip():
+        raise UserError(f"--trace needs a file name, got {args.trace!r}")
     if args.compaction_budget_mib is not None and args.compaction_budget_mib < 1:
         raise UserError(f"--compaction-budget-mib must be >= 1, got "
                         f"{args.compaction_budget_mib}")
@@ -201,8 +214,12 @@ def _validate(args) -> None:
         raise UserError(f"--num-blocks {args.num_blocks:,} is above the bound of "
                         f"{MAX_NUM_BLOCKS:,} (vLLM builds one object per block in memory): "
                         f"use at most {MAX_NUM_BLOCKS:,}")
-    if not 1 <= args.granule_blocks <= MAX_NUM_BLOCKS:
+    if args.granule_blocks < 1:
         raise UserError(f"--granule-blocks must be >= 1, got {args.granule_blocks}")
+    if args.granule_blocks > MAX_NUM_BLOCKS:
+        raise UserError(f"--granule-blocks {args.granule_blocks:,} is above the bound of "
+                        f"{MAX_NUM_BLOCKS:,} (--num-blocks' bound): use at most "
+                        f"{MAX_NUM_BLOCKS:,}")
     elastic_flags = [f for f, v in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
                                     ("--gpu-kv", args.gpu_kv)) if v is not None]
     if elastic_flags and not args.elastic:
@@ -216,9 +233,8 @@ def _validate(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib: pip install 'proxima[plot]'") from None
-    if args.trace and any(p and Path(p).resolve() == Path(args.trace).resolve()
-                          for p in (args.json, args.plot)):
-        raise UserError(f"--json {args.json} would overwrite the trace: give another name")
+    check_distinct_paths({"--json": args.json, "--plot": args.plot},
+                         inputs={"--trace": args.trace})
 
 
 def _elastic_spec(args):
@@ -313,7 +329,7 @@ def run(args) -> int:
           f"(scheduler on CPU, no model)", file=sys.stderr)
     elastic = {}
     if args.elastic_spec is not None:
-        if "elastic" not in params:
+        if driver.ENGINE != "v1":
             raise UserError(f"--elastic needs vLLM's V1 engine; vLLM {version} runs the V0 "
                             f"one: drop --elastic")
         from proxima.engines import elastic_v1
@@ -348,15 +364,24 @@ def run(args) -> int:
             if args.json and done < args.repeat:     # a replay cut short keeps these
                 write_text_atomic(args.json, _json_text(
                     _report(workload, args, version, settings, runs, done)))
-    except KeyboardInterrupt:
+            if done < args.repeat:
+                print(f"proxima replay: repeat {done}/{args.repeat} done", file=sys.stderr,
+                      flush=True)
+    except KeyboardInterrupt as exc:       # Ctrl-C, or SIGTERM (proxima.interrupts)
         if not done:
             raise
-        print(f"proxima replay: interrupted during repeat {done + 1} of {args.repeat}: "
-              f"keeping the {done} finished", file=sys.stderr, flush=True)
+        print(f"proxima replay: {interrupts.describe(exc)} during repeat {done + 1} of "
+              f"{args.repeat}: keeping the {done} finished", file=sys.stderr, flush=True)
         _emit(_report(workload, args, version, settings, runs, done), args, runs, workload,
               done)
         raise
-    _emit(_report(workload, args, version, settings, runs, done), args, runs, workload, done)
+    report = _report(workload, args, version, settings, runs, done)
+    _emit(report, args, runs, workload, done)
+    failed = [k for k, v in report["checks"].items() if v is False]
+    if failed:
+        print(f"proxima replay: parity checks FAILED: {', '.join(failed)} (the figures "
+              f"above; exit status 1)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -427,24 +452,25 @@ def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
         print(f"wrote {args.plot}", file=sys.stderr)
 
 
-#: options only one engine generation's driver has: flag -> run_replay parameter
-ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "vLLM's V1 engine"),
-                  "preemption_mode": ("--preemption-mode", "vLLM's V0 engine"),
-                  "compaction": ("--compaction", "vLLM's V1 engine"),
-                  "compaction_budget_mib": ("--compaction-budget-mib", "vLLM's V1 engine")}
+#: options only one engine generation's driver has: args name -> (flag, the generation,
+#: the driver's ``ENGINE``); checked against the driver that runs, not its parameter names
+ENGINE_OPTIONS = {"async_scheduling": ("--async-scheduling", "v1"),
+                  "preemption_mode": ("--preemption-mode", "v0"),
+                  "compaction": ("--compaction", "v1"),
+                  "compaction_budget_mib": ("--compaction-budget-mib", "v1")}
 
 
 def _engine_settings(args, driver, version: str) -> dict:
-    """The engine-specific options given, refused (one line) where this driver lacks them."""
-    accepted = inspect.signature(driver.run_replay).parameters
+    """The engine-specific options given, refused (one line) where this vLLM runs the
+    other engine generation."""
     settings = {}
     for name, (flag, needs) in ENGINE_OPTIONS.items():
         value = getattr(args, name, None)
         if value in (None, False):
             continue
-        if name.replace("_mib", "_bytes") not in accepted:      # the driver takes bytes
-            raise UserError(f"{flag} needs {needs}; vLLM {version} runs the other one: "
-                            f"drop {flag}")
+        if driver.ENGINE != needs:
+            raise UserError(f"{flag} needs vLLM's {needs.upper()} engine; vLLM {version} runs "
+                            f"the {driver.ENGINE.upper()} one: drop {flag}")
         settings[name] = value
     mib = settings.pop("compaction_budget_mib", None)
     if mib is not None:
@@ -470,11 +496,19 @@ def format_table(report: dict) -> str:
     lines = [f"{'':28} {'stock':>12} {'proxima':>12} {'proxima/stock':>14}"]
     shown = list(FIELDS) + [k for k in OPTIONAL_FIELDS if k in s and k in p
                             and (k != "mapped_granule_fraction" or s[k] != p[k])]
+    idle = p.get("idle_steps") or 0     # elastic: steps waiting to release memory
     for key in shown:
         a, b = s[key], p[key]
         ratio = f"{b / a:.3f}" if isinstance(a, (int, float)) and a else "-"
         fmt = (lambda v: f"{v:.4f}") if isinstance(a, float) else str
-        lines.append(f"{key:28} {fmt(a):>12} {fmt(b):>12} {ratio:>14}")
+        mark = ""
+        if key == "steps" and idle:         # not a slowdown: the busy steps are compared
+            mark, ratio = "*", f"{(b - idle) / a:.3f}*" if a else "-"
+        lines.append(f"{key:28} {fmt(a):>12} {fmt(b) + mark:>12} {ratio:>14}")
+    if idle:
+        lines.append(f"* incl. {idle} idle steps waiting to release memory (no request left; "
+                     f"--release-delay): {p['steps'] - idle} steps with requests, stock "
+                     f"{s['steps']}")
     if "packed_ideal_fraction" in p and p["packed_ideal_fraction"]:
         lines.append(f"reclaimable / packed ideal: stock "
                      f"{s['reclaimable_granule_fraction'] / s['packed_ideal_fraction']:.3f}, "

@@ -27,6 +27,10 @@ from proxima.engines import vllm_v0
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
+#: the engine generation this driver replays: what ``proxima replay`` checks its
+#: engine-specific options against (``ENGINE_OPTIONS`` there)
+ENGINE = "v0"
+
 # Fixed "sampled" token: clear of bos/eos; sequences ignore eos and stop at max_tokens.
 SAMPLED_TOKEN = 7
 DEFAULT_NUM_CPU_BLOCKS = 2048   # vLLM's swap_space=4 GiB at 2 MiB per block (Llama-3.1-8B)

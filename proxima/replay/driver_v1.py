@@ -22,6 +22,10 @@ from proxima.replay.reclaim import LLAMA_8B_BYTES_PER_BLOCK, ReclaimTally
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 
+#: the engine generation this driver replays: what ``proxima replay`` checks its
+#: engine-specific options against (``ENGINE_OPTIONS`` there)
+ENGINE = "v1"
+
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -209,6 +213,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     in_flight = 0
     completed = 0
     steps = 0
+    idle_steps = 0          # elastic: steps with no request left, kept alive by the connector
     scheduled_tokens = 0    # tokens the model runner would compute (prefill chunks, decodes)
     step = 0
     sched_seconds = 0.0
@@ -256,6 +261,10 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
             if scheduler.has_requests():
                 if elastic_run is not None:
                     elastic_run.before_step(step)
+                    # no request to run or to clean up: this step exists only because the
+                    # connector waits out its release delay (Scheduler.has_requests)
+                    idle_steps += not (scheduler.has_unfinished_requests()
+                                       or scheduler.finished_req_ids)
                 t0 = time.perf_counter()
                 out = scheduler.schedule()
                 if compactor is not None and elastic_run is None:   # as the connector does
@@ -326,6 +335,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                  "scheduled_tokens": scheduled_tokens,
                  **tally.means(), "reclaim_timeline": tally.timeline(),
                  **(elastic_run.report() if elastic_run is not None else {}),
+                 **({"idle_steps": idle_steps} if elastic_run is not None else {}),
                  **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )

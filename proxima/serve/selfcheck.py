@@ -38,6 +38,14 @@ ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants", "elastic-kv
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
 
 
+EXIT_STATUS = """\
+exit status:
+  0    no check failed (skipped ones are not failures)
+  1    a check failed; with --url also a server whose self-check has not passed yet
+       (still starting: its phase is printed)
+  2    bad input or environment (one line), or --url answered no self-check report"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument("--no-engine", action="store_true",

@@ -492,3 +492,30 @@ def test_elastic_figures_come_from_the_status_snapshots():
     assert figures["mapped_bytes_mean"] == 4 and figures["mapped_bytes_peak"] == 6
     assert figures["grows"] == 2 and figures["shrinks"] == 1
     assert offline.elastic_figures([{"time": 1}]) is None
+
+
+def test_stock_runs_reporting_proxima_active_are_exit_1(tmp_path, stand_in, monkeypatch,
+                                                        capsys):
+    """The report already called such a comparison invalid (a note); the exit status said
+    0. Now it says 1, as for the other reasons the figures cannot be trusted."""
+    from proxima.cli import main
+
+    real = StandInLLM._run_engine
+
+    def both_active(self, prompts, params):
+        outputs = real(self, prompts, params)
+        if self.allocator == "0":               # PROXIMA_ALLOCATOR leaked into the stock engine
+            write_status({"active": True, "running_blocks_per_run": [4.0]},
+                         path=Path(self.stats_path))
+        return outputs
+
+    monkeypatch.setattr(StandInLLM, "_run_engine", both_active)
+    monkeypatch.setattr(offline, "default_build_llm", stand_in)
+    monkeypatch.setattr(offline, "default_sampling_params", lambda n: {"max_tokens": n})
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o.json"
+    assert main(["bench", "--offline", "--no-progress", "--model", str(tmp_path), "--workload",
+                 "chat", "--requests", "3", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "proxima bench: not trustworthy: the 'stock' runs reported Proxima active" in err
+    assert any("comparison is invalid" in n for n in json.loads(out.read_text())["notes"])

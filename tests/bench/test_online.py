@@ -338,3 +338,51 @@ def test_request_rate_with_max_concurrency_caps_the_streams_in_flight(fake_serve
                     "--request-rate", "inf")           # vllm's default: all at once
     assert rc == 0 and rep["workload"]["request_rate"] is None
     assert rep["workload"]["concurrency"] == 20            # the chat workload's own
+
+
+@pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, tmp_path,
+                                                      signame, status):
+    """`proxima bench --repeat K` as a user runs it, stopped once round 2 started (its line
+    on stderr): exit 143 for SIGTERM (it used to die with the signal), 130 for SIGINT; the
+    JSON holds the rounds finished, whole (no temporary file left), one stderr line says
+    why it stopped, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    server = fake_server(delay=0.002)
+    trace = trace_file([(8, 4)] * 4)
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(repo), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bench", "--no-progress",
+                             "--base-url", server.url, "--model", "tiny", "--trace", trace,
+                             "--repeat", "100000", "--json", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("proxima bench: round 2/100000"):
+                break
+        else:
+            pytest.fail("no round marker:\n" + "".join(seen))
+        proc.send_signal(getattr(signal, signame))
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == status, "".join(seen) + stderr
+    assert "Traceback" not in stderr, stderr
+    word = "terminated (SIGTERM)" if signame == "SIGTERM" else "interrupted"
+    assert stderr.strip().splitlines()[-1] == f"proxima bench: {word}"
+    rep = json.loads(out.read_text())
+    assert rep["partial"] is True and rep["rounds_done"] >= 1
+    assert rep["per_round"][0]["A"]["completed"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "trace.jsonl"]

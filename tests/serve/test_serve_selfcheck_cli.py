@@ -67,6 +67,26 @@ def test_url_prints_a_running_servers_report(passed, code):
     assert done.stdout.splitlines()[1].startswith(f"canary: {'ok' if passed else 'failed'}")
 
 
+@pytest.mark.parametrize("body", [b"[]", b'"ok"', b'{"checks": 5}', b'{"checks": [7]}',
+                                  b'{"checks": [{"name": "gpu"}]}',
+                                  b'{"checks": [{"name": "gpu", "status": "ok", "detail": "x", '
+                                  b'"extra": 1}]}'])
+def test_url_answering_no_report_is_one_line_and_exit_2(body):
+    """A server (or anything on that port) whose JSON is no self-check report: one line,
+    exit 2, not an AttributeError / TypeError traceback with exit 1 ("a check failed")."""
+    handler = type("H", (_Report,), {"body": body})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = run_proxima("selfcheck", "--url", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "answered JSON that is not a self-check report" in lines[0]
+
+
 def test_url_nobody_listening():
     port = free_port()
     done = run_proxima("selfcheck", "--url", f"http://127.0.0.1:{port}")

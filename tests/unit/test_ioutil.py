@@ -1,14 +1,16 @@
 """proxima.ioutil.publish_text: the live files other processes sample (an engine's stats
-and status files)."""
+and status files); check_distinct_paths: outputs that would overwrite each other."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import pytest
 
+from proxima.errors import UserError
 from proxima.ioutil import flush_live_files, publish_text, publish_text_later
 
 
@@ -117,3 +119,25 @@ def test_a_forked_child_writes_its_own_files(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     flush_live_files()
     assert (tmp_path / "parent.json").read_text() == "p"
+
+
+def test_two_outputs_naming_one_file_are_refused_however_spelt(tmp_path, monkeypatch):
+    """The same name, ``./name``, ``dir/../name``, a symlink (even to a file not there yet)
+    and a hard link are one file; names that differ only there are not."""
+    from proxima.ioutil import check_distinct_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.png").write_bytes(b"x")
+    os.link(tmp_path / "a.png", tmp_path / "hard.png")
+    (tmp_path / "soft.json").symlink_to("later.png")           # dangling for now
+    same = [("a.png", "./a.png"), ("a.png", "sub/../a.png"), ("a.png", str(tmp_path / "a.png")),
+            ("hard.png", "a.png"), ("soft.json", "later.png")]
+    for first, second in same:
+        with pytest.raises(UserError, match="are the same file"):
+            check_distinct_paths({"--json": first, "--plot": second})
+    check_distinct_paths({"--json": "a.json", "--plot": "a.png"})     # distinct: no error
+    check_distinct_paths({"--json": None, "--plot": "a.png"})
+    with pytest.raises(UserError, match=r"--json \./t\.jsonl would overwrite the trace "
+                                        r"\(--trace t\.jsonl\)"):
+        check_distinct_paths({"--json": "./t.jsonl"}, inputs={"--trace": "t.jsonl"})

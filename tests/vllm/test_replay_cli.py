@@ -128,10 +128,14 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
     if elastic_v1.unsupported_reason():
         pytest.skip(elastic_v1.unsupported_reason())
     out, plot = tmp_path / "e.json", tmp_path / "e.png"
+    # Releases after 2 s evict cached blocks the next burst would have hit: the prefix-hit
+    # parity check fails, and the exit status says so (1; the results are still written).
     assert main(["replay", "--workload", "bursts", "--requests", "120", "--num-blocks", "2048",
                  "--elastic", "--release-delay", "2", "--no-progress", "--json", str(out),
-                 "--plot", str(plot)]) == 0
-    table = capsys.readouterr().out
+                 "--plot", str(plot)]) == 1
+    captured = capsys.readouterr()
+    assert "parity checks FAILED: prefix_hit_rate_within_0.005 " in captured.err
+    table = captured.out
     assert "elastic (auto): mean mapped" in table and "mapped_granule_fraction" in table
     report = json.loads(out.read_text())
     assert report["elastic"]["policy"] == "auto" and report["elastic"]["release_delay_s"] == 2
@@ -205,9 +209,121 @@ def test_elastic_replay_with_compaction_runs_the_connectors_compactor(tmp_path, 
     out = tmp_path / "e.json"
     assert main(["replay", "--workload", "multiturn", "--requests", "80", "--num-blocks",
                  "1500", "--elastic", "--compaction", "every:2", "--no-progress",
-                 "--json", str(out)]) == 0
+                 "--json", str(out)]) == 1         # releases evict cached blocks: fewer hits
+    assert "parity checks FAILED: prefix_hit_rate_within_0.005 " in capsys.readouterr().err
     report = json.loads(out.read_text())
     p = report["results"]["proxima"]
     assert report["settings"]["compaction"] == "every:2"
     assert p["compaction"]["mode"].startswith("every") and p["compaction"]["relocations"] > 0
     assert p["blocks_leaked"] == 0 and p["completed"] == report["results"]["stock"]["completed"]
+
+
+# ---- issue 37: exit status, signals, the options that must work -------------------------
+
+def test_a_failed_parity_check_is_exit_1_and_the_results_are_still_written(tmp_path, capsys):
+    """The elastic side on a GPU with room for 128 blocks (--gpu-kv): its grows fail, it
+    preempts more than stock, the parity check fails: exit 1, as --help and the docs say,
+    with the table, the JSON and a line on stderr naming the failed check."""
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
+    out = tmp_path / "r.json"
+    assert main(["replay", "--workload", "pressure", "--requests", "40", "--num-blocks", "400",
+                 "--elastic", "--gpu-kv", "256MiB", "--no-progress", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "parity checks: FAILED (preemptions_not_above_stock)" in captured.out
+    assert "proxima replay: parity checks FAILED: preemptions_not_above_stock" in captured.err
+    report = json.loads(out.read_text())
+    assert report["checks"]["preemptions_not_above_stock"] is False
+    assert report["partial"] is False
+
+
+def test_compaction_budget_is_taken_on_the_v1_engine(tmp_path, capsys):
+    """--compaction-budget-mib was refused ("needs vLLM's V1 engine") on the V1 engine: the
+    check asked for a parameter name the driver does not have. It runs, with its budget."""
+    out = tmp_path / "c.json"
+    assert main(["replay", "--workload", "pressure", "--requests", "20", "--num-blocks", "300",
+                 "--compaction", "1", "--compaction-budget-mib", "64", "--no-progress",
+                 "--json", str(out)]) == 0
+    assert "parity checks: all passed" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["settings"]["compaction_budget_bytes"] == 64 << 20
+    assert report["results"]["proxima"]["compaction"]["budget_bytes"] == 64 << 20
+
+
+def test_elastic_steps_row_says_which_steps_were_idle(tmp_path, capsys):
+    """With 3 requests the elastic side keeps stepping through its release delay after the
+    last one finished: its 501 steps hold 400 idle ones. The row marks them, compares the
+    101 steps with requests (1.000, not 4.960), and the other figures stay as they were."""
+    from proxima.engines import elastic_v1
+
+    if elastic_v1.unsupported_reason():
+        pytest.skip(elastic_v1.unsupported_reason())
+    out = tmp_path / "e.json"
+    assert main(["replay", "--requests", "3", "--elastic", "--no-progress",
+                 "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = next(line for line in lines if line.startswith("steps "))
+    assert steps.split() == ["steps", "101", "501*", "1.000*"]
+    assert ("* incl. 400 idle steps waiting to release memory (no request left; "
+            "--release-delay): 101 steps with requests, stock 101") in lines
+    completed = next(line for line in lines if line.startswith("completed "))
+    assert completed.split() == ["completed", "3", "3", "1.000"]
+    p, s = (json.loads(out.read_text())["results"][k] for k in ("proxima", "stock"))
+    assert (p["steps"], p["idle_steps"], s["steps"]) == (501, 400, 101)
+    assert "idle_steps" not in s
+
+
+def _replay_process(tmp_path, *argv):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(repo), os.environ.get("PYTHONPATH")])))
+    for key in ("PROXIMA_ALLOCATOR", "PROXIMA_ELASTIC", "PROXIMA_COMPACTION"):
+        env.pop(key, None)
+    return subprocess.Popen([sys.executable, "-m", "proxima.cli", "replay", *argv],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_mid_replay_keeps_the_finished_repeats_in_the_json_and_the_plot(
+        tmp_path, signame, status):
+    """The replay as a user runs it, stopped after its first repeat finished (the line on
+    stderr says so): exit 143 for SIGTERM, 130 for SIGINT, and both files hold the finished
+    repeats, whole (no temporary file left)."""
+    import signal
+
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    proc = _replay_process(tmp_path, "--workload", "chat", "--requests", "20", "--repeat",
+                           "1000", "--no-progress", "--json", str(out), "--plot", str(plot))
+    seen = []
+    try:
+        for line in proc.stderr:        # the progress marker, however long it takes
+            seen.append(line)
+            if line.startswith("proxima replay: repeat 1/1000 done"):
+                break
+        else:
+            pytest.fail("no progress marker:\n" + "".join(seen))
+        proc.send_signal(getattr(signal, signame))
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    shown = f"exit {proc.returncode}\n{stdout}\n{''.join(seen)}{stderr}"
+    assert proc.returncode == status, shown
+    assert "Traceback" not in stderr, shown
+    word = "terminated (SIGTERM)" if signame == "SIGTERM" else "interrupted"
+    assert f"proxima replay: {word} during repeat" in stderr, shown
+    assert "parity checks: all passed" in stdout                # the finished repeats' table
+    report = json.loads(out.read_text())
+    assert report["partial"] is True and 1 <= report["repeats_done"] < 1000
+    assert report["results"]["proxima"]["completed"] == 20
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
