@@ -623,7 +623,7 @@ def test_a_trace_error_names_the_line_even_after_good_lines(tmp_path):
     ("replay", ["1    done, but a parity check FAILED", "143 terminated (SIGTERM)"]),
     ("bench", ["1    the report is printed (and written) but is NOT trustworthy",
                "143 terminated (SIGTERM)"]),
-    ("selfcheck", ["1    a check failed", "2    bad input or environment"]),
+    ("selfcheck", ["1  a check failed", "2  bad input"]),
     ("bundle", ["1    --verify: a file is missing or does not match"]),
     ("", ["143 terminated (SIGTERM): replay and bench keep what was finished"]),
 ])

@@ -26,8 +26,9 @@ from proxima.serve.report import Check, Report, failed, ok, skipped
 
 EXIT_STATUS = """\
 exit status:
-  0  no check failed
-  1  a check failed; or with --url, a runtime failure of the server: it answered an
+  0  no check failed (skipped ones are not failures)
+  1  a check failed (with --url also a server whose self-check has not passed yet:
+     still starting, its phase is printed); or with --url, a failure of the server: it answered an
      error, what is not a self-check report, or no whole answer within 10 s (one line
      on stderr)
   2  bad input: a malformed --url or --model, an option that does not apply, or nothing
@@ -38,12 +39,7 @@ ENGINE_CHECKS = ("engine", "proxima-active", "allocator-invariants", "elastic-kv
 CANARY_NOTE = "runs only when serving (proxima serve sends one request through HTTP)"
 
 
-EXIT_STATUS = """\
-exit status:
-  0    no check failed (skipped ones are not failures)
-  1    a check failed; with --url also a server whose self-check has not passed yet
-       (still starting: its phase is printed)
-  2    bad input or environment (one line), or --url answered no self-check report"""
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

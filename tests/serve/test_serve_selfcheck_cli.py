@@ -71,9 +71,10 @@ def test_url_prints_a_running_servers_report(passed, code):
                                   b'{"checks": [{"name": "gpu"}]}',
                                   b'{"checks": [{"name": "gpu", "status": "ok", "detail": "x", '
                                   b'"extra": 1}]}'])
-def test_url_answering_no_report_is_one_line_and_exit_2(body):
+def test_url_answering_no_report_is_one_line_and_exit_1(body):
     """A server (or anything on that port) whose JSON is no self-check report: one line,
-    exit 2, not an AttributeError / TypeError traceback with exit 1 ("a check failed")."""
+    exit 1 (the server's failure, as `proxima kv` says it), not an AttributeError / TypeError
+    traceback."""
     handler = type("H", (_Report,), {"body": body})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -81,10 +82,10 @@ def test_url_answering_no_report_is_one_line_and_exit_2(body):
         done = run_proxima("selfcheck", "--url", f"http://127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "answered JSON that is not a self-check report" in lines[0]
+    assert len(lines) == 1 and "is not a self-check report" in lines[0]
 
 
 def test_url_nobody_listening():
