@@ -81,6 +81,9 @@ class ElasticReplay:
     # scripts' recorded figures keep that; ``proxima replay`` defaults to MAP_GBPS_H200)
     map_gbps: float = 0.0
     unmap_gbps: float = UNMAP_GBPS_H200   # its unmap rate (0, or map_gbps 0: at once)
+    # with gpu_bytes: the policy reads what the simulated GPU has free before it grows, as
+    # a driver's cuMemGetInfo would say (False: it learns only from failed maps)
+    driver_free: bool = True
     extra: dict = field(default_factory=dict)
 
     def connector_extra(self, granule_blocks: int, block_size: int) -> dict:
@@ -164,7 +167,8 @@ class ReplayWorker:
                         break
                     self.mapped.add(g)
                     mapped += 1
-        map_s, unmap_s = mapped * self.map_s, unmapped * self.unmap_s
+        # a map that fails made and gave back part of a granule first: one granule's time
+        map_s, unmap_s = (mapped + bool(failed)) * self.map_s, unmapped * self.unmap_s
         done = max(now, self.busy_until) + map_s + unmap_s
         self.busy_until = done
         self.queued.append((done, (batch.seq, tuple(failed)), len(self.mapped), map_s, unmap_s))
@@ -212,6 +216,12 @@ class ElasticRun:
         capacity = None if spec.gpu_bytes is None else spec.gpu_bytes // self.bytes_per_granule
         self.worker = ReplayWorker(self.connector.channel, capacity, self.bytes_per_granule,
                                    spec.map_gbps, spec.unmap_gbps)
+        policy = self.connector.policy
+        if policy is not None and capacity is not None and spec.driver_free:
+            # what the driver would say is free for this engine (cuMemGetInfo on the GPU):
+            # the simulated GPU's room less what the worker has mapped or is mapping
+            policy.free_bytes = lambda: max(0, capacity - len(self.worker.mapped)) \
+                * self.bytes_per_granule
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -235,4 +245,10 @@ class ElasticRun:
     def report(self) -> dict:
         status = self.connector.status()
         status.pop("events", None)
+        minutes = self.step * self.spec.step_seconds / 60
+        policy = self.connector.policy
+        if policy is not None and minutes > 0:
+            status["failed_grows_per_minute"] = policy.stats.failed_grow_attempts / minutes
+            status["failed_granules_per_minute"] = policy.stats.failed_grows / minutes
+        status["simulated_seconds"] = self.step * self.spec.step_seconds
         return {"elastic": status, "bytes_per_granule": self.bytes_per_granule}
