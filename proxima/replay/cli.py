@@ -148,7 +148,8 @@ def add_arguments(p) -> None:
                         f"and unmaps done at once)")
     p.add_argument("--gpu-kv", metavar="SIZE",
                    help="with --elastic: room the simulated GPU has for this engine's KV (maps "
-                        "beyond it fail, as when another process holds the memory; default: "
+                        "beyond it fail, as when another process holds the memory; the policy "
+                        "asks for no more than is free there, as a driver would say; default: "
                         "the pool)")
     p.add_argument("--compaction", metavar="MODE",
                    help="Proxima's runs with KV compaction planned after every schedule() "
