@@ -35,10 +35,12 @@ def test_stdout_is_the_table_and_the_bar_starts_with_the_work(tmp_path):
     assert done.returncode == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["stock", "proxima", "proxima/stock"], out    # nothing above
-    # the header, 8 figures, the two granule rows (V1) and their ratio line, the checks
-    assert lines[-1].startswith("parity checks:") and len(lines) == 13, out
-    assert [line.split()[0] for line in lines[9:11]] == [
-        "reclaimable_granule_fraction", "packed_ideal_fraction"], out
+    # the header, 8 figures, the busy steps and request latency (V1: 5 rows), the two
+    # granule rows (V1) and their ratio line, the checks
+    assert lines[-1].startswith("parity checks:") and len(lines) == 18, out
+    assert [line.split()[0] for line in lines[9:16]] == [
+        "busy_steps", "queue_wait_p50_steps", "queue_wait_p99_steps", "ttft_p50_steps",
+        "ttft_p99_steps", "reclaimable_granule_fraction", "packed_ideal_fraction"], out
     assert "WARNING" not in out and "INFO" not in out
     # tqdm writes its bar to stderr with carriage returns; the first frame of each run's
     # bar already counts a finished request: it was created when the replay had started,

@@ -19,8 +19,13 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   to reach wanted plus a *band* (``band`` of the mapped granules, at least one), never
   above ``max_bytes``. A map is confirmed by the workers before its blocks are
   handed out; one the GPU cannot back (another process holds the memory) leaves the
-  engine at its current size: said once in the log and in :attr:`stats`
-  (``failed_grows``), asked again after ``retry_s``, never raised.
+  engine at its current size, keeping what the map got before it failed: said once in the
+  log and in :attr:`stats` (``failed_grows``: granules; ``failed_grow_attempts``), never
+  raised. No churn while the GPU is short: the next try waits ``retry_s``, doubled after
+  each failure in a row up to ``retry_max_s``; with ``free_bytes`` (what the driver says
+  is free for this engine to map) a grow asks for no more than that, none while it is
+  less than a granule, and a failed one is tried again early once the driver says more is
+  free than when it failed.
 * **Shrink** when free has exceeded wanted by more than two bands for ``release_delay_s``,
   down to wanted plus one band (an idle engine: by a granule, down to wanted; the band keeps a steady load from growing and shrinking
   by a granule every second: each map or unmap is driver work on every worker; measured
@@ -75,7 +80,8 @@ class PolicyOptions:
     reserved pool); ``headroom``: free fraction of the live blocks kept mapped;
     ``reserve_blocks``: blocks kept free whatever the load (what one step may allocate);
     ``release_delay_s``: how long free memory must be in excess before it is released;
-    ``retry_s``: how long after a failed grow the next is tried; ``forecast``: count what
+    ``retry_s``: how long after a failed grow the next is tried, doubled after each
+    failure in a row up to ``retry_max_s``; ``forecast``: count what
     the held requests may still need (prompt + max_tokens) as wanted free memory;
     ``band``: the hysteresis, a fraction of the mapped granules (at least one granule):
     a grow maps this much beyond what is wanted, a shrink waits for twice this much in
@@ -88,6 +94,7 @@ class PolicyOptions:
     release_delay_s: float = 10.0
     retry_s: float = 1.0
     forecast: bool = True
+    retry_max_s: float = 30.0
     band: float = 0.05
 
     def __post_init__(self) -> None:
@@ -99,7 +106,7 @@ class PolicyOptions:
                                            or self.max_bytes < self.min_bytes):
             raise ValueError(f"max_bytes must be None or an integer >= min_bytes "
                              f"({self.min_bytes}), got {self.max_bytes!r}")
-        for name in ("headroom", "release_delay_s", "retry_s", "band"):
+        for name in ("headroom", "release_delay_s", "retry_s", "band", "retry_max_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -111,6 +118,7 @@ class PolicyStats:
     grows: int = 0                 # grow decisions (MAP ops sent)
     granules_grown: int = 0        # granules asked for
     failed_grows: int = 0          # grows the GPU could not back (granules)
+    failed_grow_attempts: int = 0  # maps that failed (a batch's failed range each)
     shrinks: int = 0               # shrink decisions (UNMAP ops sent)
     granules_released: int = 0
     bytes_returned: int = 0        # released granules x bytes per granule
@@ -136,13 +144,16 @@ class GrowShrinkPolicy:
         forecast: ``fn() -> blocks`` the held requests may still need (None: 0).
         compactor: ``fn(pool, granules_wanted) -> granules emptied`` asked before a shrink
             that finds too few releasable granules (issue 14's hook; None: not asked).
+        free_bytes: ``fn() -> bytes or None``, what the driver says this engine could map
+            now (None: not known); grows are capped at it (an attribute: may be set later).
     """
 
     def __init__(self, pool: PoolView, channel: ElasticChannel, bytes_per_granule: int,
                  options: PolicyOptions = PolicyOptions(), *,
                  clock: Callable[[], float] = time.monotonic,
                  forecast: Callable[[], int] | None = None,
-                 compactor: Callable[[PoolView, int], int] | None = None) -> None:
+                 compactor: Callable[[PoolView, int], int] | None = None,
+                 free_bytes: Callable[[], int | None] | None = None) -> None:
         if bytes_per_granule < 1:
             raise ValueError(f"bytes_per_granule must be >= 1, got {bytes_per_granule}")
         self.pool = pool
@@ -152,7 +163,10 @@ class GrowShrinkPolicy:
         self.clock = clock
         self.forecast = forecast
         self.compactor = compactor
+        self.free_bytes = free_bytes
         self.stats = PolicyStats()
+        self._fails = 0                      # failed grows in a row (the backoff's power)
+        self._free_at_fail: int | None = None    # what the driver said when the last failed
         self._excess_since: float | None = None
         self._retry_at = 0.0
         self._reported_short = False
@@ -227,7 +241,14 @@ class GrowShrinkPolicy:
         grow = min(grow, cap - mapped - pending)
         if grow > 0:
             self._excess_since = None
-            if now >= self._retry_at:
+            free_now = self.free_bytes() if self.free_bytes is not None else None
+            if free_now is not None:          # never ask for what the driver says is not there
+                grow = min(grow, free_now // self.bytes_per_granule)
+                if grow <= 0:
+                    return
+            freed = (free_now is not None and self._free_at_fail is not None
+                     and free_now > self._free_at_fail)
+            if now >= self._retry_at or freed:
                 self._grow(grow, now)
             return
         # shrink: excess beyond wanted and two bands (or above the maximum) for the delay,
@@ -316,6 +337,8 @@ class GrowShrinkPolicy:
     def _on_map(self, granules: range, ok: bool) -> None:
         s = self.stats
         if ok:
+            self._fails = 0
+            self._free_at_fail = None
             if s.short:
                 logger.info("Proxima elastic KV: the GPU gives memory again (%d granules "
                             "mapped)", len(granules))
@@ -323,16 +346,23 @@ class GrowShrinkPolicy:
             self._reported_short = False
             return
         s.failed_grows += len(granules)
+        s.failed_grow_attempts += 1
         s.short = True
         s.events.append((self.clock(), "fail", len(granules)))
-        self._retry_at = self.clock() + self.options.retry_s
+        self._fails += 1
+        o = self.options
+        self._retry_at = self.clock() + min(max(o.retry_max_s, o.retry_s),
+                                            o.retry_s * 2 ** min(self._fails - 1, 30))
+        self._free_at_fail = self.free_bytes() if self.free_bytes is not None else None
         if not self._reported_short:
             self._reported_short = True
             logger.warning("Proxima elastic KV: the GPU cannot give %d more granules (%.0f MiB) "
                            "now (another process holds the memory); serving at the current "
-                           "size, retrying every %.1f s", len(granules),
+                           "size, retrying after %.1f s, then less and less often (at most "
+                           "every %.0f s)", len(granules),
                            len(granules) * self.bytes_per_granule / 2**20,
-                           self.options.retry_s)
+                           self.options.retry_s, max(self.options.retry_max_s,
+                                                     self.options.retry_s))
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict:

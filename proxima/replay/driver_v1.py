@@ -5,8 +5,17 @@ prefill is complete (``ignore_eos``: requests run to ``max_tokens``). The schedu
 KV-cache manager, the block pool and prefix caching are vLLM's own code; Proxima changes
 only the free-block queue (see proxima.engines.vllm_v1).
 
-The measurement hooks (final block tables, preemption counts, prefix-cache stats) are the
-same for both allocators.
+The measurement hooks (final block tables, preemption counts, prefix-cache stats, each
+request's queue wait and time to first token) are the same for both allocators.
+
+Request latency is counted in steps of the replay's step clock, the same on both sides: a
+request arrives at the step it is handed to the scheduler (its ``arrival_step``, or when
+the turn it follows finished plus its think time, or when a closed loop's slot frees), its
+queue wait ends at the first step that schedules tokens for it and its first token comes at
+the end of the step that completes its prefill. Idle time (no request held) is skipped on
+the stock side and stepped through on the elastic side while a release waits for its
+delay; it never falls inside a request's wait, so the two count alike. ``busy_steps``
+counts the steps that scheduled tokens, on both sides.
 """
 
 from __future__ import annotations
@@ -133,6 +142,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     from vllm.v1.request import Request, RequestStatus
 
     from proxima.engines import vllm_v1
+    from proxima.engines.status import percentiles
 
     elastic_kw = {}
     if elastic is not None and proxima:
@@ -214,6 +224,10 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     completed = 0
     steps = 0
     idle_steps = 0          # elastic: steps with no request left, kept alive by the connector
+    busy_steps = 0          # steps that scheduled tokens (an elastic side's idle steps not)
+    arrived: dict[str, int] = {}      # request id -> step clock when handed to the scheduler
+    first_scheduled: dict[str, int] = {}    # -> the step that first scheduled its tokens
+    first_token: dict[str, int] = {}        # -> the end of the step that sampled its first
     scheduled_tokens = 0    # tokens the model runner would compute (prefill chunks, decodes)
     step = 0
     sched_seconds = 0.0
@@ -226,6 +240,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     replies = {r.request_id: r.output_token_ids for r in workload.requests if r.output_token_ids}
 
     def submit(spec):
+        arrived[spec.request_id] = step
         scheduler.add_request(Request(
             request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
             pooling_params=None, arrival_time=0.0,
@@ -274,17 +289,24 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 sched_seconds += time.perf_counter() - t0
                 # What the model runner will return for this step: a token for every
                 # request whose prefill completes in it (vLLM's own flag, set by schedule()).
-                in_flight_steps.appendleft((out, {rid for rid in out.num_scheduled_tokens
-                                                  if not requests[rid].is_prefill_chunk}))
+                sampling = {rid for rid in out.num_scheduled_tokens
+                            if not requests[rid].is_prefill_chunk}
+                in_flight_steps.appendleft((out, sampling, step))
+                for rid in out.num_scheduled_tokens:
+                    first_scheduled.setdefault(rid, step)
+                for rid in sampling:
+                    first_token.setdefault(rid, step + 1)
+                if out.total_num_scheduled_tokens:
+                    busy_steps += 1
                 steps += 1
                 step += 1
                 scheduled_tokens += out.total_num_scheduled_tokens
                 if len(in_flight_steps) < depth and scheduler.has_requests():
                     continue      # vLLM fills its batch queue before it waits for an output
-            out, sampling = in_flight_steps.pop()
+            out, sampling, at = in_flight_steps.pop()
             runner_output = _runner_output(out, sampling, requests, replies)
             if elastic_run is not None:
-                runner_output.kv_connector_output = elastic_run.worker_output(out)
+                runner_output.kv_connector_output = elastic_run.worker_output(out, at)
             t2 = time.perf_counter()
             engine_outputs = scheduler.update_from_output(out, runner_output)
             sched_seconds += time.perf_counter() - t2
@@ -333,12 +355,29 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         largest_free_run_timeline=free_run_timeline,
         details={"prefix_hit_rate_new_requests": hits_new / queries_new if queries_new else 0.0,
                  "scheduled_tokens": scheduled_tokens,
+                 **_latency(finished_ids, arrived, first_scheduled, first_token, percentiles),
+                 "busy_steps": busy_steps,
                  **tally.means(), "reclaim_timeline": tally.timeline(),
                  **(elastic_run.report() if elastic_run is not None else {}),
                  **({"idle_steps": idle_steps} if elastic_run is not None else {}),
                  **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )
+
+
+def _latency(finished, arrived: dict, first_scheduled: dict, first_token: dict,
+             percentiles) -> dict:
+    """Queue wait and time to first token of the finished requests, in steps of the step
+    clock: p50 and p99 (the status files' :func:`~proxima.engines.status.percentiles`),
+    the mean, the most."""
+    out = {}
+    for name, start in (("queue_wait", first_scheduled), ("ttft", first_token)):
+        values = [start[r] - arrived[r] for r in finished if r in start and r in arrived]
+        stats = percentiles(values)
+        out[f"{name}_p50_steps"] = stats["p50"]
+        out[f"{name}_p99_steps"] = stats["p99"]
+        out[f"{name}_steps"] = {**stats, "mean": sum(values) / len(values) if values else None}
+    return out
 
 
 def _runner_output(out, sampling: set[str], requests: dict, replies: dict):

@@ -16,9 +16,12 @@ from proxima.allocator import count_runs
 #: the figures of the table, in its order
 FIELDS = ("completed", "steps", "peak_running", "preemptions", "prefix_hit_rate",
           "blocks_per_run", "single_run_fraction", "scheduler_ms_per_step")
-#: figures shown when both results have them (the V1 driver's granule samples)
-OPTIONAL_FIELDS = ("reclaimable_granule_fraction", "packed_ideal_fraction",
-                   "mapped_granule_fraction")
+#: figures shown when both results have them (the V1 driver's request latency, in steps
+#: of the step clock, and its granule samples)
+LATENCY_FIELDS = ("queue_wait_p50_steps", "queue_wait_p99_steps", "ttft_p50_steps",
+                  "ttft_p99_steps")
+OPTIONAL_FIELDS = ("busy_steps", *LATENCY_FIELDS, "reclaimable_granule_fraction",
+                   "packed_ideal_fraction", "mapped_granule_fraction")
 #: figures that must be equal on every repeat (the scheduler is deterministic)
 DETERMINISTIC = ("completed", "steps", "preemptions", "blocks_per_run")
 

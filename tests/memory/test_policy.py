@@ -148,6 +148,66 @@ def test_a_failed_grow_is_said_once_retried_after_the_pause_and_serving_goes_on(
     assert not policy.stats.short and ch.count(MAPPED) == 2
 
 
+def test_a_short_gpu_keeps_what_a_partial_map_got_and_is_asked_less_and_less_often():
+    """Issue 33 item 4: the map that ran out of memory half-way keeps the granules it got;
+    then, every map failing, the tries come 1, 2, 4, 8, 8, ... s apart (not every
+    ``retry_s``): 17 in two minutes, not 120. A map that succeeds starts the pauses over."""
+    ch, pool, policy, now, demand = setup(num_granules=64, retry_s=1.0, retry_max_s=8.0)
+    demand[0] = 40                                   # 10 granules wanted
+    policy.step()
+    asked = ch.count(MAPPING)
+    confirm(ch, failed=range(6, 1 + asked))          # granules 1-5 mapped, the rest not
+    assert ch.count(MAPPED) == 6 and ch.count(MAPPING) == 0
+    assert policy.stats.failed_grow_attempts == 1 and policy.stats.short
+    tries = []
+    for tick in range(1, 1201):                      # two minutes, a step every 0.1 s
+        now[0] = tick / 10
+        policy.step()
+        if ch.count(MAPPING):
+            tries.append(now[0])
+            confirm(ch, failed=[g for g in range(ch.num_granules) if ch.state[g] == MAPPING])
+    gaps = [round(b - a, 1) for a, b in zip([0.0] + tries, tries)]
+    assert gaps[:6] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert len(tries) == 17 and policy.stats.failed_grow_attempts == 1 + len(tries)
+    assert ch.count(MAPPED) == 6                     # nothing given back meanwhile
+    now[0] += 8.0
+    policy.step()
+    confirm(ch)                                      # the memory came back
+    assert not policy.stats.short and ch.count(MAPPED) > 6
+    demand[0] += 200
+    policy.step()
+    confirm(ch, failed=[g for g in range(ch.num_granules) if ch.state[g] == MAPPING])
+    now[0] += 1.0                                    # the first pause again: 1 s
+    policy.step()
+    assert ch.count(MAPPING) > 0
+
+
+def test_with_the_drivers_free_memory_a_grow_asks_no_more_and_retries_when_more_is_free():
+    ch, pool, policy, now, demand = setup(num_granules=32, retry_s=1.0)
+    free = [2 * B + B // 2]                           # two granules and a half
+    policy.free_bytes = lambda: free[0]
+    demand[0] = 40
+    policy.step()
+    assert ch.count(MAPPING) == 2                    # not the 10 wanted
+    confirm(ch)
+    free[0] = B - 1                                  # less than a granule: nothing asked
+    for tick in range(1, 50):
+        now[0] = tick
+        policy.step()
+        assert ch.count(MAPPING) == 0
+    assert policy.stats.failed_grow_attempts == 0
+    free[0] = 3 * B                                  # the driver says 3, another takes them
+    policy.step()
+    confirm(ch, failed=[g for g in range(ch.num_granules) if ch.state[g] == MAPPING])
+    assert policy.stats.failed_grow_attempts == 1
+    now[0] += 0.5
+    policy.step()
+    assert ch.count(MAPPING) == 0                    # no more free than at the failure
+    free[0] = 4 * B                                  # more is free: tried before the pause
+    policy.step()
+    assert ch.count(MAPPING) == 4
+
+
 def test_limits_change_at_run_time():
     ch, pool, policy, now, demand = setup(release_delay_s=0.0)
     policy.set_limits(min_bytes=5 * B)
