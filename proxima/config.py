@@ -236,6 +236,7 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "reserve_blocks": _count(0, "blocks"),
     "release_delay_s": _number(MAX_DELAY_S, "seconds"),
     "retry_s": _number(MAX_DELAY_S, "seconds"),
+    "retry_max_s": _number(MAX_DELAY_S, "seconds"),
     "forecast": _BOOL,
     "eviction": lambda name, value: parse_eviction(value, name),
     "compactor": _must("'module:factory' or null",

@@ -85,7 +85,7 @@ class ElasticOptions:
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
     vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
-    ``retry_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
+    ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
     ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
     ``lru``, ``age:N``, ``window:W``). ``compactor``: ``module:factory`` of a compaction
     hook (issue 14): ``factory(queue, channel) -> fn(pool, granules_wanted) -> emptied``,
@@ -119,6 +119,7 @@ class ElasticOptions:
     reserve_blocks: int = _POLICY.reserve_blocks
     release_delay_s: float = _POLICY.release_delay_s
     retry_s: float = _POLICY.retry_s
+    retry_max_s: float = _POLICY.retry_max_s
     forecast: bool = _POLICY.forecast
     eviction: str = "auto"
     compactor: str | None = None
@@ -158,7 +159,8 @@ class ElasticOptions:
                              headroom=float(self.headroom),
                              reserve_blocks=max(self.reserve_blocks, reserve_blocks),
                              release_delay_s=float(self.release_delay_s),
-                             retry_s=float(self.retry_s), forecast=self.forecast,
+                             retry_s=float(self.retry_s), retry_max_s=float(self.retry_max_s),
+                             forecast=self.forecast,
                              band=float(self.band))
 
 
