@@ -303,20 +303,27 @@ def check_engines_options(plan: multi_config.MultiPlan) -> None:
     first = next((c for c in checks if c.failed), None)
     if first is not None:
         if first.name in ("gpu", "cuda"):
-            for spec in plan.models:
+            for label, argv in _option_sets(plan):
                 try:
                     vllm_args.check_options_without_gpu(
-                        [spec.path, *plan.common, *spec.args],
-                        f"{first.name} self-check failed too (see above)")
+                        argv, f"{first.name} self-check failed too (see above)")
                 except UserError as exc:
-                    raise UserError(f"model {spec.name!r}: {exc}") from None
+                    raise UserError(f"{label}: {exc}") from None
         raise UserError(f"self-check failed, not serving: {first.line()}")
-    for spec in plan.models:
+    for label, argv in _option_sets(plan):
         try:
-            vargs = vllm_args.parse([spec.path, *plan.common, *spec.args])
+            vargs = vllm_args.parse(argv)
             vllm_args.check_supported(vargs)
         except UserError as exc:
-            raise UserError(f"model {spec.name!r}: {exc}") from None
+            raise UserError(f"{label}: {exc}") from None
+
+
+def _option_sets(plan: multi_config.MultiPlan):
+    """(label, vllm serve argv): the options for every model first, then each model's."""
+    if plan.common:
+        yield "the options for every model", [plan.models[0].path, *plan.common]
+    for spec in plan.models:
+        yield f"model {spec.name!r}", [spec.path, *plan.common, *spec.args]
 
 
 def run(argv: list[str]) -> int:

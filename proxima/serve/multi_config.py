@@ -232,7 +232,12 @@ def load_models_file(path: str) -> MultiPlan:
         except tomllib.TOMLDecodeError as exc:
             message = str(exc)
             line = re.search(r"at line (\d+)", message)
-            prefix = f"{path}:{line.group(1)}" if line else path
+            if line:
+                prefix = f"{path}:{line.group(1)}"
+            elif "end of document" in message:
+                prefix = f"{path}:{max(1, len(text.splitlines()))}"
+            else:
+                prefix = path
             raise UserError(f"--models {prefix}: not valid TOML ({message})") from None
     where = f"--models {path}"
     if not isinstance(data, dict):
