@@ -34,7 +34,7 @@ STARTING, READY, UNHEALTHY, RESTARTING, FAILED, STOPPED = (
     "starting", "ready", "unhealthy", "restarting", "failed", "stopped")
 WHY = {
     STARTING: "its engine is starting (loading the model and running its self-check)",
-    UNHEALTHY: "its engine answers /health with an error (its worker is being restarted)",
+    UNHEALTHY: "its engine does not answer /health with 200 (e.g. its worker is being restarted)",
     RESTARTING: "its engine died and is being restarted",
     FAILED: "its engine died too often and was given up",
     STOPPED: "the server is shutting down",
