@@ -8,7 +8,8 @@ It answers what the endpoint asks of an engine: ``/health`` (200, or ``--health 
 ``POST /v1/embeddings``, ``GET /proxima/kv``. Every answer names the engine (``"engine":
 NAME``), so a test sees which engine served a request. With ``--gate FILE`` a stream sends
 its first chunk and then waits until FILE exists: a test proves that the endpoint passed
-that chunk on before the engine finished.
+that chunk on before the engine finished; and if the rest cannot be written (the endpoint
+closed the connection) it creates FILE.cut.
 """
 
 from __future__ import annotations
@@ -105,16 +106,22 @@ def make_handler(name: str, health: int, gate: str | None, served: list):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for i in range(tokens):
-                chunk = {"object": "chunk", "model": name, "engine": name,
-                         "choices": [{"index": 0, "text": f" t{i}"}]}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            try:
+                for i in range(tokens):
+                    chunk = {"object": "chunk", "model": name, "engine": name,
+                             "choices": [{"index": 0, "text": f" t{i}"}]}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                    if i == 0 and gate:
+                        while not os.path.exists(gate):
+                            time.sleep(0.02)
+                    elif gate:
+                        time.sleep(0.05)
+                self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-                if i == 0 and gate:
-                    while not os.path.exists(gate):
-                        time.sleep(0.02)
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+            except OSError:                 # the client went away: as vLLM aborts the request
+                if gate:
+                    open(gate + ".cut", "w").close()
 
     return Handler
 

@@ -158,6 +158,17 @@ def test_a_stream_is_passed_on_chunk_by_chunk(endpoint, tmp_path):
     assert rest[-1] == "data: [DONE]"
 
 
+def test_a_client_that_goes_away_mid_stream_cuts_the_engines_stream_too(endpoint, tmp_path):
+    """vLLM aborts a request when its client disconnects: the endpoint must pass that on."""
+    gate = tmp_path / "gate"
+    ep = endpoint({"alpha": ["--gate", str(gate)]})
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 50, "stream": True}
+    with httpx.stream("POST", ep.url + "/v1/completions", json=body, timeout=30) as answer:
+        assert next(line for line in answer.iter_lines() if line).startswith("data: ")
+    gate.touch()                      # the engine goes on writing to a closed connection
+    wait_for(lambda: Path(f"{gate}.cut").exists(), "the engine's stream to be cut")
+
+
 def test_models_lists_every_model_and_an_unknown_one_is_a_404_in_openais_shape(endpoint):
     ep = endpoint({"alpha": [], "beta": []})
     listing = ep.get("/v1/models").json()
