@@ -268,7 +268,8 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
             take_elastic_options(["--elastic", *plan.common, *spec.args, *spec.elastic_args()])
         except UserError as exc:
             raise UserError(f"model {spec.name!r}: {exc}") from None
-    validate.validate_environment()
+    # every engine runs elastic: the switches are checked as they will be there
+    validate.validate_environment({**os.environ, "PROXIMA_ELASTIC": "1"})
     host = plan.host or "0.0.0.0"
     port = plan.port if plan.port is not None else validate.DEFAULT_PORT
     validate.check_port(host, port)
@@ -288,6 +289,21 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
         engines.append(Engine(backend=backend, command=engine_command(spec, engine_port, plan),
                               env=engine_env()))
     return plan, host, port, engines
+
+
+def api_keys(plan: multi_config.MultiPlan, environ=os.environ) -> set[str]:
+    """The keys the engines accept (``--api-key`` for every model or one, ``VLLM_API_KEY``):
+    the endpoint asks for one of them where it answers itself (``/v1/models``)."""
+    keys = {environ["VLLM_API_KEY"]} if environ.get("VLLM_API_KEY") else set()
+    for argv in [plan.common, *(spec.args for spec in plan.models)]:
+        for i, token in enumerate(argv):
+            flag, eq, inline = token.partition("=")
+            if flag.replace("_", "-") == "--api-key":
+                if eq:
+                    keys.add(inline)
+                elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                    keys.add(argv[i + 1])
+    return keys
 
 
 def check_engines_options(plan: multi_config.MultiPlan) -> None:
@@ -334,7 +350,7 @@ def run(argv: list[str]) -> int:
     check_engines_options(plan)
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
-    return asyncio.run(serve(engines, host, port))
+    return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan)))
 
 
 class Endpoint:
@@ -342,13 +358,13 @@ class Endpoint:
     engines' :class:`Supervisor`, started and stopped together (the router's lifespan)."""
 
     def __init__(self, engines: list[Engine], host: str, port: int, *, health_interval=1.0,
-                 **supervisor_options):
+                 api_keys=(), **supervisor_options):
         import uvicorn
 
         self.code, self.line = 0, None
         self.supervisor = Supervisor(engines, on_fatal=self._fatal, **supervisor_options)
         self.router = Router([e.backend for e in engines], health_interval=health_interval,
-                             on_startup=self.supervisor.start, on_shutdown=self.supervisor.stop)
+                             api_keys=api_keys, on_startup=self.supervisor.start, on_shutdown=self.supervisor.stop)
         config = uvicorn.Config(self.router, host=host, port=port, lifespan="on",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=10)

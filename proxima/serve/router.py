@@ -89,12 +89,14 @@ class Router:
 
     def __init__(self, backends: list[Backend], *, health_interval: float = 1.0,
                  poll_health: bool = True, connect_timeout: float = 5.0,
-                 metrics_timeout: float = 5.0, on_startup=None, on_shutdown=None):
+                 metrics_timeout: float = 5.0, api_keys=(), on_startup=None,
+                 on_shutdown=None):
         self.backends = {b.name: b for b in backends}
         self.health_interval = health_interval
         self.poll_health = poll_health
         self.connect_timeout = connect_timeout
         self.metrics_timeout = metrics_timeout
+        self.api_keys = set(api_keys)   # asked for where the endpoint answers /v1 itself
         self.on_startup, self.on_shutdown = on_startup, on_shutdown
         self.session = None
         self._poller: asyncio.Task | None = None
@@ -191,6 +193,9 @@ class Router:
         path, method = scope.get("path", ""), request.method
         if path == "/health":
             response = self.health()
+        elif path.startswith("/v1/models") and method == "GET" and not self._authorized(request):
+            response = openai_error(401, "Unauthorized: give an API key of the engines as "
+                                         "Authorization: Bearer KEY", "AuthenticationError")
         elif path == "/v1/models" and method == "GET":
             response = self.models()
         elif path.startswith("/v1/models/") and method == "GET":
@@ -227,6 +232,14 @@ class Router:
                 return
 
     # -- the routes ------------------------------------------------------------------------
+    def _authorized(self, request) -> bool:
+        if not self.api_keys:
+            return True
+        given = request.headers.get("authorization", "")
+        import secrets
+
+        return any(secrets.compare_digest(given, f"Bearer {key}") for key in self.api_keys)
+
     def health(self):
         from starlette.responses import JSONResponse
 

@@ -189,6 +189,17 @@ def test_models_lists_every_model_and_an_unknown_one_is_a_404_in_openais_shape(e
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
 
 
+def test_with_an_api_key_the_endpoints_own_model_list_asks_for_it(endpoint):
+    ep = endpoint({"alpha": []}, api_keys={"sesame"})
+    assert ep.get("/v1/models").status_code == 401
+    assert ep.get("/v1/models/alpha").status_code == 401
+    assert set(ep.get("/v1/models").json()["error"]) == {"message", "type", "param", "code"}
+    assert ep.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    listed = ep.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "alpha"
+    assert ep.get("/health").status_code == 200          # as vLLM's: no key for /health
+
+
 def test_health_is_200_only_when_every_engine_is_and_names_the_ones_that_are_not(endpoint):
     ep = endpoint({"alpha": [], "beta": []})
     answer = ep.get("/health")

@@ -153,6 +153,24 @@ def test_an_engine_gets_a_free_port_distinct_from_the_others_and_no_shared_statu
     assert [e.backend.name for e in engines] == ["a", "b"]
 
 
+def test_compaction_in_the_environment_is_checked_as_the_elastic_engines_see_it(monkeypatch):
+    """Every engine runs elastic: PROXIMA_COMPACTION=1 is not refused for want of
+    PROXIMA_ELASTIC=1 in the endpoint's own environment."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("PROXIMA_COMPACTION", "1")
+    monkeypatch.delenv("PROXIMA_ELASTIC", raising=False)
+    _, _, _, engines = multi.prepare(["--model", f"a={TINY}", "--host", "127.0.0.1",
+                                      "--port", str(_free())])
+    assert engines[0].env["PROXIMA_COMPACTION"] == "1"
+
+
+def test_the_endpoint_knows_every_api_key_the_engines_take():
+    plan = parse_command_line(["--model", f"a={TINY} --api-key=k2", "--model", f"b={TINY}",
+                               "--api-key", "k1"])
+    assert multi.api_keys(plan, {"VLLM_API_KEY": "k3"}) == {"k1", "k2", "k3"}
+    assert multi.api_keys(parse_command_line(["--model", f"a={TINY}"]), {}) == set()
+
+
 def _free() -> int:
     import socket
 
