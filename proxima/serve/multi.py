@@ -52,7 +52,8 @@ class Engine:
     env: dict | None = None
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     starts: int = 0
-    last_error: str = ""            # the engine's last "error:" line (or last line)
+    last_error: str = ""            # its "proxima serve: error:" line, else its last error line
+    verdict: bool = False           # last_error is the "proxima serve: error:" line
     deaths: collections.deque = field(default_factory=collections.deque)
 
     @property
@@ -129,13 +130,14 @@ class Supervisor:
         backend.generation += 1
         backend.models_entry = None
         engine.starts += 1
-        engine.last_error = ""
+        engine.last_error, engine.verdict = "", False
         backend.set_state(STARTING)
         try:
             engine.process = await asyncio.create_subprocess_exec(
                 *engine.command, env=engine.env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True)     # its own group: stopped as one, with its children
+                start_new_session=True,     # its own group: stopped as one, with its children
+                preexec_fn=_term_with_parent)
         except OSError as exc:
             engine.last_error = f"cannot start {engine.command[0]}: {exc.strerror}"
             return 127
@@ -159,7 +161,10 @@ class Supervisor:
             if not line:
                 return
             text = line.decode(errors="replace").rstrip("\n")
-            if "error:" in text or "Error" in text:
+            if "proxima serve: error: " in text:           # its own one-line verdict
+                engine.last_error = text.split("proxima serve: error: ", 1)[1].strip()[:400]
+                engine.verdict = True
+            elif not engine.verdict and ("error" in text.lower()):
                 engine.last_error = text.strip()[-400:]
             try:
                 self.output.write(prefix + text + "\n")
@@ -192,7 +197,10 @@ class Supervisor:
         running = [e.process for e in self.engines
                    if e.process is not None and e.process.returncode is None]
         for process in running:
-            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                process.send_signal(signal.SIGTERM)     # its arbiter stops worker and engine
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + self.stop_timeout
         for process in running:
             try:
@@ -215,6 +223,17 @@ def _exit_text(code: int) -> str:
         except ValueError:
             pass
     return f"code {code}"
+
+
+def _term_with_parent() -> None:
+    """In the engine's process before exec: SIGTERM when this process dies (Linux), so that
+    no engine outlives a ``proxima serve`` that was killed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
