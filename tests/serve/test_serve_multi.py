@@ -220,6 +220,16 @@ def test_health_is_200_only_when_every_engine_is_and_names_the_ones_that_are_not
     assert sick.post("/v1/completions", {"model": "alpha", "prompt": "x"}).status_code == 200
 
 
+def test_engines_start_one_after_another(endpoint):
+    """The next engine starts once the one before is ready (vLLM's start-up memory profiling
+    of one engine must not see another one loading)."""
+    ep = endpoint({"alpha": ["--health", "503"], "beta": []}, wait_ready=False)
+    wait_for(lambda: "/health answered 503" in ep.engines["alpha"].backend.detail,
+             "alpha answering 503")
+    assert ep.engines["beta"].process is None
+    assert ep.get("/health").json()["engines"]["beta"]["state"] == "starting"
+
+
 def test_metrics_carry_every_engines_series_labelled_by_model(endpoint):
     ep = endpoint({"alpha": [], "beta": []})
     ep.post("/v1/completions", {"model": "beta", "prompt": "x"})
