@@ -141,8 +141,10 @@ class Supervisor:
         except OSError as exc:
             engine.last_error = f"cannot start {engine.command[0]}: {exc.strerror}"
             return 127
+        backend.pid = engine.process.pid
         relay = asyncio.create_task(self._relay(engine, engine.process))
         code = await engine.process.wait()
+        backend.pid = None
         if not self._stopping:              # 503 for its model from now, not at the next poll
             backend.generation += 1
             backend.set_state(RESTARTING, f"exit {_exit_text(code)}")
@@ -354,11 +356,19 @@ def check_engines_options(plan: multi_config.MultiPlan) -> None:
 
 
 def _option_sets(plan: multi_config.MultiPlan):
-    """(label, vllm serve argv): the options for every model first, then each model's."""
-    if plan.common:
-        yield "the options for every model", [plan.models[0].path, *plan.common]
+    """(label, vllm serve argv): the options for every model first, then each model's;
+    Proxima's own (--kv-min, --kv-max, --elastic-options) taken out, as the engine's
+    proxima serve takes them out before vLLM's parser sees the rest."""
+    from proxima.serve.cli import take_elastic_options
+
+    def vllm_only(tokens):
+        return take_elastic_options(["--elastic", *tokens])[0]
+
+    common = vllm_only(plan.common)
+    if common:
+        yield "the options for every model", [plan.models[0].path, *common]
     for spec in plan.models:
-        yield f"model {spec.name!r}", [spec.path, *plan.common, *spec.args]
+        yield f"model {spec.name!r}", [spec.path, *vllm_only([*plan.common, *spec.args])]
 
 
 def run(argv: list[str]) -> int:

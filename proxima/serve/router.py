@@ -59,6 +59,7 @@ class Backend:
     restarts: int = 0
     generation: int = 0                 # bumped at every start and death: stale polls ignored
     ever_ready: bool = False
+    pid: int | None = None              # its process (the engine's proxima serve), if running
     models_entry: dict | None = field(default=None, repr=False)
 
     @property
@@ -245,7 +246,7 @@ class Router:
 
         engines = {name: {"state": b.state, **({"detail": b.detail or WHY.get(b.state, "")}
                                                if not b.ready else {}),
-                          "restarts": b.restarts}
+                          "restarts": b.restarts, "pid": b.pid}
                    for name, b in self.backends.items()}
         not_ready = [name for name, b in self.backends.items() if not b.ready]
         if not not_ready:

@@ -267,6 +267,7 @@ def test_a_killed_engine_is_restarted_and_its_model_answers_503_meanwhile(endpoi
     ep = endpoint({"alpha": [], "beta": []}, backoff=(1.0,))
     engine = ep.engines["beta"]
     first_pid = engine.pid
+    assert ep.get("/health").json()["engines"]["beta"]["pid"] == first_pid
     os.kill(first_pid, signal.SIGKILL)
     wait_for(lambda: engine.backend.state == RESTARTING, "beta restarting")
     refused = ep.post("/v1/completions", {"model": "beta", "prompt": "x"})
