@@ -267,6 +267,9 @@ ROWS = [
         ["serve", "--model", f"a={TINY} --elastic-options release_delay_s=5 --no-such-flag",
          "--kv-min", "1GiB"],
         ["model 'a': unrecognized arguments: --no-such-flag (the options"], skip=NO_GPU),
+    Row("serve-multi-compaction-env", ["serve", "--model", f"a={TINY} --no-such-flag"],
+        ["model 'a': unrecognized arguments: --no-such-flag"], skip=NO_GPU,
+        env={"PROXIMA_COMPACTION": "1"}),          # every engine is elastic: no refusal for it
     Row("serve-multi-reserved-option", ["serve", "--model", f"a={TINY} --host 0.0.0.0"],
         ["--model a: --host cannot be given for one model", "belongs to the endpoint"]),
     Row("serve-multi-same-port", ["serve", "--model", f"a={TINY} --port 9100", "--model",

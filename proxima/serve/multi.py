@@ -333,7 +333,10 @@ def check_engines_options(plan: multi_config.MultiPlan) -> None:
     from proxima.serve import vllm_args
     from proxima.serve.preflight import run_preflight
 
+    # as for one elastic model: vLLM loads Proxima's plugin when its parser is built, and the
+    # plugin checks the switches (PROXIMA_COMPACTION=1 needs PROXIMA_ELASTIC=1)
     os.environ["PROXIMA_ALLOCATOR"] = "1"
+    os.environ["PROXIMA_ELASTIC"] = "1"
     checks = run_preflight()
     for check in checks:
         log.info("self-check %s", check.line())
