@@ -4,6 +4,7 @@ counts. Results: docs/results/router/.
 
     python -m tests.bench.router_compare --vllm-router-path /tmp/vr/site \\
         [--requests 300] [--streams 60] [--concurrency 16] [--rounds 2] [--json OUT.json]
+    python -m tests.bench.router_compare --vllm-router-path /tmp/vr/site --regular-mode-only
 
 ``--vllm-router-path``: a directory holding the ``vllm_router`` package (``pip install
 --no-deps --target DIR vllm-router==0.1.17 orjson``); without it only ours and the direct
@@ -173,6 +174,48 @@ def behaviour(url: str) -> dict:
         }
 
 
+def regular_mode(path: str) -> str:
+    """vllm-router's regular mode (``--worker-urls``) over two engines of different models:
+    where do 8 requests for ``alpha`` go? (round robin: half to beta's engine, which
+    answers 404 for a model not its own)."""
+    alpha = FakeOpenAIServer(ServerConfig(models=("alpha",), routes=HEALTH)).start()
+    beta = FakeOpenAIServer(ServerConfig(models=("beta",), routes=HEALTH)).start()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port",
+         str(port), "--worker-urls", alpha.url, beta.url, "--policy", "round_robin",
+         "--log-level", "warning"], env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("vllm-router (regular mode) did not become healthy")
+            time.sleep(0.2)
+        statuses = [complete_status(url, "alpha") for _ in range(8)]
+        models = httpx.get(url + "/v1/models", timeout=10).text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        alpha.stop()
+        beta.stop()
+    return (f"vllm-router regular mode (--worker-urls alpha's and beta's engines, round_robin): "
+            f"8 requests for model alpha -> statuses {statuses}; alpha's engine served "
+            f"{len(alpha.state.bodies)}, the others went to beta's engine, which answers 404 "
+            f"for a model not its own; GET /v1/models -> {' '.join(models.split())[:200]}")
+
+
+def complete_status(url: str, model: str) -> int:
+    return httpx.post(url + "/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "x", "max_tokens": 1}).status_code
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-router-path")
@@ -181,7 +224,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--regular-mode-only", action="store_true",
+                        help="only show where vllm-router's regular mode sends requests")
     args = parser.parse_args()
+    if args.regular_mode_only:
+        if not args.vllm_router_path:
+            raise SystemExit("--regular-mode-only needs --vllm-router-path")
+        print(regular_mode(args.vllm_router_path))
+        return 0
     for value, bound in ((args.requests, 5000), (args.streams, 1000), (args.concurrency, 64),
                          (args.rounds, 10)):
         if not 1 <= value <= bound:
