@@ -424,6 +424,48 @@ ROWS = [
     Row("bench-multiturn-max-model-len", ["bench", "--base-url", "{url:good}", "--workload",
                                           "multiturn", "--max-model-len", "64"],
         ["use at least 580"]),
+    # ---- issue 36: serve with several models -------------------------------------------------
+    # Each refused in one line before any engine starts ({tmp}/models-*.toml: see world()).
+    Row("serve-multi-duplicate-name", ["serve", "--model", f"a={TINY}", "--model", f"a={TINY}"],
+        ["model name 'a' is given twice", "every model needs its own name"]),
+    Row("serve-multi-missing-dir", ["serve", "--model", f"a={TINY}", "--model", "b={tmp}/nomodel"],
+        ["model 'b': model path '{tmp}/nomodel' does not exist"]),
+    Row("serve-multi-unknown-option", ["serve", "--model", f"a={TINY} --no-such-flag"],
+        ["model 'a': unrecognized arguments: --no-such-flag"], skip=NO_GPU),
+    Row("serve-multi-unknown-option-for-all", ["serve", "--model", f"a={TINY}", "--no-such-flag"],
+        ["the options for every model: unrecognized arguments: --no-such-flag"], skip=NO_GPU),
+    Row("serve-multi-proxima-options-are-not-vllms",
+        ["serve", "--model", f"a={TINY} --elastic-options release_delay_s=5 --no-such-flag",
+         "--kv-min", "1GiB"],
+        ["model 'a': unrecognized arguments: --no-such-flag (the options"], skip=NO_GPU),
+    Row("serve-multi-compaction-env", ["serve", "--model", f"a={TINY} --no-such-flag"],
+        ["model 'a': unrecognized arguments: --no-such-flag"], skip=NO_GPU,
+        env={"PROXIMA_COMPACTION": "1"}),          # every engine is elastic: no refusal for it
+    Row("serve-multi-reserved-option", ["serve", "--model", f"a={TINY} --host 0.0.0.0"],
+        ["--model a: --host cannot be given for one model", "belongs to the endpoint"]),
+    Row("serve-multi-same-port", ["serve", "--model", f"a={TINY} --port 9100", "--model",
+                                  f"b={TINY} --port 9100"],
+        ["models 'a' and 'b' are both given port 9100"]),
+    Row("serve-multi-endpoint-port", ["serve", "--port", "9000", "--model", f"a={TINY} --port 9000"],
+        ["model 'a': port 9000 is the endpoint's port"]),
+    Row("serve-multi-bad-size", ["serve", "--model", f"a={TINY} --kv-max lots"],
+        ["model 'a': ", "max_bytes: 'lots' is not a size"]),
+    Row("serve-multi-positional", ["serve", TINY, "--model", f"a={TINY}"],
+        ["with several models give each as --model NAME=PATH"]),
+    Row("serve-multi-file-unknown-field", ["serve", "--models", "{tmp}/models-field.toml"],
+        ["--models {tmp}/models-field.toml: models[2]: unknown field 'kv_maxx': did you mean "
+         "'kv_max'?"]),
+    Row("serve-multi-file-bad-toml", ["serve", "--models", "{tmp}/models-syntax.toml"],
+        ["--models {tmp}/models-syntax.toml:4: not valid TOML"]),
+    Row("serve-multi-file-bad-json", ["serve", "--models", "{tmp}/models-syntax.json"],
+        ["--models {tmp}/models-syntax.json:3: not valid JSON"]),
+    Row("serve-multi-file-duplicate", ["serve", "--models", "{tmp}/models-twice.toml"],
+        ["model name 'a' is given twice (--models {tmp}/models-twice.toml: models[1] and "
+         "--models {tmp}/models-twice.toml: models[2])"]),
+    Row("serve-multi-file-missing", ["serve", "--models", "{tmp}/nosuch.toml"],
+        ["--models {tmp}/nosuch.toml: the file does not exist"]),
+    Row("serve-compaction-without-elastic", ["serve", "--compaction"],
+        ["--compaction needs --elastic"]),
 ] + [
     Row(f"{name}-unknown-flag", [name, "--no-such-flag"],
         ["--no-such-flag"], skip=NO_GPU if name == "serve" else None)
@@ -492,6 +534,12 @@ def world(tmp_path_factory):
     (tmp / "link.png").symlink_to(tmp / "plotted.png")
     (tmp / "tracelink.json").symlink_to("good.jsonl")
     (tmp / "trace.png").write_text(good)
+    model = f'name = "a"\npath = "{TINY}"\n'
+    (tmp / "models-field.toml").write_text(f'[[models]]\n{model}\n[[models]]\nname = "b"\n'
+                                           f'path = "{TINY}"\nkv_maxx = "1GiB"\n')
+    (tmp / "models-syntax.toml").write_text(f'[[models]]\n{model}args = [1,,2]\nport = 1\n')
+    (tmp / "models-syntax.json").write_text('{"models": [\n  {"name": "a",\n   "path": }]}\n')
+    (tmp / "models-twice.toml").write_text(f"[[models]]\n{model}[[models]]\n{model}")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,8 @@ from proxima.serve import logs, validate
 
 HELP = f"""\
 usage: proxima serve [MODEL] [vllm serve options ...]
+       proxima serve --model 'NAME=PATH [options]' [--model ...] [--models FILE]
+                     [--host H] [--port P] [--compaction] [options for every model]
 
 Serve vLLM's OpenAI-compatible API (same routes, same options as `vllm serve`; see
 `vllm serve --help`) with Proxima's block allocator on (PROXIMA_ALLOCATOR=1 is set for the
@@ -44,6 +46,7 @@ Elastic KV memory (vLLM 0.26.0): the KV pool is reserved at its maximum but back
 memory only as the load needs it, and unused memory is given back (another engine or job on
 the GPU can take it). Proxima's options, taken out before vLLM sees the command line:
   --elastic               switch it on (sets PROXIMA_ELASTIC=1)
+  --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic)
   --kv-min SIZE           least KV memory kept mapped (default 0: granule 0 only)
   --kv-max SIZE           most KV memory mapped (default: the pool, i.e.
                           --kv-cache-memory-bytes or what gpu_memory_utilization gives)
@@ -51,15 +54,27 @@ the GPU can take it). Proxima's options, taken out before vLLM sees the command 
                           (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...;
                           finite numbers: headroom, band 0 to 100; release_delay_s, retry_s
                           0 to 86400 seconds; idle_sleep_s 0 to 1)
-On one GPU, add --distributed-executor-backend mp: with vLLM's default there (uni) the
-model's worker runs on the scheduler's thread and elastic mode's bookkeeping lengthens every
-step (0.95-0.97x of stock under a steady load on an H200; 0.997x with mp).
+On one GPU, --elastic runs vLLM's mp executor unless --distributed-executor-backend is
+given: with vLLM's default there (uni) the model's worker runs on the scheduler's thread and
+elastic mode's bookkeeping lengthens every step (0.95-0.97x of stock under a steady load on
+an H200; 0.997x with mp).
 SIZE: bytes, or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB
 (powers of 1000), any case (gib = GiB); a bare K, M, G, T is refused (write GiB or GB); from 0
 to 1024TiB (e.g. 8GiB, 512MiB). Give the maximum as
 --kv-cache-memory-bytes and a low --gpu-memory-utilization (vLLM checks at start-up that
 this much is free): e.g. two engines on one GPU, each allowed more than half of it. Read or
 change the bounds at run time: GET/POST /proxima/kv, or `proxima kv --url URL --max SIZE`.
+
+Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
+or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
+port) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
+with backoff when it dies), and one OpenAI endpoint on --host/--port routes by the request's
+"model": /v1/models lists every model, /health is 200 only when every engine is ready,
+/metrics carries every engine's series labelled model="NAME", an unknown model is a 404, a
+model whose engine is (re)starting a 503; /engines/NAME/... reaches one engine (e.g.
+proxima kv --url http://HOST:PORT/engines/NAME). Options outside --model go to every engine.
+Give each engine its sizing (--kv-cache-memory-bytes, --gpu-memory-utilization) so that all
+fit on the GPU together. See docs/operations.md, "Several models behind one endpoint".
 
 Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the
 same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
@@ -135,9 +150,17 @@ def run(args: argparse.Namespace) -> int:
     if any(token in ("-h", "--help") or token.startswith("--help=") for token in argv):
         print(HELP)
         return 0
+    from proxima.serve import multi_config, serve_flags
+
+    if multi_config.wants_multi(argv):
+        from proxima.serve import multi
+
+        return multi.run(argv)
     log = logs.setup()
 
+    argv, compaction = serve_flags.take_compaction(argv)
     argv, elastic = take_elastic_options(argv)
+    serve_flags.apply_compaction(compaction, elastic is not None)
     if elastic is not None:
         import json
 
@@ -196,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--elastic: {reason}")
     vargs = vllm_args.parse(argv)
     vllm_args.check_supported(vargs)
-    hint = vllm_args.elastic_executor_hint(vargs, argv) if elastic is not None else None
-    if hint:
-        log.warning(hint)
+    chosen = serve_flags.default_executor(vargs, argv) if elastic is not None else None
+    if chosen:
+        log.info(chosen)
     demo = vllm_args.apply_demo_defaults(vargs, argv)
     validate.validate_options(None if demo else vargs.model, vargs.block_size, vargs.host,
                               vargs.port, getattr(vargs, "uds", None))  # vLLM 0.6: no --uds

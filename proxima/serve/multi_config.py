@@ -1,0 +1,377 @@
+"""Several models behind one endpoint: what ``proxima serve`` reads from its command line and
+from a models file, checked before anything starts.
+
+Command line (every ``--model`` value is ONE argument: quote it)::
+
+    proxima serve --model 'chat=/models/llama-8b --max-model-len 4096 --kv-max 20GiB' \\
+                  --model 'small=/models/qwen-0.5b --kv-cache-memory-bytes 4GiB' \\
+                  [--models FILE] [--host H] [--port P] [--compaction] [options for every model]
+
+``NAME=PATH`` names the model (the ``model`` clients send) and where it is (a directory
+with config.json, or a Hugging Face id); the tokens after it are that model's own ``vllm
+serve`` options, plus Proxima's ``--kv-min``/``--kv-max``/``--elastic-options`` and the
+engine's local ``--port``. Options outside ``--model`` (other than ``--host``, ``--port``,
+``--models``, ``--compaction``) are given to every engine.
+
+Models file (``--models FILE``; TOML, or JSON when the name ends in ``.json``)::
+
+    host = "0.0.0.0"          # the endpoint (optional; the command line wins)
+    port = 8000
+    compaction = false
+    args = ["--enforce-eager"]            # for every model (optional)
+
+    [[models]]
+    name = "chat"
+    path = "/models/llama-8b"
+    args = ["--max-model-len", "4096"]    # or one string: "--max-model-len 4096"
+    kv_min = "2GiB"
+    kv_max = "20GiB"
+    port = 8101                           # the engine's local port (optional)
+
+Every check raises :class:`~proxima.errors.UserError` with one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxima.errors import UserError
+
+#: a model's name: what clients put in "model" (Hugging Face style ids allowed)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+TOP_KEYS = ("host", "port", "compaction", "args", "models")
+MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port")
+#: per-model options that the multi-model layout sets itself
+RESERVED = {
+    "--host": "every engine listens on 127.0.0.1; --host belongs to the endpoint (outside --model)",
+    "--uds": "every engine listens on a local TCP port",
+    "--served-model-name": "the NAME in NAME=PATH is the served name",
+    "--model": "the PATH in NAME=PATH is the model",
+    "--models": "--models belongs to the endpoint (outside --model)",
+    "--compaction": "--compaction applies to every engine: give it outside --model",
+}
+#: options of the endpoint (outside --model): flag -> takes a value
+ENDPOINT_FLAGS = {"--host": True, "--port": True, "--models": True, "--model": True,
+                  "--compaction": False, "--elastic": False}
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    path: str
+    args: list[str] = field(default_factory=list)   # the model's own vllm serve options
+    kv_min: str | None = None
+    kv_max: str | None = None
+    port: int | None = None                         # the engine's local port (None: pick one)
+    origin: str = ""                                # where it was given, for error lines
+
+    def elastic_args(self) -> list[str]:
+        out = []
+        if self.kv_min is not None:
+            out += ["--kv-min", str(self.kv_min)]
+        if self.kv_max is not None:
+            out += ["--kv-max", str(self.kv_max)]
+        return out
+
+
+@dataclass
+class MultiPlan:
+    models: list[ModelSpec]
+    host: str | None = None
+    port: int | None = None
+    compaction: bool = False
+    common: list[str] = field(default_factory=list)   # vllm serve options for every engine
+
+
+def wants_multi(argv: list[str]) -> bool:
+    """The command line asks for the several-models layout: ``--models FILE`` or a
+    ``--model NAME=PATH`` (vLLM's own ``--model PATH`` has no ``=`` in its first word)."""
+    for i, token in enumerate(argv):
+        flag, eq, inline = token.partition("=")
+        if flag == "--models":
+            return True
+        if flag == "--model":
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            words = value.split()
+            if words and "=" in words[0]:
+                return True
+    return False
+
+
+def _port(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UserError(f"{where}: the port must be an integer, got {value!r}")
+    try:
+        port = int(value)
+    except ValueError:
+        raise UserError(f"{where}: the port must be an integer, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise UserError(f"{where}: port {port} is out of range: use 1-65535")
+    return port
+
+
+def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
+    """Take --port, --kv-min, --kv-max out of a model's own options; refuse reserved ones."""
+    rest, i = [], 0
+    while i < len(args):
+        token = args[i]
+        flag, eq, inline = token.partition("=")
+        norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        if norm in RESERVED:
+            raise UserError(f"{where}: {norm} cannot be given for one model: {RESERVED[norm]}")
+        if norm in ("--port", "--kv-min", "--kv-max"):
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise UserError(f"{where}: {norm} needs a value")
+            if norm == "--port":
+                spec.port = _port(value, f"{where}: --port")
+            else:
+                setattr(spec, norm[2:].replace("-", "_"), value)
+        elif norm == "--elastic":
+            pass                            # every engine is elastic already
+        else:
+            rest.append(token)
+        i += 1
+    spec.args = rest + spec.args
+
+
+def parse_model_option(value: str) -> ModelSpec:
+    """``--model 'NAME=PATH [options...]'``."""
+    where = f"--model {value!r}"
+    try:
+        tokens = shlex.split(value)
+    except ValueError as exc:
+        raise UserError(f"{where}: cannot split it into words ({exc}): quote it as one "
+                        f"argument, e.g. --model 'chat=/models/llama --max-model-len 4096'") from None
+    if not tokens or "=" not in tokens[0]:
+        raise UserError(f"{where}: give NAME=PATH first, e.g. --model "
+                        f"'chat=/models/llama --max-model-len 4096'")
+    name, _, path = tokens[0].partition("=")
+    spec = ModelSpec(name=name, path=path, origin=where)
+    _check_name_path(spec, where)
+    _split_model_args(tokens[1:], spec, f"--model {name}")
+    return spec
+
+
+def _check_name_path(spec: ModelSpec, where: str) -> None:
+    if not NAME_RE.match(spec.name or ""):
+        raise UserError(f"{where}: model name {spec.name!r} is not a valid name: use letters, "
+                        f"digits and . _ - : / @ + (at most 128, starting with a letter or digit)")
+    if not spec.path:
+        raise UserError(f"{where}: model {spec.name!r} has no path: give NAME=PATH (a model "
+                        f"directory with config.json, or a Hugging Face id)")
+
+
+def _args(value, where: str) -> list[str]:
+    if isinstance(value, str):
+        try:
+            return shlex.split(value)
+        except ValueError as exc:
+            raise UserError(f"{where}: cannot split {value!r} into words ({exc})") from None
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                       for v in value):
+        return [str(v) for v in value]
+    raise UserError(f"{where}: must be a list of strings or one string of options, got "
+                    f"{json.dumps(value) if _jsonable(value) else repr(value)}")
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _unknown(key: str, known, where: str) -> UserError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+    return UserError(f"{where}: unknown field {key!r}{hint}")
+
+
+def _size_value(value, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UserError(f"{where}: must be a size (bytes, or e.g. \"8GiB\"), got {value!r}")
+    return str(value)
+
+
+def load_models_file(path: str) -> MultiPlan:
+    """A models file (TOML, or JSON for ``*.json``): syntax errors name the line, field
+    errors the field (``models[2].kv_max``)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        what = "is a directory" if file.is_dir() else "does not exist"
+        raise UserError(f"--models {path}: the file {what}: give a TOML (or .json) file "
+                        f"with one [[models]] table per model")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--models {path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--models {path}: cannot read it ({exc.strerror})") from None
+    if file.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--models {path}:{exc.lineno}: not valid JSON ({exc.msg}, column "
+                            f"{exc.colno})") from None
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            message = str(exc)
+            line = re.search(r"at line (\d+)", message)
+            if line:
+                prefix = f"{path}:{line.group(1)}"
+            elif "end of document" in message:
+                prefix = f"{path}:{max(1, len(text.splitlines()))}"
+            else:
+                prefix = path
+            raise UserError(f"--models {prefix}: not valid TOML ({message})") from None
+    where = f"--models {path}"
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: the top level must be a table/object, got {type(data).__name__}")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise _unknown(key, TOP_KEYS, where)
+    plan = MultiPlan(models=[])
+    if "host" in data:
+        if not isinstance(data["host"], str) or not data["host"]:
+            raise UserError(f"{where}: host must be a non-empty string, got {data['host']!r}")
+        plan.host = data["host"]
+    if "port" in data:
+        plan.port = _port(data["port"], f"{where}: port")
+    if "compaction" in data:
+        if not isinstance(data["compaction"], bool):
+            raise UserError(f"{where}: compaction must be true or false, got {data['compaction']!r}")
+        plan.compaction = data["compaction"]
+    if "args" in data:
+        plan.common = _args(data["args"], f"{where}: args")
+        for token in plan.common:
+            norm = "--" + token.partition("=")[0][2:].replace("_", "-")
+            if norm in RESERVED or norm in ("--port", "--kv-min", "--kv-max"):
+                raise UserError(f"{where}: args: {norm} cannot be given for every model here "
+                                f"(per model: the [[models]] table; the endpoint: host/port)")
+    models = data.get("models")
+    if models is None:
+        raise UserError(f"{where}: no models: add one [[models]] table per model (name, path)")
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise UserError(f"{where}: models must be a list of tables ([[models]]), got "
+                        f"{type(models).__name__}")
+    for n, entry in enumerate(models, 1):
+        at = f"{where}: models[{n}]"
+        for key in entry:
+            if key not in MODEL_KEYS:
+                raise _unknown(key, MODEL_KEYS, at)
+        for key in ("name", "path"):
+            if key not in entry:
+                raise UserError(f"{at}: missing {key!r}")
+            if not isinstance(entry[key], str):
+                raise UserError(f"{at}.{key}: must be a string, got {entry[key]!r}")
+        spec = ModelSpec(name=entry["name"], path=entry["path"], origin=at)
+        _check_name_path(spec, at)
+        if "port" in entry:
+            spec.port = _port(entry["port"], f"{at}.port")
+        for key in ("kv_min", "kv_max"):
+            if key in entry:
+                setattr(spec, key, _size_value(entry[key], f"{at}.{key}"))
+        if "args" in entry:
+            _split_model_args(_args(entry["args"], f"{at}.args"), spec, f"{at}.args")
+        plan.models.append(spec)
+    return plan
+
+
+def parse_command_line(argv: list[str]) -> MultiPlan:
+    """The several-models command line (see the module's docstring) -> a plan, merged with
+    ``--models FILE`` if given. Only the syntax is checked here: :func:`check_plan` next."""
+    cli_models: list[ModelSpec] = []
+    files: list[str] = []
+    host = port = None
+    compaction = False
+    common: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if flag in ENDPOINT_FLAGS and token.startswith("--"):
+            if ENDPOINT_FLAGS[flag]:
+                if eq:
+                    value = inline
+                elif i + 1 < len(argv):
+                    i += 1
+                    value = argv[i]
+                else:
+                    raise UserError(f"{flag} needs a value")
+                if flag == "--model":
+                    cli_models.append(parse_model_option(value))
+                elif flag == "--models":
+                    files.append(value)
+                elif flag == "--host":
+                    host = value
+                else:
+                    port = _port(value, "--port")
+            elif eq:
+                raise UserError(f"{flag} takes no value, got {token!r}")
+            elif flag == "--compaction":
+                compaction = True
+            i += 1
+            continue
+        if not token.startswith("-") and not common:
+            raise UserError(f"{token!r}: with several models give each as --model NAME=PATH "
+                            f"(or in --models FILE), not as a positional MODEL")
+        if token.partition("=")[0].replace("_", "-") in ("--served-model-name", "--uds"):
+            raise UserError(f"{token.partition('=')[0]} cannot be given with several models: "
+                            f"{RESERVED[token.partition('=')[0].replace('_', '-')]}")
+        common.append(token)
+        i += 1
+    if len(files) > 1:
+        raise UserError(f"--models was given {len(files)} times ({', '.join(files)}): give one file")
+    plan = load_models_file(files[0]) if files else MultiPlan(models=[])
+    plan.models += cli_models
+    plan.host = host if host is not None else plan.host
+    plan.port = port if port is not None else plan.port
+    plan.compaction = compaction or plan.compaction
+    plan.common = plan.common + common
+    return plan
+
+
+def check_plan(plan: MultiPlan, check_model=None) -> None:
+    """Names unique, model directories present, ports distinct. ``check_model(path)``
+    raises UserError for a bad model path (``proxima.serve.validate.check_model``)."""
+    if not plan.models:
+        raise UserError("no models: give --model NAME=PATH (repeatable) or --models FILE")
+    seen: dict[str, ModelSpec] = {}
+    for spec in plan.models:
+        if spec.name in seen:
+            raise UserError(f"model name {spec.name!r} is given twice ({seen[spec.name].origin} "
+                            f"and {spec.origin}): every model needs its own name")
+        seen[spec.name] = spec
+    for spec in plan.models:
+        if check_model is not None:
+            try:
+                check_model(spec.path)
+            except UserError as exc:
+                raise UserError(f"model {spec.name!r}: {exc}") from None
+    endpoint = plan.port if plan.port is not None else 8000
+    ports: dict[int, str] = {}
+    for spec in plan.models:
+        if spec.port is None:
+            continue
+        if spec.port == endpoint:
+            raise UserError(f"model {spec.name!r}: port {spec.port} is the endpoint's port: give "
+                            f"the engine another port (or none: one is picked)")
+        if spec.port in ports:
+            raise UserError(f"models {ports[spec.port]!r} and {spec.name!r} are both given port "
+                            f"{spec.port}: every engine needs its own port (or none: one is picked)")
+        ports[spec.port] = spec.name

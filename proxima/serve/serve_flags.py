@@ -1,0 +1,56 @@
+"""Two of ``proxima serve``'s switches beside ``--elastic``, kept out of cli.py's parsing:
+
+- ``--compaction``: KV compaction (sets ``PROXIMA_COMPACTION=1`` for the engine; needs
+  ``--elastic``). A value already in the environment (``every:K``) is kept.
+- with ``--elastic`` on one GPU, vLLM's ``mp`` executor is the default unless the user chose
+  one (``--distributed-executor-backend``): with ``uni`` the model's worker runs on the
+  scheduler's thread and elastic mode's bookkeeping lengthens every step
+  (docs/benchmarks.md 7.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from proxima.errors import UserError
+
+
+def take_compaction(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--compaction``, and whether it was there."""
+    rest, found = [], False
+    for token in argv:
+        flag, eq, _ = token.partition("=")
+        if flag == "--compaction":
+            if eq:
+                raise UserError(f"--compaction takes no value, got {token!r}")
+            found = True
+            continue
+        rest.append(token)
+    return rest, found
+
+
+def apply_compaction(found: bool, elastic_on: bool, environ=os.environ) -> None:
+    """``--compaction`` -> ``PROXIMA_COMPACTION=1`` (an ``every:K`` already set is kept)."""
+    if not found:
+        return
+    from proxima.engines import activation
+
+    if not elastic_on:
+        raise UserError("--compaction needs --elastic (block moves travel on the elastic KV "
+                        "connector): add --elastic")
+    current = environ.get(activation.COMPACTION_ENV, "").strip()
+    if current in ("", "0"):
+        environ[activation.COMPACTION_ENV] = "1"
+
+
+def default_executor(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """With ``--elastic``: set vLLM's ``mp`` executor where the user chose none on one GPU
+    (vLLM picks mp itself for more). Returns the log line saying so, or None."""
+    from proxima.serve import vllm_args
+
+    if vllm_args.elastic_executor_hint(args, argv) is None:
+        return None
+    args.distributed_executor_backend = "mp"
+    return ("--elastic on one GPU: vLLM's mp executor (--distributed-executor-backend mp, the "
+            "default with --elastic; give --distributed-executor-backend uni for vLLM's own)")
