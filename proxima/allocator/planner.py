@@ -1,5 +1,4 @@
-"""Migration planner: which KV blocks to move where, so that granules empty out or a
-request's blocks form one run. Pure Python, standard library only (no torch, no vLLM).
+"""Migration planner: which KV blocks to move where, so that granules empty out. Pure Python, standard library only (no torch, no vLLM).
 
 The model
 ---------
@@ -55,11 +54,11 @@ Goals (each returns a :class:`Plan`, possibly empty, never raising for a full po
 * :func:`plan_evacuate` -- empty the given granules (elastic mode: a granule pinned by a
   long request is emptied so that it can be unmapped);
 * :func:`plan_pack` -- move the live blocks of the sparsest granules into the densest,
-  so that as many granules as possible hold no live block (the reclaimable fraction);
-* :func:`plan_run` -- make one request's blocks one run of consecutive ids;
-* :func:`plan_merge` -- the same on a full pool, by exchanging places with other
-  requests' LIVE blocks (their pieces go whole into the ids the request vacates), only
-  when the total number of runs over all tables falls (returned with that change).
+  so that as many granules as possible hold no live block (the reclaimable fraction).
+
+(There is no goal that makes a request's blocks one run: the project measured contiguity
+to buy vLLM nothing -- the copies run at the PCIe limit whatever the layout -- and run
+merging left the reclaimable fraction as it was, 0.904 -> 0.894 on ``pressure``.)
 
 Cost: building a view is O(num_blocks) (C-speed scans of a bytearray); the goals are
 O(granules log granules + ids examined), bounded by the budget.
@@ -68,12 +67,10 @@ O(granules log granules + ids examined), bounded by the budget.
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Iterable, Sequence
 
-from proxima.allocator.buddy import count_runs
 
 FREE, CACHED, LIVE, FIXED = 0, 1, 2, 3
 KIND_NAMES = {FREE: "free", CACHED: "cached", LIVE: "live", FIXED: "fixed"}
@@ -319,10 +316,6 @@ class _Builder:
     def plan(self) -> Plan:
         return Plan(self.relocations, schedule_phases(self.relocations))
 
-    def free_scratch(self) -> int | None:
-        """An empty scratch id, or None."""
-        return next((x for x in self.scratch if self.kinds[x] == FIXED), None)
-
     # -- finding ids
     def find(self, kind: int, granules: Iterable[int], exclude: set[int] | None = None):
         """The ids of ``kind``, not pinned, in ``granules`` (in the order given), read live."""
@@ -516,347 +509,6 @@ def _empty_into(b: _Builder, src_g: int, denser: list[int],
     for x in parked:
         pairs.append((x, vacated.pop()))
     return pairs if b.fits(pairs) else None
-
-
-def plan_run(view: PoolView, blocks: Sequence[int], budget: int, *,
-             max_phases: int | None = None, movable: Iterable[int] = ()) -> Plan:
-    """Make ``blocks`` (one request's table, in order) one run of consecutive ids.
-
-    Windows ``[w, w + len(blocks))`` are tried where one of the request's blocks is
-    already in place (``w = blocks[i] - i``), the cheapest first (fewest blocks to copy).
-    A window's ids must be FREE, CACHED, one of the request's own blocks or in
-    ``movable`` (LIVE blocks of other requests the caller lets go elsewhere, e.g. the lone
-    blocks that break no run); none pinned. What the window held moves out first, to the
-    scratch ids (in parallel; emptied at the end into blocks the request vacated) or FREE
-    blocks outside the window, else to blocks the request vacated (one after the other);
-    the request's own blocks at a wrong offset inside the window form chains (moved in
-    order) and cycles (broken with a spare). Every one of ``blocks`` must be LIVE. Empty
-    when no window fits the budget and the phase cap.
-    """
-    k = len(blocks)
-    if k <= 1:
-        return Plan()
-    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
-    mine = set(blocks)
-    movable = set(movable) - mine
-    if len(mine) != k or any(type(x) is not int or not 0 <= x < n or kinds[x] != LIVE
-                             for x in blocks):
-        raise PlanError(f"plan_run needs distinct LIVE block ids, got {list(blocks)[:8]}")
-    costs = {}
-    best = budget + 1
-    for i, blk in enumerate(blocks):
-        w = blk - i
-        if w < 0 or w + k > n or w in costs:
-            continue
-        cost = 0
-        for j in range(k):
-            if cost >= best:
-                cost = None
-                break
-            x = w + j
-            if x == blocks[j]:
-                continue
-            if x in pinned or blocks[j] in pinned or not (
-                    kinds[x] in (FREE, CACHED) or x in mine or
-                    (kinds[x] == LIVE and x in movable)):
-                cost = None
-                break
-            cost += 1 + (kinds[x] != FREE and x not in mine)
-        if cost is not None and cost < best:
-            costs[w] = cost
-            best = cost
-    for w in sorted(costs, key=lambda w: (costs[w], w)):
-        if costs[w] > budget:
-            break
-        plan = _run_into(view, blocks, w, budget, max_phases)
-        if plan is not None:
-            return plan
-    return Plan()
-
-
-def plan_merge(view: PoolView, blocks: Sequence[int], owner, tables: dict,
-               where: dict, budget: int, *, max_phases: int | None = None
-               ) -> tuple[Plan, int]:
-    """Make ``blocks`` (a segment of ``owner``'s table, in order) one run by exchanging
-    places with what the chosen window holds -- other requests' LIVE blocks included --
-    so that the total number of runs over all tables falls. Returns the plan and that
-    change (negative; ``(Plan(), 0)`` when no window lowers it within the budget).
-
-    ``tables``: ``{request: [ids in table order]}`` of every request whose blocks may be
-    displaced (``owner``'s too); ``where``: ``{id: (request, position)}`` for the LIVE
-    ids held by exactly one request (a block absent from it -- shared, unknown -- makes
-    a window ineligible; a stale entry too: ``tables[request][position]`` must be the id).
-
-    A window ``[w, w + len(blocks))`` keeps one of the segment's runs in place (``w =
-    blocks[i] - i``). Every content inside it that is not the segment's block at its
-    offset is parked (the scratch ids, else FREE ids outside the window), the segment's
-    blocks move to their offsets, and the parked contents go to the ids the segment
-    vacated: each other request's displaced blocks as whole pieces (its blocks
-    consecutive in its table and in ids, in order), the largest pieces into the longest
-    vacated runs first, so a displaced piece stays one run; cached contents fill what is
-    left (or stay where they were parked). Three phases at most (out, in, back). The
-    change in runs is computed exactly over the tables of every request involved."""
-    k = len(blocks)
-    kinds, pinned, n = view.kinds, view.pinned, view.num_blocks
-    if k <= 1:
-        return Plan(), 0
-    mine = set(blocks)
-    if len(mine) != k or any(type(x) is not int or not 0 <= x < n or kinds[x] != LIVE
-                             for x in blocks):
-        raise PlanError(f"plan_merge needs distinct LIVE block ids, got {list(blocks)[:8]}")
-    if any(x in pinned for x in blocks):
-        return Plan(), 0
-    own_table = tables[owner]
-    before_own = count_runs(own_table)
-    index = {x: i for i, x in enumerate(blocks)}
-    ordered = sorted(blocks)
-    # candidate windows, each keeping one of the segment's runs in place, the cheapest
-    # (a lower bound of the copies, from C-speed counts) first
-    candidates = []
-    i = 0
-    while i < k:
-        j = i + 1
-        while j < k and blocks[j] == blocks[j - 1] + 1:
-            j += 1
-        w = blocks[i] - i
-        if 0 <= w and w + k <= n:
-            lo, hi = w, w + k
-            own_in = bisect_left(ordered, hi) - bisect_left(ordered, lo)
-            other = kinds.count(LIVE, lo, hi) - own_in + kinds.count(CACHED, lo, hi)
-            bound = (k - (j - i)) + 2 * other
-            if bound <= budget:
-                candidates.append((bound, w))
-        i = j
-    candidates = sorted(set(candidates))[:MERGE_WINDOWS]
-    best = None
-    pos = {x: j for j, x in enumerate(own_table)}
-    for _, w in candidates:
-        found = _merge_window(view, blocks, index, w, owner, tables, where)
-        if found is None:
-            continue
-        moves, assign, delta_others = found
-        new_own = list(own_table)
-        for j, x in enumerate(blocks):
-            new_own[pos[x]] = w + j
-        delta = count_runs(new_own) - before_own + delta_others
-        if delta < 0 and moves <= budget and (best is None or (delta, moves) < best[:2]):
-            best = (delta, moves, w, assign)
-    if best is None:
-        return Plan(), 0
-    delta, _, w, assign = best
-    plan = _merge_into(view, blocks, w, assign, budget, max_phases)
-    return (plan, delta) if plan else (Plan(), 0)
-
-
-MERGE_WINDOWS = 4            # windows evaluated per segment, the cheapest first
-
-
-def _merge_window(view, blocks, index, w, owner, tables, where):
-    """``(moves, {content id: destination}, change in other requests' runs)`` for window
-    ``w``, or None when it holds something that may not move."""
-    kinds, pinned = view.kinds, view.pinned
-    k = len(blocks)
-    lo, hi = w, w + k
-    pieces: dict = {}                     # request -> [(position, id)] displaced
-    cached = []
-    parked = 0
-    for x in range(lo, hi):
-        kx = kinds[x]
-        if x in pinned or kx == FIXED:
-            return None
-        if kx == FREE:
-            continue
-        j = index.get(x)
-        if j is not None:
-            if blocks[j] != x or j != x - w:
-                parked += j != x - w
-            continue
-        if kx == CACHED:
-            cached.append(x)
-            parked += 1
-            continue
-        entry = where.get(x)
-        if entry is None:
-            return None
-        req, p = entry
-        table = tables.get(req)
-        if req == owner or table is None or p >= len(table) or table[p] != x:
-            return None
-        pieces.setdefault(req, []).append((p, x))
-        parked += 1
-    vacated = sorted(x for x in blocks if not lo <= x < hi)
-    # the vacated ids as runs, longest first; displaced pieces (consecutive in table and
-    # ids) largest first, best fit
-    holes = []
-    for x in vacated:
-        if holes and holes[-1][-1] == x - 1:
-            holes[-1].append(x)
-        else:
-            holes.append([x])
-    segs = []
-    for req, items in pieces.items():
-        items.sort()
-        cur = [items[0]]
-        for p, x in items[1:]:
-            if p == cur[-1][0] + 1 and x == cur[-1][1] + 1:
-                cur.append((p, x))
-            else:
-                segs.append((req, cur))
-                cur = [(p, x)]
-        segs.append((req, cur))
-    segs.sort(key=lambda t: (-len(t[1]), t[1][0][1]))
-    assign = {}
-    for req, seg in segs:
-        rest = seg
-        while rest:
-            fit = [h for h in holes if len(h) >= len(rest)]
-            h = min(fit, key=len) if fit else max(holes, key=len)
-            m = min(len(h), len(rest))
-            for (p, x), d in zip(rest[:m], h[:m]):
-                assign[x] = d
-            del h[:m]
-            if not h:
-                holes.remove(h)
-            rest = rest[m:]
-    left = [x for h in holes for x in h]
-    for x, d in zip(cached, left):
-        assign[x] = d
-    delta = 0
-    for req in pieces:
-        table = tables[req]
-        delta += count_runs([assign.get(x, x) for x in table]) - count_runs(table)
-    moves = parked + sum(1 for j, x in enumerate(blocks) if x != w + j) + len(assign)
-    return moves, assign, delta
-
-
-def _merge_into(view, blocks, w, assign, budget, max_phases):
-    """The relocations of :func:`plan_merge` for window ``w``: out, in, back."""
-    b = _Builder(view, budget, max_phases)
-    kinds = b.kinds
-    k = len(blocks)
-    lo, hi = w, w + k
-    out = [x for x in range(lo, hi) if kinds[x] in _CONTENT and blocks[x - w] != x]
-    spares = [x for x in view.scratch if kinds[x] == FIXED]
-    vacated = {x for x in blocks if not lo <= x < hi}
-    free_outside = (x for x in b.find(FREE, range(view.num_granules))
-                    if not lo <= x < hi and x not in vacated)
-    parked = {}
-    for x in out:
-        s = spares.pop() if spares else next(free_outside, None)
-        if s is None or not b.fits([(x, s)]):
-            return None
-        b.relocate(x, s)
-        parked[x] = s
-    for j, x in enumerate(blocks):
-        if x != w + j:
-            src = parked.pop(x, x)
-            if not b.fits([(src, w + j)]):
-                return None
-            b.relocate(src, w + j)
-    rest = sorted(vacated - set(assign.values()))
-    for x, s in parked.items():
-        d = assign.get(x)
-        if d is None:
-            if s not in b.scratch:
-                continue                  # a cached content parked in a FREE id stays
-            d = rest.pop() if rest else None
-        if d is None or not b.fits([(s, d)]):
-            return None
-        b.relocate(s, d)
-    return b.plan()
-
-
-def _run_into(view: PoolView, blocks: Sequence[int], w: int, budget: int,
-              max_phases: int | None) -> Plan | None:
-    """The relocations that put ``blocks[j]`` at ``w + j`` (the window's other contents
-    out first), or None if they do not fit."""
-    b = _Builder(view, budget, max_phases)
-    kinds = b.kinds
-    k = len(blocks)
-    lo, hi = w, w + k
-    pos = {blk: blk for blk in blocks}              # original id -> where it is now
-    occupant = {blk: blk for blk in blocks}         # position -> the request's original id
-    vacated: list[int] = []                         # FREE ids outside the window
-    outside = (x for x in b.find(FREE, range(view.num_granules)) if not lo <= x < hi)
-    scratch = [x for x in view.scratch if kinds[x] == FIXED]
-    parked: list[int] = []
-
-    def move(a: int, d: int) -> bool:
-        if not b.fits([(a, d)]):
-            return False
-        b.relocate(a, d)
-        orig = occupant.pop(a, None)
-        if orig is not None:
-            occupant[d] = orig
-            pos[orig] = d
-        if not lo <= a < hi and a not in b.scratch:
-            vacated.append(a)
-        return True
-
-    def spare(parallel: bool) -> int | None:
-        """Scratch, then FREE outside the window (parallel), else a vacated block."""
-        if parallel:
-            if scratch:
-                x = scratch.pop()
-                parked.append(x)
-                return x
-            for x in outside:
-                if kinds[x] == FREE:
-                    return x
-        while vacated:
-            x = vacated.pop()
-            if kinds[x] == FREE:
-                return x
-        return None
-
-    # 1. what the window holds besides the request's blocks goes out, in parallel
-    waiting = []
-    for x in range(lo, hi):
-        if x not in occupant and kinds[x] != FREE:
-            s = spare(parallel=True)
-            if s is None:
-                waiting.append(x)
-            elif not move(x, s):
-                return None
-    waiting = set(waiting)
-    # 2. the request's blocks into place
-    pending = [j for j in range(k) if blocks[j] != w + j]
-    while pending:
-        deferred = []
-        progressed = False
-        for j in pending:
-            target = w + j
-            if occupant.get(target) == blocks[j]:
-                continue
-            if target in occupant:
-                deferred.append(j)                  # another of its blocks sits there
-                continue
-            if target in waiting:
-                s = spare(parallel=False)
-                if s is None:
-                    deferred.append(j)
-                    continue
-                if not move(target, s):
-                    return None
-                waiting.discard(target)
-            if not move(pos[blocks[j]], target):
-                return None
-            progressed = True
-        if deferred and not progressed:
-            # a cycle among its own blocks: park the first occupant in a spare
-            j = next((j for j in deferred if w + j in occupant), None)
-            s = spare(parallel=True) if j is not None else None
-            if s is None or not move(w + j, s):
-                return None
-        pending = deferred
-    # 3. the scratch ids give their content to blocks the request vacated
-    for x in parked:
-        if kinds[x] == FIXED:
-            continue                                # already emptied (a parked own block)
-        d = spare(parallel=False)
-        if d is None or not move(x, d):
-            return None
-    return b.plan()
 
 
 # ----------------------------------------------------------------------------- placement

@@ -56,11 +56,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from proxima.allocator import count_runs
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       PlacementMaps, plan_evacuate, plan_merge,
-                                       plan_pack, plan_placement, plan_run,
-                                       schedule_phases)
+                                       PlacementMaps, plan_evacuate, plan_pack,
+                                       plan_placement, schedule_phases)
 from proxima.engines import activation
 from proxima.engines.status import percentiles
 
@@ -71,28 +69,8 @@ DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
 DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
 OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
-DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
-DEFRAG_FULL_EVERY = 16              # the same while the elastic policy could release nothing
-MERGE_ATTEMPTS = 2                  # auto mode: requests per step whose runs it tries to merge
-MERGE_LOAD = 0.8                    # auto mode: merge runs while this share of the pool is in use
-MERGE_EVERY = 2                     # auto mode: steps between run merges
-MERGE_RETRY = 8                     # steps before a request whose merge found nothing is retried
 PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
-
-
-def _tail(ids: list[int]) -> list[int]:
-    """The blocks after a table's longest run (its prompt, mostly): the decode blocks that
-    each landed where a block was free. Merging them alone needs a window of their count,
-    not of the whole table's (the pool under pressure rarely has one that long)."""
-    best_end, best_len, start = 0, 0, 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            if i - start > best_len:
-                best_len, best_end = i - start, i
-            start = i
-    tail = ids[best_end:]
-    return tail if count_runs(tail) > 1 else []
 
 
 def scratch_first(num_blocks: int, granule_blocks: int) -> int:
@@ -110,13 +88,7 @@ class CompactionOptions:
     copied per step at most; ``max_phases``: mover launches per step at most;
     ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
     of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
-    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself;
-    ``defrag``: 1 to also make fragmented requests one run each while the pool is *not*
-    under pressure (0, the default since session 7: contiguity buys vLLM 0.26 nothing
-    measurable, and scanning every running table every 4 steps cost ~5 ms a call with 500
-    requests running; in the replay of the H200 burst turning it off cut the copies
-    8,272 -> 2,018 and planning p99 8.6 -> 3.5 ms with the same memory returned). Run
-    merging under pressure is not affected."""
+    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself."""
 
     mode: activation.CompactionMode
     budget_mib: int = DEFAULT_BUDGET_BYTES >> 20
@@ -124,7 +96,6 @@ class CompactionOptions:
     interval: int = DEFAULT_INTERVAL
     scratch_granules: int = 1
     claim_blocks: int = DEFAULT_CLAIM_BLOCKS
-    defrag: int = 0
 
     @classmethod
     def resolve(cls, extra: dict | None = None, environ=None) -> "CompactionOptions | None":
@@ -150,11 +121,9 @@ class CompactionOptions:
         if mode is None:
             return None
         for name, v in extra.items():
-            low = 0 if name in ("scratch_granules", "defrag") else 1
+            low = 0 if name == "scratch_granules" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise UserError(f"compaction: {name} must be an integer >= {low}, got {v!r}")
-            if name == "defrag" and v > 1:
-                raise UserError(f"compaction: defrag must be 0 (off) or 1 (on), got {v!r}")
         return cls(mode, **extra)
 
 
@@ -194,8 +163,7 @@ class Compactor:
                  interval: int = DEFAULT_INTERVAL, max_phases: int = DEFAULT_MAX_PHASES,
                  allocatable=None, steer: bool = True,
                  claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
-                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True,
-                 defrag: bool = True, merge: bool = True) -> None:
+                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True) -> None:
         queue = pool.free_block_queue
         if not hasattr(queue, "relocate"):
             raise activation.ActivationError(
@@ -231,13 +199,8 @@ class Compactor:
         self.scratch_null = scratch_null
         self.displace = displace
         self.pack = pack
-        self.defrag = defrag
-        self.merge = merge
-        self._merge_tried: dict = {}     # table key -> (length, step) of a try that found nothing
-        self._where: dict = {}           # {id: (table key, position)}, with _owners
         self._single = None
         self._owners_step = 0
-        self._lone: set[int] = set()
         self._step_new: set[int] = set()
         self.scratch_blocks = scratch_blocks
         self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
@@ -245,10 +208,6 @@ class Compactor:
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
         self._forced_next = 1
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
-        # () -> int: the block ids the pool may hold at most (the elastic policy's maximum);
-        # None: the ids mapped now (see _under_pressure)
-        self.capacity_blocks = None
-        self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
         self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
         self._gain = True           # this step: pack_gate's answer (placement follows it)
         self._plan_seconds = 0.0
@@ -256,10 +215,8 @@ class Compactor:
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
-                         "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0,
-                         "merges": 0,
-                         "merge_runs_saved": 0}
+                         "live_displaced": 0, "shared_moved": 0,
+                         "scratch_used": 0, "pack_skipped": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -318,47 +275,15 @@ class Compactor:
         t0 = time.perf_counter()
         if self.mode.kind == "every":
             self._apply(self._forced_plan(self.view()))
-        else:
-            # run merging: every DEFRAG_EVERY steps, DEFRAG_FULL_EVERY while nothing could
-            # be given back (a full pool: placement is off then, runs matter less than
-            # the CPU each merge costs the step)
-            every = DEFRAG_EVERY if self._gain else DEFRAG_FULL_EVERY
-            if self.merge and self._gain and self._under_pressure():
-                if self.steps % (MERGE_EVERY * self.interval) == 0:
-                    self._merge_runs()
-            elif self.defrag and self.steps % (every * self.interval) == 0:
-                self._defrag()
-            if self.pack and self._pack_worthwhile():
-                plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
-                                 max_phases=self.max_phases)
-                if plan:
-                    self._pack_idle = None
-                    self._apply(plan)
-                else:               # nothing to pack now: wait for blocks to be freed
-                    self._pack_idle = (self.steps, self._free_count())
+        elif self.pack and self._pack_worthwhile():
+            plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
+                             max_phases=self.max_phases)
+            if plan:
+                self._pack_idle = None
+                self._apply(plan)
+            else:                   # nothing to pack now: wait for blocks to be freed
+                self._pack_idle = (self.steps, self._free_count())
         self._plan_seconds += time.perf_counter() - t0
-
-    def _under_pressure(self) -> bool:
-        """Whether the blocks in use fill ``MERGE_LOAD`` of the pool's usable ids: there
-        every allocation takes what was just freed and placement cannot keep runs whole,
-        so runs are merged by exchanges (:meth:`_merge_runs`); below, placement keeps them
-        and merging would cost CPU for little. Usable ids are what the pool may hold at
-        most (``capacity_blocks``: under the elastic policy, its maximum), else those
-        mapped now: an elastic pool kept ~90% full by its policy while it may still grow
-        is not under pressure (H200, session 7: merging there cost bursts 30% of their
-        throughput). O(granules) at most."""
-        pool = self.pool
-        usable = pool.num_gpu_blocks - 1
-        if self.capacity_blocks is not None:
-            usable = min(usable, self.capacity_blocks() - 1)
-        elif self.allocatable is not None:
-            G = self.granule_blocks
-            usable -= G * sum(1 for g in range(-(-pool.num_gpu_blocks // G))
-                              if not self.allocatable(g))
-        # in use: live blocks (an elastic pool's unmapped ids are neither free nor used)
-        live = getattr(pool.free_block_queue, "live_blocks", None)
-        used = live() if live is not None else pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-        return used >= MERGE_LOAD * max(usable, 1)
 
     def _free_count(self) -> int:
         return self.pool.get_num_free_blocks()          # free and cached (freed requests)
@@ -383,115 +308,6 @@ class Compactor:
             self.counters["pack_skipped"] += 1
             return False
         return True
-
-    def _defrag(self, attempts: int = 1) -> None:
-        """Make the most fragmented running requests one run each (plan_run), displacing
-        only free, cached and lone blocks of others, within what is left of the budget."""
-        left = self.budget_blocks - len(self._relocations)
-        tables = []
-        failed = self._defrag_failed
-        for mgr in self._managers():
-            for req_id, table in mgr.req_to_blocks.items():
-                if len(table) < 2 or len(table) > 2 * left or failed.get(req_id) == len(table):
-                    continue
-                ids = [b.block_id for b in table if not b.is_null]
-                runs = count_runs(ids)
-                if runs > 1:
-                    tables.append((runs, req_id, ids, len(table)))
-        if len(failed) > 4096:                 # finished requests' entries
-            failed.clear()
-        tables.sort(key=lambda t: (-t[0], t[1]))
-        for runs, req_id, ids, length in tables[:attempts]:
-            merged = 0
-            for part in (ids, _tail(ids)):
-                left = self.budget_blocks - len(self._relocations)
-                if left <= 0 or len(part) < 2:
-                    continue
-                plan = plan_run(self.view(), part, left, max_phases=self.max_phases,
-                                movable=self._singletons())
-                if plan and self._apply(plan):
-                    merged = count_runs(part) - 1
-                    break
-            if merged:
-                self.counters["runs_merged"] += merged
-                failed.pop(req_id, None)
-            else:
-                # no window now: not again until the table grows (or shrinks: preempted)
-                failed[req_id] = length
-                self.counters["defrag_failed"] += 1
-
-    def _table_ids(self) -> dict:
-        """``{(group, request): [block ids]}`` of the tables compaction may rewrite."""
-        out = {}
-        null = self.pool.null_block.block_id
-        for gid, mgr in enumerate(self._managers()):
-            for req_id, table in mgr.req_to_blocks.items():
-                if table:
-                    ids = [b.block_id for b in table]
-                    if null not in ids:
-                        out[(gid, req_id)] = ids
-        return out
-
-    def _where_map(self) -> dict:
-        """``{id: ((group, request), position)}`` of the blocks one request holds (built
-        with :meth:`_owners`, refreshed with it; the planner checks each entry again)."""
-        self._owners()
-        return self._where
-
-    def _merge_runs(self, attempts: int = MERGE_ATTEMPTS) -> None:
-        """Merge the most fragmented running requests' runs by exchanges with whatever
-        their window holds, other requests' LIVE blocks included (:func:`plan_merge`),
-        when that lowers the total number of runs; the whole table first, else the
-        blocks after its longest run. A request whose try found nothing is tried again
-        once its table changed or ``MERGE_RETRY`` steps later."""
-        tables = self._table_ids()
-        tried = self._merge_tried
-        if len(tried) > 4096:
-            tried.clear()
-        order = []
-        for key, ids in tables.items():
-            memo = tried.get(key)
-            if memo is not None and memo[0] == len(ids) and self.steps - memo[1] < MERGE_RETRY:
-                continue
-            runs = count_runs(ids)
-            if runs > 1:
-                order.append((-runs, key))
-        order.sort()
-        for _, key in order[:attempts]:
-            left = self.budget_blocks - len(self._relocations)
-            if left < 2:
-                break
-            ids = tables[key]
-            where = self._where_map()
-            done = False
-            for part in (ids, _tail(ids)):
-                if len(part) < 2 or len(part) > left:
-                    continue
-                plan, delta = plan_merge(self.view(), part, key, tables, where, left,
-                                         max_phases=self.max_phases)
-                if not plan:
-                    continue
-                moves = plan.final_positions()
-                holders = self._holders_from(moves, where)
-                if self._apply(plan, holders=holders):
-                    self.counters["merges"] += 1
-                    self.counters["merge_runs_saved"] -= delta
-                    if holders is None:          # a shared block moved: every holder's
-                        tables = self._table_ids()     # table changed, read them again
-                    else:      # the tables and the map follow the moves (no full pass)
-                        for t in {key} | {where[x][0] for x in moves if x in where}:
-                            if t in tables:
-                                tables[t] = [moves.get(x, x) for x in tables[t]]
-                    entries = [(y, where.pop(x, None)) for x, y in moves.items()]
-                    for y, entry in entries:
-                        if entry is not None:
-                            where[y] = entry
-                    done = True
-                    break
-            if done:
-                tried.pop(key, None)
-            else:
-                tried[key] = (len(ids), self.steps)
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
@@ -575,7 +391,6 @@ class Compactor:
             self._step_new.add(b.block_id)
             if self._single is not None:
                 self._single.pop(b.block_id, None)
-                self._lone.discard(b.block_id)
             if b.block_id < len(self._maps.lone):
                 self._maps.lone[b.block_id] = 0
         prev = req_blocks[first - 1] if first > 0 else None
@@ -644,7 +459,6 @@ class Compactor:
                 blk = blocks[x]
                 given = spare.pop()
                 owner_mgr, owner, idx, _ = singles.pop(x)
-                self._lone.discard(x)
                 self._maps.lone[x] = 0
                 if blk.block_hash is not None or x in pool.cached_block_hashes_by_block:
                     pool.move_block_hashes(blk, given)
@@ -691,11 +505,9 @@ class Compactor:
                 for a, b in getattr(mgr, "_pending_cow_copies", ()):
                     pinned.update((a.block_id, b.block_id))
             owners = {}
-            where = {}                      # the same as {id: ((group, request), position)}
             lone_ids = set()
-            for gid, mgr in enumerate(self._managers()):
+            for mgr in self._managers():
                 for req_id, table in mgr.req_to_blocks.items():
-                    key = (gid, req_id)
                     ids = [b.block_id for b in table]
                     # a block is lone unless a neighbour in the table is its neighbour id
                     before = [-2] + ids[:-1]
@@ -705,22 +517,14 @@ class Compactor:
                             continue
                         lone = p != x - 1 and q != x + 1
                         owners[x] = (mgr, req_id, i, lone)
-                        where[x] = (key, i)
                         if lone:
                             lone_ids.add(x)
             self._single = owners
-            self._where = where
-            self._lone = lone_ids
             self._maps.resize(len(self.view().kinds))
             mask = self._maps.lone
             mask[:] = bytes(len(mask))
             self._maps.set_lone(lone_ids)
         return self._single
-
-    def _singletons(self) -> set[int]:
-        """The lone blocks of :meth:`_owners`."""
-        self._owners()
-        return self._lone
 
     def _single_ok(self, entry, blk) -> bool:
         if entry is None or blk.ref_cnt != 1 or blk.block_id in self._step_new:
@@ -821,7 +625,7 @@ class Compactor:
         return self._view
 
     # ------------------------------------------------------------------ applying
-    def _apply(self, plan: Plan, holders: dict | None = None) -> bool:
+    def _apply(self, plan: Plan) -> bool:
         """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
         content from its first to its last id; a stay in the scratch id leaves no trace),
         after checking that every block involved is what the view said: a mismatch pins
@@ -829,8 +633,7 @@ class Compactor:
         if not plan:
             return True
         moves = plan.final_positions()                 # original id -> final id
-        if holders is None:
-            holders = self._holders(set(moves))
+        holders = self._holders(set(moves))
         bad = self._mismatch(moves, holders)
         if bad is not None:
             self.counters["replans"] += 1
@@ -879,7 +682,6 @@ class Compactor:
         if self._single is not None:            # moved blocks are no longer where they were
             for x in moves:
                 self._single.pop(x, None)
-                self._lone.discard(x)
                 if x < len(self._maps.lone):
                     self._maps.lone[x] = 0
         new_kinds = {y: kinds[x] for x, y in moves.items()}
@@ -893,27 +695,6 @@ class Compactor:
         c["relocations"] += plan.blocks_moved
         c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
         return True
-
-    def _holders_from(self, moves: dict[int, int], where: dict) -> dict | None:
-        """The holders of the moved LIVE ids from ``where`` (each checked against the
-        real table), or None when one is not there (then :meth:`_holders` looks)."""
-        managers = self._managers()
-        blocks = self.pool.blocks
-        out = {}
-        for x in moves:
-            blk = blocks[x]
-            if not blk.ref_cnt:
-                continue
-            entry = where.get(x)
-            if entry is None or blk.ref_cnt != 1:
-                return None
-            (gid, req), idx = entry
-            mgr = managers[gid]
-            table = mgr.req_to_blocks.get(req)
-            if not table or idx >= len(table) or table[idx] is not blk:
-                return None
-            out[x] = [(mgr, req, idx)]
-        return out
 
     def _holders(self, ids: set[int]) -> dict[int, list]:
         """``{block id: [(manager, request id, position), ...]}`` for the given ids."""
@@ -1058,8 +839,7 @@ def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
         mode=options.mode, budget_bytes=options.budget_mib << 20, interval=options.interval,
         max_phases=options.max_phases, allocatable=lambda g: state[g] == MAPPED,
         claim_blocks=options.claim_blocks,
-        scratch_blocks=options.scratch_granules * channel.granule_blocks,
-        defrag=bool(options.defrag))
+        scratch_blocks=options.scratch_granules * channel.granule_blocks)
     logger.info("Proxima KV compaction: %s, budget %d MiB (%d blocks of %d KiB) and %d "
                 "mover launches per step, %d scratch blocks", compactor.stats()["mode"],
                 options.budget_mib, compactor.budget_blocks, bytes_per_block >> 10,

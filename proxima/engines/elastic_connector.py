@@ -364,8 +364,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 compactor=self._load_compactor())
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
-                policy = self.policy               # and merges runs only near the maximum
-                self.compactor.capacity_blocks = lambda: policy.max_granules * g
         if opts.force_cycle_every:
             self.cycler = ForcedCycler(queue, ch, opts.force_cycle_every,
                                        opts.force_cycle_hold, opts.force_cycle_granules,
