@@ -161,9 +161,8 @@ class Compactor:
     def __init__(self, pool, *, granule_blocks: int, bytes_per_block: int,
                  mode: activation.CompactionMode, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  interval: int = DEFAULT_INTERVAL, max_phases: int = DEFAULT_MAX_PHASES,
-                 allocatable=None, steer: bool = True,
-                 claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
-                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True) -> None:
+                 allocatable=None, claim_blocks: int = DEFAULT_CLAIM_BLOCKS,
+                 scratch_blocks: int = 0) -> None:
         queue = pool.free_block_queue
         if not hasattr(queue, "relocate"):
             raise activation.ActivationError(
@@ -194,11 +193,7 @@ class Compactor:
         self._relocations: list[tuple[int, int]] = []
         self._tables: dict[tuple[str, int, int], int] = {}
         self._seq = 0
-        self.steer = steer
         self.claim_blocks = claim_blocks
-        self.scratch_null = scratch_null
-        self.displace = displace
-        self.pack = pack
         self._single = None
         self._owners_step = 0
         self._step_new: set[int] = set()
@@ -275,7 +270,7 @@ class Compactor:
         t0 = time.perf_counter()
         if self.mode.kind == "every":
             self._apply(self._forced_plan(self.view()))
-        elif self.pack and self._pack_worthwhile():
+        elif self._pack_worthwhile():
             plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
                              max_phases=self.max_phases)
             if plan:
@@ -362,7 +357,7 @@ class Compactor:
         low ids so that high granules empty out; the rest of the window is claimed for its
         growth). Costs one block copy per cached block displaced, within the step's budget;
         the free count, the LRU order and every hash's content are unchanged."""
-        if not (self.steer and self.enabled):
+        if not self.enabled:
             return new_blocks
         self._sync_step()
         if self.mode.kind == "auto" and not self._gain:
@@ -397,9 +392,8 @@ class Compactor:
         ids = [b.block_id for b in steer]
         total = self.pool.proxima_expected_tokens.get(request_id)
         need = max(k, -(-total // mgr.block_size) - first) if total else k
-        if self.displace:
-            self._owners()                    # the lone blocks, marked in the maps
-        movable = self._owners() if self.displace and k > 1 else ()
+        owners = self._owners()               # the lone blocks, marked in the maps
+        movable = owners if k > 1 else ()
         where = plan_placement(view, ids, None if prev is None or prev.is_null else prev.block_id,
                                need, maps=self._maps, owner=request_id, movable=movable,
                                claim_blocks=self.claim_blocks)
@@ -428,7 +422,7 @@ class Compactor:
         mine = {b.block_id: b for b in steer}
         spare = [b for b in steer if b.block_id not in window]
         copies = 0
-        singles = self._owners() if self.displace else {}
+        singles = self._owners()
         for x in window:
             if x in mine:
                 continue
@@ -616,7 +610,7 @@ class Compactor:
                     kinds[g * G:(g + 1) * G] = bytes([FIXED]) * len(range(g * G, min(n, (g + 1) * G)))
         null = pool.null_block.block_id
         self._pinned.discard(null)
-        scratch = [null] if self.scratch_null else []
+        scratch = [null]
         if self.scratch_blocks:
             first = self.scratch_first
             kinds += bytes([FIXED]) * (first + self.scratch_blocks - n)
