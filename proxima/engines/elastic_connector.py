@@ -9,10 +9,8 @@ also on steps without tokens via ``no_forward``), and on which the workers answe
 step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel workers,
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
-race the step in flight. The same channel carries issue 14's block moves (``MOVE`` ops:
-applied in ``start_load_kv``, i.e. after the step's own block zeroing and copy-on-write
-copies in the V2 runner's ``update_requests`` and before its forward);
-other connectors compose with it through vLLM's ``MultiConnector``, which calls each
+race the step in flight. The same metadata carries KV compaction's block moves
+(:func:`proxima.engines.compaction_v1.install_worker_hook`); other connectors compose with it through vLLM's ``MultiConnector``, which calls each
 child's hooks in order (Proxima's first: see :func:`proxima.engines.elastic_v1.
 with_elastic_connector`).
 
@@ -210,7 +208,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
         self.compactor = None               # compaction_v1.Compactor (scheduler)
-        self._mover = None                  # the Triton block mover (worker)
         self.cycler: ForcedCycler | None = None
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
@@ -222,7 +219,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._last_allocated = 0
         self._step_allocs: deque[int] = deque(maxlen=64)
         self._memory = None
-        self._kv_caches: dict | None = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._background = None             # proxima.memory.background.BackgroundOps
         self._short = False
@@ -258,7 +254,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                     continue
                 seen.add(key)
                 self._check_view(memory, name, view)
-        self._memory, self._kv_caches = memory, kv_caches
+        self._memory = memory
         if self.options.map_in_background:
             from proxima.memory.background import BackgroundOps
 
@@ -280,10 +276,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if batch is None:
             return
         if self._background is not None:
-            self._background.submit(batch.seq, batch.ops, stream=_current_stream(),
-                                    mover=self._move)
+            self._background.submit(batch.seq, batch.ops)
             return
-        failed = self._memory.apply(batch.ops, stream=_current_stream(), mover=self._move)
+        failed = self._memory.apply(batch.ops, stream=_current_stream())
         self._done(batch.seq, failed)
 
     def _done(self, seq: int, failed) -> None:
@@ -292,16 +287,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("Proxima elastic KV: the GPU has no memory for %d more granules "
                            "now; serving at the current size", sum(n for _, n in failed))
         self._short = bool(failed)
-
-    def _move(self, src: int, dst: int, count: int) -> None:
-        # --- KV compaction (issue 14): MOVE ops with the Triton mover, every layer at once,
-        # on the current (the forward's) stream
-        if self._mover is None:
-            from proxima.kernels import KVBlockMover
-
-            self._mover = KVBlockMover(self._kv_caches)
-        self._mover.apply([src], [dst], [count])
-        # ---
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

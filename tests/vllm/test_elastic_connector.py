@@ -191,17 +191,9 @@ def test_the_connector_changes_no_scheduling_decision(proxima, depth):
     assert sum(len(step[3]) for step in plain) > 0      # the workload did preempt
 
 
-def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monkeypatch):
-    import torch
-
-    # vLLM's copy stages its indices in pinned memory, which needs a GPU driver
-    monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)
-
+def test_ops_from_the_pool_reach_the_worker_in_order():
     scheduler = scheduler_for(True, 1024, 1, elastic_config(policy="fixed"))
     worker = Worker(scheduler)
-    kv = {f"layer.{i}": torch.arange(1024 * 16, dtype=torch.float32).view(1024, 16) + i
-          for i in range(2)}
-    worker.conn._kv_caches = kv
     conn = scheduler.connector
     channel = conn.channel
 
@@ -210,18 +202,16 @@ def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monke
             conn.queue.release([3])       # blocks 768..1023, all free before any request
             channel.unmap(3)
         if step == 2:
-            channel.move(600, 650, 4)
+            assert not worker.memory.arena.is_mapped(3) and channel.state[3] != MAPPED
+            channel.map(3)                # and back: mapped once the worker confirms it
 
     vllm_v1.activate()
     try:
         drive(scheduler, specs(12), worker, between=between)
     finally:
         vllm_v1.deactivate()
-    assert worker.ops == [Op.unmap(3, 1), Op.move(600, 650, 4)]
-    assert not worker.memory.arena.is_mapped(3) and channel.state[3] != MAPPED
-    for i in range(2):       # vLLM's own copy kernel moved blocks 600..603 to 650..653
-        assert torch.equal(kv[f"layer.{i}"][650:654],
-                           torch.arange(600 * 16, 604 * 16, dtype=torch.float32).view(4, 16) + i)
+    assert worker.ops == [Op.unmap(3, 1), Op.map(3, 1)]
+    assert worker.memory.arena.is_mapped(3) and channel.state[3] == MAPPED
 
 
 def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
