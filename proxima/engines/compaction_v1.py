@@ -84,7 +84,7 @@ class CompactionOptions:
     ``kv_connector_extra_config`` (same on the scheduler and the workers), over
     ``PROXIMA_COMPACTION`` for the mode.
 
-    ``mode``: ``"1"`` (auto) or ``"every:K"`` (forced, tests); ``budget_mib``: block bytes
+    ``mode``: ``"1"`` (on: the policy); ``budget_mib``: block bytes
     copied per step at most; ``max_phases``: mover launches per step at most;
     ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
     of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
@@ -116,7 +116,7 @@ class CompactionOptions:
             try:
                 mode = activation.compaction_mode(str(value))
             except ValueError:
-                raise UserError(f"compaction: mode must be 1, every:K (K >= 1) or 0, got "
+                raise UserError(f"compaction: mode must be 1 (on) or 0 (off), got "
                                 f"{value!r}") from None
         if mode is None:
             return None
@@ -182,8 +182,7 @@ class Compactor:
         self.mode = mode
         self.enabled = True
         self.budget_blocks = budget_bytes // bytes_per_block
-        self._auto_interval = interval
-        self.interval = mode.every if mode.kind == "every" else interval
+        self.interval = interval
         self.max_phases = max_phases
         self.allocatable = allocatable
         self.kv_manager = None
@@ -201,7 +200,6 @@ class Compactor:
         self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
         self._step_id = None
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
-        self._forced_next = 1
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
         self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
         self._gain = True           # this step: pack_gate's answer (placement follows it)
@@ -219,14 +217,11 @@ class Compactor:
         pool.proxima_compaction = self
         _compactors.add(self)
 
-    def set_mode(self, mode: activation.CompactionMode | None) -> None:
-        """Switch the policy between steps (None: off -- no placement, no plans; the
+    def set_enabled(self, on: bool) -> None:
+        """Switch compaction on or off between steps (off: no placement, no plans; the
         engine then behaves as elastic mode without compaction). For tests and the GPU
-        proof, which compare modes in one engine."""
-        self.enabled = mode is not None
-        if mode is not None:
-            self.mode = mode
-            self.interval = mode.every if mode.kind == "every" else self._auto_interval
+        proof, which compare modes in one engine (tests/support/forced.py)."""
+        self.enabled = bool(on)
         self._maps.drop_except(())
 
     def reset_metrics(self) -> None:
@@ -262,23 +257,29 @@ class Compactor:
         self._pinned |= pinned
 
     def step(self) -> None:
-        """The policy of the mode: auto packs every ``interval`` steps; ``every:K`` empties
-        one granule every K steps (the most occupied one that can be emptied, its cached
-        blocks too when there is room; a test of the machinery, not a policy)."""
+        """Plan this step's moves every ``interval`` steps (:meth:`plan_step`), timed."""
         if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
             return
         t0 = time.perf_counter()
-        if self.mode.kind == "every":
-            self._apply(self._forced_plan(self.view()))
-        elif self._pack_worthwhile():
-            plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
-                             max_phases=self.max_phases)
-            if plan:
-                self._pack_idle = None
-                self._apply(plan)
-            else:                   # nothing to pack now: wait for blocks to be freed
-                self._pack_idle = (self.steps, self._free_count())
+        self.plan_step()
         self._plan_seconds += time.perf_counter() - t0
+
+    def plan_step(self) -> None:
+        """The policy: pack the sparsest granules' live blocks into the densest, when that
+        could give memory back (:meth:`_pack_worthwhile`). (The tests' forced compaction,
+        ``tests/support/forced.py``, puts another plan here.)"""
+        if not self._pack_worthwhile():
+            return
+        plan = plan_pack(self.view(), self.budget_left(), max_phases=self.max_phases)
+        if plan:
+            self._pack_idle = None
+            self.apply(plan)
+        else:                       # nothing to pack now: wait for blocks to be freed
+            self._pack_idle = (self.steps, self._free_count())
+
+    def budget_left(self) -> int:
+        """Blocks this step may still copy."""
+        return max(0, self.budget_blocks - len(self._relocations))
 
     def _free_count(self) -> int:
         return self.pool.get_num_free_blocks()          # free and cached (freed requests)
@@ -316,7 +317,7 @@ class Compactor:
         plan, clear = plan_evacuate(self.view(), granules,
                                     max(0, self.budget_blocks - len(self._relocations)),
                                     cached_too=cached_too, max_phases=self.max_phases)
-        applied = self._apply(plan)
+        applied = self.apply(plan)
         self._plan_seconds += time.perf_counter() - t0
         if clear and applied:
             self.counters["evacuations_done"] += 1
@@ -360,7 +361,7 @@ class Compactor:
         if not self.enabled:
             return new_blocks
         self._sync_step()
-        if self.mode.kind == "auto" and not self._gain:
+        if not self._gain:
             # nothing could be given back now (a pool the load keeps full): placing for
             # release gains nothing, and its copies and its CPU per allocation are not free
             self._count("skipped_full")
@@ -619,7 +620,7 @@ class Compactor:
         return self._view
 
     # ------------------------------------------------------------------ applying
-    def _apply(self, plan: Plan) -> bool:
+    def apply(self, plan: Plan) -> bool:
         """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
         content from its first to its last id; a stay in the scratch id leaves no trace),
         after checking that every block involved is what the view said: a mismatch pins
@@ -725,25 +726,10 @@ class Compactor:
                     return y
         return None
 
-    def _forced_plan(self, view: PoolView) -> Plan:
-        budget = self.budget_blocks - len(self._relocations)
-        live = view.live_per_granule()
-        order = sorted(range(view.num_granules), key=lambda g: (-live[g], g))
-        for g in order:
-            if not live[g]:
-                break
-            for cached_too in (True, False):
-                plan, _ = plan_evacuate(view, [g], budget, cached_too=cached_too,
-                                        max_phases=self.max_phases)
-                if plan:
-                    return plan
-        return Plan()
-
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
         """The figures for the engine status file and ``/metrics``."""
-        mode = "auto" if self.mode.kind == "auto" else f"every:{self.mode.every}"
-        return {"mode": mode if self.enabled else "off",
+        return {"mode": "auto" if self.enabled else "off",
                 "steps": self.steps, "budget_bytes": self.budget_blocks * self.bytes_per_block,
                 "bytes_per_block": self.bytes_per_block, **self.counters,
                 "placements": dict(self.placements),

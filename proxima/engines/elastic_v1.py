@@ -79,16 +79,21 @@ class ElasticOptions:
 
     ``policy``: ``auto`` (the default: the pool places by granule and the memory grows and
     shrinks with the load, :mod:`proxima.memory.policy`), ``fixed`` (placement by granule,
-    the whole pool mapped: only forced cycles release memory) or ``off`` (item 1: the whole
+    the whole pool mapped) or ``off`` (item 1: the whole
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
     vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
     ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
-    ``lru``, ``age:N``, ``window:W``). ``compactor``: ``module:factory`` of a compaction
-    hook (issue 14): ``factory(queue, channel) -> fn(pool, granules_wanted) -> emptied``,
-    asked before a shrink that finds too few empty granules (None: no compaction).
+    ``lru``, ``age:N``, ``window:W``). ``compactor``: a hook, ``module:factory`` or
+    ``{"factory": "module:factory", ...keyword arguments}``, called as ``factory(queue,
+    channel, **kwargs)`` once the pool places by granule (policy ``auto`` or ``fixed``). A
+    callable result is the grow/shrink policy's compactor, ``fn(queue, granules_wanted) ->
+    emptied``, asked before a shrink that finds too few empty granules (None: KV
+    compaction's own when it is on); a result with ``tick`` is driven at every step
+    boundary (see :class:`proxima.engines.elastic_connector.StepHook`; the tests' forced
+    cycles, ``tests/support/forced.py``).
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).
     ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity).
@@ -98,11 +103,7 @@ class ElasticOptions:
     ``map_in_background``: workers map and unmap on a thread of their own while the
     forward runs (default true, :mod:`proxima.memory.background`); false applies them
     before the step's forward, which waits for them.
-    ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
-    that every N steps releases up to ``granules`` granules holding neither live nor cached
-    blocks and maps them back ``hold`` steps later (0: off); with ``force_cycle_safe`` only
-    while the free blocks left cover what the held requests may still need, so that no
-    scheduling decision changes. ``stats_file``: where the scheduler side writes its
+    ``stats_file``: where the scheduler side writes its
     counters (JSON). ``verify``: check every step that no new block lies in an unmapped
     granule.
     ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
@@ -120,16 +121,12 @@ class ElasticOptions:
     retry_s: float = _POLICY.retry_s
     forecast: bool = _POLICY.forecast
     eviction: str = "auto"
-    compactor: str | None = None
+    compactor: str | dict | None = None
     idle_sleep_s: float = 0.005
     granule_bytes: int = 2 << 20
     zero_on_map: bool = True
     initial_granules: int | None = None
     map_in_background: bool = True
-    force_cycle_every: int = 0
-    force_cycle_hold: int = 2
-    force_cycle_granules: int = 4
-    force_cycle_safe: bool = True
     stats_file: str | None = None
     verify: bool = True
     compaction: dict | None = None
@@ -162,7 +159,7 @@ class ElasticOptions:
 
         if self.policy not in POLICIES:
             bad("policy", " or ".join(POLICIES))
-        for name in ("granule_bytes", "force_cycle_hold", "force_cycle_granules"):
+        for name in ("granule_bytes",):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 bad(name, "a positive integer")
@@ -181,21 +178,20 @@ class ElasticOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 bad(name, "a number >= 0")
-        for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map",
+        for name in ("forecast", "verify", "zero_on_map",
                      "map_in_background"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
-        if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:
-            bad("force_cycle_every", "0 (off) or a number of steps")
         if self.initial_granules is not None and (
                 type(self.initial_granules) is not int or self.initial_granules < 1):
             bad("initial_granules", "at least 1 (granule 0 holds the null block)")
-        if self.force_cycle_every and self.policy == "off":
-            raise UserError(f"{CONNECTOR}: forced cycles need the pool to place by granule: "
-                            f"use policy fixed or auto, not off")
-        if self.compactor is not None and (not isinstance(self.compactor, str)
-                                           or ":" not in self.compactor):
-            bad("compactor", "'module:factory' or null")
+        hook = self.compactor
+        factory = hook.get("factory") if isinstance(hook, dict) else hook
+        if hook is not None and (not isinstance(factory, str) or ":" not in factory):
+            bad("compactor", "'module:factory', {\"factory\": 'module:factory', ...} or null")
+        if hook is not None and self.policy == "off":
+            raise UserError(f"{CONNECTOR}: the compactor hook needs the pool to place by "
+                            f"granule: use policy fixed or auto, not off")
         from proxima.allocator.granules import EvictionPolicy
 
         try:

@@ -24,6 +24,7 @@ from proxima.engines.compaction_v1 import CompactionOptions, apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
+from tests.support import forced
 from tests.vllm.test_elastic_connector import across_processes
 
 if elastic_v1.unsupported_reason():
@@ -231,10 +232,16 @@ class ProcessModelRunner(ModelRunner):
 
 
 def run(num_blocks, depth=1, workload=None, runner_class=None, **compaction):
+    """``mode``: ``"1"`` (the policy) or ``"every:K"`` (the tests' forced compaction)."""
+    forced_mode = None
+    if str(compaction.get("mode", "")).startswith("every:"):
+        forced_mode, compaction["mode"] = compaction["mode"], "1"
     scheduler = build_scheduler(proxima=True, num_blocks=num_blocks,
                                 async_scheduling=depth == 2, kv_transfer_config=ktc(**compaction),
                                 max_num_batched_tokens=2048)
     compactor = scheduler.connector.compactor
+    if forced_mode is not None:
+        forced.set_mode(compactor, forced_mode)
     total = num_blocks
     if compactor is not None:
         total = compaction_v1.scratch_first(num_blocks, GRANULE) + compactor.scratch_blocks
@@ -301,11 +308,13 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
     released: list[tuple[int, int]] = []
 
     class EvacuateThenRelease:           # stands in for the elastic policy's shrink
-        cycles = 0
-        out = ()
-        margin = 0
+        def pending(self):
+            return False
 
-        def tick(self, step):
+        def stats(self):
+            return {}
+
+        def tick(self, step, reserve, forecast):
             if released or step < 10:
                 return False
             view = compactor.view()
@@ -320,7 +329,7 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
                 released.append((g, live[g]))
             return False
 
-    conn.cycler = EvacuateThenRelease()
+    conn.step_hook = EvacuateThenRelease()
     runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
     seen_after = []
@@ -416,8 +425,8 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
 # ----------------------------------------------------------------------------- settings
 
 @pytest.mark.parametrize("extra, message", [
-    ({"mode": "sometimes"}, "mode must be 1, every:K"),
-    ({"mode": "every:0"}, "mode must be 1, every:K"),
+    ({"mode": "sometimes"}, "mode must be 1 .on. or 0 .off."),
+    ({"mode": "every:2"}, "mode must be 1 .on. or 0 .off."),     # forced: tests/support only
     ({"mode": "1", "budget_mib": 0}, "budget_mib must be an integer >= 1"),
     ({"mode": "1", "scratch_granules": -1}, "scratch_granules must be an integer >= 0"),
     ({"mode": "1", "budget": 3}, "unknown option"),
@@ -434,8 +443,8 @@ def test_the_mode_comes_from_the_environment_unless_the_options_say(monkeypatch)
     from proxima.engines.activation import ActivationError, CompactionMode
 
     assert CompactionOptions.resolve(None) is None
-    monkeypatch.setenv("PROXIMA_COMPACTION", "every:4")
-    assert CompactionOptions.resolve(None).mode == CompactionMode("every", 4)
+    monkeypatch.setenv("PROXIMA_COMPACTION", "1")
+    assert CompactionOptions.resolve(None).mode == CompactionMode("auto")
     assert CompactionOptions.resolve({"mode": "0"}) is None
     monkeypatch.setenv("PROXIMA_COMPACTION", "often")
     with pytest.raises(ActivationError, match=r"PROXIMA_COMPACTION must be 1 \(KV compaction.*got 'often'"):

@@ -26,6 +26,7 @@ from proxima.memory.kv import KvMemory
 from proxima.memory.ops import Op
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from tests.memory.fake_driver import FakeDriver
+from tests.support import forced
 
 if elastic_v1.unsupported_reason():
     pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
@@ -230,13 +231,13 @@ def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth, tmp_path):
     stats = tmp_path / "elastic.json"
-    ktc = elastic_config(policy="fixed", eviction="lru", force_cycle_every=3,
-                         force_cycle_hold=2, force_cycle_granules=3, stats_file=str(stats))
+    ktc = elastic_config(policy="fixed", eviction="lru", stats_file=str(stats),
+                         compactor=forced.cycles(every=3, hold=2, granules=3))
     # 64 granules of 256 blocks: enough stay free of live and cached blocks
     _, _, stock = run(False, 64 * GRANULE, depth)
     scheduler, worker, elastic = run(True, 64 * GRANULE, depth, ktc, worker=True)
     conn = scheduler.connector
-    assert conn.cycler.cycles >= 3
+    assert conn.step_hook.cycles >= 3
     unmaps = [op for op in worker.ops if op.kind == "unmap"]
     maps = [op for op in worker.ops if op.kind == "map"]
     # every released granule was mapped again, but those of a cycle still open at the end
@@ -253,13 +254,13 @@ def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth,
     conn.queue.check()
     conn.shutdown()
     written = json.loads(stats.read_text())
-    assert written["forced_cycles"] == conn.cycler.cycles and written["map_failures"] == 0
+    assert written["forced_cycles"] == conn.step_hook.cycles and written["map_failures"] == 0
     assert written["granule_blocks"] == GRANULE and written["reported_mapped"] is not None
 
 
 def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out():
-    ktc = elastic_config(policy="fixed", initial_granules=6, force_cycle_every=2,
-                         force_cycle_hold=1, force_cycle_granules=2, force_cycle_safe=False)
+    ktc = elastic_config(policy="fixed", initial_granules=6,
+                         compactor=forced.cycles(every=2, hold=1, granules=2, safe=False))
     scheduler = scheduler_for(True, 8 * GRANULE, 1, ktc)
     worker = Worker(scheduler)
     conn = scheduler.connector
@@ -275,7 +276,7 @@ def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out()
     finally:
         vllm_v1.deactivate()
     assert conn.channel.stats["map_failures"] >= 1     # while memory was short
-    assert conn.cycler.cycles >= 1                      # and completed once it was back
+    assert conn.step_hook.cycles >= 1                   # and completed once it was back
     assert worker.checked > 0
     conn.queue.check()
 
@@ -380,14 +381,14 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
 @pytest.mark.parametrize("extra, message", [
     ({"granule_bytes": 0}, "granule_bytes must be a positive integer"),
     ({"initial_granules": 0}, "initial_granules must be at least 1"),
-    ({"force_cycle_every": -1}, "force_cycle_every must be 0"),
     ({"granule": 1}, "unknown option"),
     ({"policy": "elastic"}, "policy must be auto or fixed or off"),
     ({"min_bytes": "lots"}, "min_bytes: 'lots' is not a size"),
     ({"min_bytes": "4GiB", "max_bytes": "1GiB"}, "max_bytes .* is below min_bytes"),
     ({"eviction": "fifo"}, "eviction policy 'fifo'"),
-    ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
+    ({"compactor": forced.cycles(), "policy": "off"}, "needs the pool to place by granule"),
     ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
+    ({"compactor": {"every": 3}}, "compactor must be 'module:factory'"),
     ({"headroom": -1}, "headroom must be a number >= 0"),
 ])
 def test_bad_options_are_one_clear_error(extra, message):
@@ -395,6 +396,19 @@ def test_bad_options_are_one_clear_error(extra, message):
 
     with pytest.raises(UserError, match=message):
         elastic_v1.ElasticOptions.from_extra(extra)
+
+
+@pytest.mark.parametrize("hook, message", [
+    (forced.cycles(every=0), "compactor 'tests.support.forced:ForcedCycler': every must be a "
+                             "positive integer, got 0"),
+    ({"factory": forced.FACTORY, "often": 1}, "unexpected keyword argument 'often'"),
+    ("tests.support.forced:nothing", "cannot be loaded"),
+])
+def test_a_hook_that_cannot_be_built_is_one_clear_error(hook, message):
+    from proxima.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        scheduler_for(True, 8 * GRANULE, 1, elastic_config(policy="fixed", compactor=hook))
 
 
 def test_the_workers_report_must_agree_with_the_predicted_granule():
