@@ -1,4 +1,5 @@
-"""Migration planner: which KV blocks to move where, so that granules empty out. Pure Python, standard library only (no torch, no vLLM).
+"""Migration planner: which KV blocks to move where, so that granules empty out. Pure
+Python, standard library only (no torch, no vLLM).
 
 The model
 ---------

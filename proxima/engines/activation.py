@@ -196,7 +196,7 @@ def require(engine: str, vllm: str, torch: str | None = None,
         raise ActivationError(
             f"vLLM {vllm} runs the {ENGINE_NAMES[verdict.engine]}, but this is Proxima's "
             f"{ENGINE_NAMES[engine]} adapter: let the plugin pick the adapter "
-            f"(proxima.engines.activation.adapter)")
+            f"(proxima.engines.plugin.adapter)")
     if not verdict.allowed:
         raise ActivationError(verdict.refusal())
     warning = verdict.warning()
@@ -204,18 +204,6 @@ def require(engine: str, vllm: str, torch: str | None = None,
         _warned.add((vllm, torch))
         logger.warning(warning)
     return verdict
-
-
-def adapter(engine: str):
-    """The adapter module of an engine generation. Both expose ``activate()`` (patch vLLM,
-    after :func:`require`; idempotent), ``deactivate()`` (undo) and ``is_active()``."""
-    if engine == "v1":
-        from proxima.engines import vllm_v1 as module
-    elif engine == "v0":
-        from proxima.engines import vllm_v0 as module
-    else:
-        raise ValueError(f"no engine generation {engine!r}: {', '.join(ENGINE_NAMES)}")
-    return module
 
 
 # ---------------------------------------------------------------------------- variables

@@ -791,9 +791,9 @@ def _options(vllm_config, extra, composed: bool) -> "CompactionOptions | None":
     return options
 
 
-def worker_side(vllm_config, extra, composed: bool = False) -> bool:
-    """Whether this worker applies compaction's work (the settings checked here too)."""
-    return _options(vllm_config, extra, composed) is not None
+def worker_side(vllm_config, extra, composed: bool = False) -> "CompactionOptions | None":
+    """The settings when this worker applies compaction's work (None: off; checked here)."""
+    return _options(vllm_config, extra, composed)
 
 
 def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,

@@ -10,9 +10,9 @@ step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
 race the step in flight. The same metadata carries KV compaction's block moves
-(:func:`proxima.engines.compaction_v1.install_worker_hook`); other connectors compose with it through vLLM's ``MultiConnector``, which calls each
-child's hooks in order (Proxima's first: see :func:`proxima.engines.elastic_v1.
-with_elastic_connector`).
+(:func:`proxima.engines.compaction_v1.install_worker_hook`); other connectors compose
+with it through vLLM's ``MultiConnector``, which calls each child's hooks in order
+(Proxima's first: see :func:`proxima.engines.elastic_v1.with_elastic_connector`).
 
 What configuring a connector changes in vLLM 0.26 (read from its source, checked by
 ``tests/vllm/test_elastic_connector.py`` for the scheduling part):
@@ -185,9 +185,14 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 raise UserError("elastic KV memory and vLLM's sleep mode both manage the KV "
                                 "memory; use one of them (unset PROXIMA_ELASTIC or "
                                 "--enable-sleep-mode)")
-            elastic_v1.install_allocation_hook(self.options, vllm_config)
-            # --- KV compaction (issue 14): the worker applies its moves before the forward
-            if compaction_v1.worker_side(vllm_config, self.options.compaction, self._composed):
+            # --- KV compaction (issue 14): its scratch granules past the pool, and the
+            # worker applies its moves before the forward
+            compaction = compaction_v1.worker_side(vllm_config, self.options.compaction,
+                                                   self._composed)
+            elastic_v1.install_allocation_hook(
+                self.options, vllm_config,
+                spare_granules=compaction.scratch_granules if compaction is not None else 0)
+            if compaction is not None:
                 compaction_v1.install_worker_hook()
             # ---
 

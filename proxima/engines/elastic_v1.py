@@ -456,6 +456,7 @@ def deactivate() -> None:
 class _Worker:
     options: ElasticOptions | None = None
     vllm_config = None
+    spare_granules = 0  # past the pool: KV compaction's scratch (its settings say how many)
     memory = None      # the KvMemory of this worker process, once allocated
 
 
@@ -464,12 +465,16 @@ def kv_memory():
     return _Worker.memory
 
 
-def install_allocation_hook(options: ElasticOptions, vllm_config=None) -> None:
-    """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent)."""
+def install_allocation_hook(options: ElasticOptions, vllm_config=None,
+                            spare_granules: int = 0) -> None:
+    """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent);
+    ``spare_granules`` more are reserved past the pool (KV compaction's scratch blocks:
+    the connector reads how many from compaction's settings)."""
     import vllm.v1.worker.gpu.attn_utils as attn_utils
 
     _Worker.options = options
     _Worker.vllm_config = vllm_config
+    _Worker.spare_granules = spare_granules
     if attn_utils._allocate_kv_cache is not _allocate_kv_cache_vmm:
         _patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm)
 
@@ -515,15 +520,9 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
         g = granule_blocks(strides, options.granule_bytes)
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
-    # --- KV compaction (issue 14): its scratch granules, past the pool (compaction_v1)
-    from proxima.engines.compaction_v1 import CompactionOptions
-
-    compaction = CompactionOptions.resolve(options.compaction)
-    spare = compaction.scratch_granules if compaction is not None else 0
-    # ---
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
                       device=index, mapped=mapped, zero_on_map=options.zero_on_map,
-                      spare_granules=spare)
+                      spare_granules=_Worker.spare_granules)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}
