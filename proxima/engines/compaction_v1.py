@@ -56,9 +56,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from proxima.allocator.placement import PlacementMaps, plan_placement
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       PlacementMaps, plan_evacuate, plan_pack,
-                                       plan_placement, schedule_phases)
+                                       plan_evacuate, plan_pack, schedule_phases)
 from proxima.engines import activation
 from proxima.engines.status import percentiles
 

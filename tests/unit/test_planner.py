@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxima.allocator.placement import plan_placement
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PlanError, PoolView,
-                                       check_plan, plan_evacuate, plan_pack,
-                                       plan_placement, schedule_phases)
+                                       check_plan, plan_evacuate, plan_pack, schedule_phases)
 
 
 # ----------------------------------------------------------------------------- the model
