@@ -10,7 +10,7 @@ step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
 race the step in flight. The same metadata carries KV compaction's block moves
-(:func:`proxima.engines.compaction_v1.install_worker_hook`); other connectors compose
+(:func:`proxima.engines.compaction_worker.install_worker_hook`); other connectors compose
 with it through vLLM's ``MultiConnector``, which calls each child's hooks in order
 (Proxima's first: see :func:`proxima.engines.elastic_v1.with_elastic_connector`).
 
@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from proxima.engines import compaction_v1, elastic_v1
+from proxima.engines import compaction_v1, compaction_worker, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
@@ -90,7 +90,7 @@ STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while
 class ElasticMetadata(KVConnectorMetadata):
     """Scheduler -> workers, every step: the step's ops (None: nothing to do) and KV
     compaction's copies and block-table changes (None: none; applied by
-    :func:`proxima.engines.compaction_v1.install_worker_hook`'s hook, before the ops)."""
+    :func:`proxima.engines.compaction_worker.install_worker_hook`'s hook, before the ops)."""
 
     batch: OpBatch | None = None
     compaction: object | None = None
@@ -193,7 +193,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.options, vllm_config,
                 spare_granules=compaction.scratch_granules if compaction is not None else 0)
             if compaction is not None:
-                compaction_v1.install_worker_hook()
+                compaction_worker.install_worker_hook()
             # ---
 
     # ================================================================ worker side
@@ -258,7 +258,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self._background is not None:
             for seq, failed in self._background.poll():
                 self._done(seq, failed)
-        times = compaction_v1.take_worker_times()
+        times = compaction_worker.take_worker_times()
         if not self._applied and not times:
             return None
         stats = self._memory.stats

@@ -643,8 +643,8 @@ def test_compaction_throughput_rounds_interleave_and_stop_on_the_budget(tmp_path
     assert Compactor.modes[:2] == [False, True]                # off, then the policy
     s = details["summary"]
     assert s["ratio"] == 1.0 and s["stall_gpu_ms_first_call"] == 0.5 and ok
-    from proxima.engines import compaction_v1
+    from proxima.engines import compaction_worker
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert Scheduler.schedule.__name__ == "schedule"          # the probe put them back
-    assert compaction_v1.apply_on_worker.__name__ == "apply_on_worker"
+    assert compaction_worker.apply_on_worker.__name__ == "apply_on_worker"

@@ -4,7 +4,7 @@ The scheduler, KV-cache manager, block pool and prefix cache are vLLM's own code
 is Proxima's, compaction runs in the elastic connector's scheduler side as in an engine.
 The worker is a model of vLLM's V2 runner: per-request block tables updated from the
 scheduler output (new requests: full ids; running ones: appended ids), compaction's work
-applied with the real worker code (:func:`proxima.engines.compaction_v1.apply_on_worker`:
+applied with the real worker code (:func:`proxima.engines.compaction_worker.apply_on_worker`:
 the block mover on CPU tensors, then the table writes), and a "forward" that writes every
 scheduled token's KV slot with a value that depends only on the token and its position,
 after checking that every slot the request already computed reads back what was written
@@ -19,8 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxima.engines import compaction_v1, elastic_v1, vllm_v1
-from proxima.engines.compaction_v1 import CompactionOptions, apply_on_worker
+from proxima.engines import compaction_v1, compaction_worker, elastic_v1, vllm_v1
+from proxima.engines.compaction_v1 import CompactionOptions
+from proxima.engines.compaction_worker import apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
@@ -482,18 +483,18 @@ def test_the_worker_hook_wraps_and_unwraps_update_requests():
         def update_requests(self, scheduler_output):
             calls.append("vllm")
 
-    compaction_v1.install_worker_hook(Runner)
-    compaction_v1.install_worker_hook(Runner)            # idempotent
+    compaction_worker.install_worker_hook(Runner)
+    compaction_worker.install_worker_hook(Runner)        # idempotent
     try:
         seen = []
-        real = compaction_v1.apply_on_worker
-        compaction_v1.apply_on_worker = lambda runner, work: seen.append(work)
+        real = compaction_worker.apply_on_worker
+        compaction_worker.apply_on_worker = lambda runner, work: seen.append(work)
         Runner().update_requests(SimpleNamespace(kv_connector_metadata=ElasticMetadata()))
         Runner().update_requests(SimpleNamespace(
             kv_connector_metadata=ElasticMetadata(compaction="work")))
         assert calls == ["vllm", "vllm"] and seen == ["work"]
     finally:
-        compaction_v1.apply_on_worker = real
-        compaction_v1.uninstall_worker_hook()
+        compaction_worker.apply_on_worker = real
+        compaction_worker.uninstall_worker_hook()
     assert "__wrapped__" not in Runner.update_requests.__dict__
 

@@ -329,7 +329,7 @@ class _Probe:
 
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from proxima.engines import compaction_v1
+        from proxima.engines import compaction_worker
 
         self.sched_s = 0.0
         self.steps = 0
@@ -362,8 +362,8 @@ class _Probe:
         gc.callbacks.append(on_gc)
         self._on_gc = on_gc
 
-        worker = compaction_v1.apply_on_worker
-        self._undo.append((compaction_v1, "apply_on_worker", worker))
+        worker = compaction_worker.apply_on_worker
+        self._undo.append((compaction_worker, "apply_on_worker", worker))
 
         def checked(runner, work):
             import warnings
@@ -388,7 +388,7 @@ class _Probe:
                                        if any(d in str(w.filename).replace(os.sep, "/")
                                               for d in ("proxima/engines/",
                                                         "proxima/kernels/")))
-        compaction_v1.apply_on_worker = checked
+        compaction_worker.apply_on_worker = checked
 
     def reset(self) -> None:
         self.sched_s, self.steps, self.gc_s, self.syncs, self.syncs_any = 0.0, 0, 0.0, 0, 0
