@@ -226,6 +226,13 @@ _BOOL = _must("true or false", lambda v: isinstance(v, bool))
 
 #: The elastic KV options (:class:`proxima.engines.elastic_v1.ElasticOptions` documents
 #: them and holds their defaults): name -> ``check(name, value) -> value`` (sizes as bytes).
+def _factory(hook) -> bool:
+    """A compactor hook: ``module:factory``, or ``{"factory": "module:factory", ...}`` (its
+    other keys are the factory's keyword arguments)."""
+    factory = hook.get("factory") if isinstance(hook, dict) else hook
+    return isinstance(factory, str) and ":" in factory
+
+
 ELASTIC_OPTIONS: dict[str, Callable] = {
     "policy": _must(" or ".join(ELASTIC_POLICIES), lambda v: v in ELASTIC_POLICIES),
     "min_bytes": _size(),
@@ -239,18 +246,14 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "retry_max_s": _number(MAX_DELAY_S, "seconds"),
     "forecast": _BOOL,
     "eviction": lambda name, value: parse_eviction(value, name),
-    "compactor": _must("'module:factory' or null",
-                       lambda v: v is None or isinstance(v, str) and ":" in v),
+    "compactor": _must("'module:factory', {\"factory\": 'module:factory', ...} or null",
+                       lambda v: v is None or _factory(v)),
     "idle_sleep_s": _number(MAX_IDLE_SLEEP_S, "seconds"),
     "granule_bytes": _size(least=1),
     "zero_on_map": _BOOL,
     "initial_granules": _count(1, "granules", nullable=True,
                                why=" (granule 0 holds the null block)"),
     "map_in_background": _BOOL,
-    "force_cycle_every": _count(0, "steps (0: off)"),
-    "force_cycle_hold": _count(1, "steps"),
-    "force_cycle_granules": _count(1, "granules"),
-    "force_cycle_safe": _BOOL,
     "stats_file": _must("a file name or null", lambda v: v is None or isinstance(v, str)),
     "verify": _BOOL,
     "compaction": _must("an object of compaction settings or null",
@@ -280,9 +283,9 @@ def elastic_options(extra, source: str = "") -> dict:
         raise ConfigError(_prefixed(source, f"max_bytes ({size_text(most)}) is below min_bytes "
                                             f"({size_text(least)}): give a maximum at least "
                                             f"the minimum"))
-    if out.get("force_cycle_every") and out.get("policy") == "off":
-        raise ConfigError(_prefixed(source, "forced cycles need the pool to place by granule: "
-                                            "use policy fixed or auto, not off"))
+    if out.get("compactor") is not None and out.get("policy") == "off":
+        raise ConfigError(_prefixed(source, "the compactor hook needs the pool to place by "
+                                            "granule: use policy fixed or auto, not off"))
     return out
 
 

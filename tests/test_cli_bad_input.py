@@ -163,7 +163,7 @@ ROWS = [
         ["argument --max-model-len: invalid", "'abc'"], skip=NO_GPU),
     Row("serve-port", ["serve", "--port", "70000"], ["out of range"]),
     Row("serve-compaction-env-without-elastic", ["serve", TINY],
-        ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "every:2"}),
+        ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "1"}),
     Row("serve-block-size", ["serve", "--block-size", "17"], ["--block-size 17 is not supported"]),
     Row("serve-missing-model", ["serve", "{tmp}/nomodel"], ["does not exist"]),
     Row("selfcheck-url-not-url", ["selfcheck", "--url", "notaurl"],

@@ -26,8 +26,7 @@ naming the variable, the value and what is accepted)
                            status (:mod:`proxima.engines.status`); unset: no status file.
     ``PROXIMA_COMPACTION`` ``1`` (with ``PROXIMA_ELASTIC=1``): KV compaction, live blocks
                            moved so that granules empty out (:mod:`proxima.engines.
-                           compaction_v1`); ``every:K``: forced, a granule emptied every K
-                           steps (for tests); ``0`` / unset: off.
+                           compaction_v1`); ``0`` / unset: off.
 
 This module imports nothing of vLLM or torch: ``proxima serve`` asks it before anything
 heavy is loaded.
@@ -198,7 +197,7 @@ def require(engine: str, vllm: str, torch: str | None = None,
         raise ActivationError(
             f"vLLM {vllm} runs the {ENGINE_NAMES[verdict.engine]}, but this is Proxima's "
             f"{ENGINE_NAMES[engine]} adapter: let the plugin pick the adapter "
-            f"(proxima.engines.activation.adapter)")
+            f"(proxima.engines.plugin.adapter)")
     if not verdict.allowed:
         raise ActivationError(verdict.refusal())
     warning = verdict.warning()
@@ -206,18 +205,6 @@ def require(engine: str, vllm: str, torch: str | None = None,
         _warned.add((vllm, torch))
         logger.warning(warning)
     return verdict
-
-
-def adapter(engine: str):
-    """The adapter module of an engine generation. Both expose ``activate()`` (patch vLLM,
-    after :func:`require`; idempotent), ``deactivate()`` (undo) and ``is_active()``."""
-    if engine == "v1":
-        from proxima.engines import vllm_v1 as module
-    elif engine == "v0":
-        from proxima.engines import vllm_v0 as module
-    else:
-        raise ValueError(f"no engine generation {engine!r}: {', '.join(ENGINE_NAMES)}")
-    return module
 
 
 # ---------------------------------------------------------------------------- variables
@@ -253,28 +240,24 @@ def _stats_file(value: str) -> Path:
 
 @dataclass(frozen=True)
 class CompactionMode:
-    """``PROXIMA_COMPACTION``'s meaning: ``auto`` (the policy decides when and what to
-    move) or ``every`` (forced: compact every ``every`` steps)."""
+    """``PROXIMA_COMPACTION``'s meaning when on: ``auto`` (the policy decides when and
+    what to move; the one mode -- the tests' forced compaction lives in
+    ``tests/support/forced.py``)."""
 
-    kind: str                #: "auto" or "every"
-    every: int = 0
+    kind: str = "auto"
 
     def __str__(self) -> str:
-        """The spelling :func:`compaction_mode` reads back: ``1`` or ``every:K``."""
-        return "1" if self.kind == "auto" else f"every:{self.every}"
+        """The spelling :func:`compaction_mode` reads back."""
+        return "1"
 
 
 def compaction_mode(value: str) -> CompactionMode | None:
-    """``"1"`` -> auto, ``"every:K"`` (K >= 1) -> forced, ``"0"`` -> None (off); else
-    ValueError (the reason)."""
+    """``"1"`` -> auto, ``"0"`` -> None (off); else ValueError (the reason)."""
     value = value.strip()
     if value == "0":
         return None
     if value == "1":
         return CompactionMode("auto")
-    kind, sep, steps = value.partition(":")
-    if kind == "every" and sep and steps.isdigit() and int(steps) >= 1:
-        return CompactionMode("every", int(steps))
     raise ValueError("")
 
 
@@ -291,8 +274,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              config.elastic_options_text, {}),
     Variable(STATS_ENV, "a file path in a writable directory, or unset (no status file)",
              _stats_file, None),
-    Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1), every:K (forced "
-             "compaction every K >= 1 steps, for tests) or 0 / unset (off)",
+    Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1) or 0 / unset (off)",
              compaction_mode, None),
 )}
 

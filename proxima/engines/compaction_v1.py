@@ -22,24 +22,9 @@ So every hash maps to the block that holds its content, and what the scheduler d
 next (admissions, prefix hits, evictions by hash) is what it would have decided without
 the move: compaction changes block ids, never a decision.
 
-Worker side (:func:`install_worker_hook`): vLLM 0.26's V2 runner keeps per-request block
-tables on the GPU (``vllm/v1/worker/gpu/block_table.py``: one ``[max_num_reqs,
-max_blocks]`` int32 table per KV-cache group, written through staged writes) and changes
-them only from the scheduler output, in ``GPUModelRunner.update_requests`` (appended ids
-of running requests) and ``add_requests`` (full ids of new and resumed requests). It has
-no supported way to rewrite a running request's ids: the resumed-request path re-creates
-the request's whole state (sampler, token buffers) from the scheduler's copy, which under
-async scheduling lags the GPU by a token. So the hook wraps ``update_requests``: after
-vLLM's own per-step block work (appends, KV zeroing, copy-on-write copies), it applies the
-step's :class:`CompactionWork` from the connector metadata -- the copies with the Triton
-mover (:class:`proxima.kernels.KVBlockMover`, every layer, on the forward's stream) and the
-moved ids written into the persistent block tables -- before ``apply_staged_writes`` and
-``prepare_attn`` read them. The step's forward then reads and writes the new ids. The
-blocks a plan must not touch (pinned) are those vLLM itself writes or names in this step
-before that point: new blocks (their ids are in the output), copy-on-write endpoints,
-the blocks of requests (re)added this step, partial-hit blocks awaiting their copy.
-With async scheduling the next step may already be scheduled on the new ids; its work
-runs after this step's on the same stream.
+Worker side (:mod:`proxima.engines.compaction_worker`): a hook around the V2 runner's
+``update_requests`` applies each step's :class:`~proxima.engines.compaction_worker.
+CompactionWork` (the copies and the block-table changes) before the forward reads them.
 
 Refused (at start-up, one clear error): another KV connector beside Proxima's (it may
 track block ids), vLLM's KV-cache metrics collector (it tracks blocks by object),
@@ -56,12 +41,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from proxima.allocator import count_runs
+from proxima.allocator.placement import PlacementMaps
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       PlacementMaps, plan_evacuate, plan_merge,
-                                       plan_pack, plan_placement, plan_run,
-                                       schedule_phases)
+                                       plan_evacuate, plan_pack, schedule_phases)
 from proxima.engines import activation
+from proxima.engines.compaction_placement import AllocationPlacement
+from proxima.engines.compaction_worker import CompactionWork
 from proxima.engines.status import percentiles
 
 logger = logging.getLogger("vllm.proxima")
@@ -70,29 +55,8 @@ DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copie
 DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
 DEFAULT_MAX_PHASES = 8               # mover launches per step
 DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
-OWNERS_EVERY = 4                    # steps between passes over every table for lone blocks
-DEFRAG_EVERY = 4                    # auto mode: steps between attempts to merge a request's runs
-DEFRAG_FULL_EVERY = 16              # the same while the elastic policy could release nothing
-MERGE_ATTEMPTS = 2                  # auto mode: requests per step whose runs it tries to merge
-MERGE_LOAD = 0.8                    # auto mode: merge runs while this share of the pool is in use
-MERGE_EVERY = 2                     # auto mode: steps between run merges
-MERGE_RETRY = 8                     # steps before a request whose merge found nothing is retried
 PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
-
-
-def _tail(ids: list[int]) -> list[int]:
-    """The blocks after a table's longest run (its prompt, mostly): the decode blocks that
-    each landed where a block was free. Merging them alone needs a window of their count,
-    not of the whole table's (the pool under pressure rarely has one that long)."""
-    best_end, best_len, start = 0, 0, 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            if i - start > best_len:
-                best_len, best_end = i - start, i
-            start = i
-    tail = ids[best_end:]
-    return tail if count_runs(tail) > 1 else []
 
 
 def scratch_first(num_blocks: int, granule_blocks: int) -> int:
@@ -106,17 +70,11 @@ class CompactionOptions:
     ``kv_connector_extra_config`` (same on the scheduler and the workers), over
     ``PROXIMA_COMPACTION`` for the mode.
 
-    ``mode``: ``"1"`` (auto) or ``"every:K"`` (forced, tests); ``budget_mib``: block bytes
+    ``mode``: ``"1"`` (on: the policy); ``budget_mib``: block bytes
     copied per step at most; ``max_phases``: mover launches per step at most;
     ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
     of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
-    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself;
-    ``defrag``: 1 to also make fragmented requests one run each while the pool is *not*
-    under pressure (0, the default since session 7: contiguity buys vLLM 0.26 nothing
-    measurable, and scanning every running table every 4 steps cost ~5 ms a call with 500
-    requests running; in the replay of the H200 burst turning it off cut the copies
-    8,272 -> 2,018 and planning p99 8.6 -> 3.5 ms with the same memory returned). Run
-    merging under pressure is not affected."""
+    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself."""
 
     mode: activation.CompactionMode
     budget_mib: int = DEFAULT_BUDGET_BYTES >> 20
@@ -124,7 +82,6 @@ class CompactionOptions:
     interval: int = DEFAULT_INTERVAL
     scratch_granules: int = 1
     claim_blocks: int = DEFAULT_CLAIM_BLOCKS
-    defrag: int = 0
 
     @classmethod
     def resolve(cls, extra: dict | None = None, environ=None) -> "CompactionOptions | None":
@@ -145,28 +102,15 @@ class CompactionOptions:
             try:
                 mode = activation.compaction_mode(str(value))
             except ValueError:
-                raise UserError(f"compaction: mode must be 1, every:K (K >= 1) or 0, got "
+                raise UserError(f"compaction: mode must be 1 (on) or 0 (off), got "
                                 f"{value!r}") from None
         if mode is None:
             return None
         for name, v in extra.items():
-            low = 0 if name in ("scratch_granules", "defrag") else 1
+            low = 0 if name == "scratch_granules" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise UserError(f"compaction: {name} must be an integer >= {low}, got {v!r}")
-            if name == "defrag" and v > 1:
-                raise UserError(f"compaction: defrag must be 0 (off) or 1 (on), got {v!r}")
         return cls(mode, **extra)
-
-
-@dataclass(frozen=True)
-class CompactionWork:
-    """What one step's workers do: the copies (phases of runs ``(src, dst, n)``) and the
-    block-table changes ``(req_id, group, positions, new ids)``."""
-
-    seq: int
-    phases: tuple[tuple[tuple[int, int, int], ...], ...]
-    tables: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...]], ...]
-    blocks: int
 
 
 @dataclass
@@ -180,8 +124,10 @@ class _Sample:
         return percentiles(self.steps)
 
 
-class Compactor:
-    """The scheduler side of KV compaction for one vLLM block pool (see the module doc).
+class Compactor(AllocationPlacement):
+    """The scheduler side of KV compaction for one vLLM block pool (see the module doc);
+    where fresh allocations go is :class:`~proxima.engines.compaction_placement.
+    AllocationPlacement`'s part.
 
     ``granule_blocks``: the granule of the reclaimable measure (and of elastic mapping);
     ``bytes_per_block``: one block's bytes over all layers (the budget's unit);
@@ -192,10 +138,8 @@ class Compactor:
     def __init__(self, pool, *, granule_blocks: int, bytes_per_block: int,
                  mode: activation.CompactionMode, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  interval: int = DEFAULT_INTERVAL, max_phases: int = DEFAULT_MAX_PHASES,
-                 allocatable=None, steer: bool = True,
-                 claim_blocks: int = DEFAULT_CLAIM_BLOCKS, scratch_null: bool = True,
-                 scratch_blocks: int = 0, displace: bool = True, pack: bool = True,
-                 defrag: bool = True, merge: bool = True) -> None:
+                 allocatable=None, claim_blocks: int = DEFAULT_CLAIM_BLOCKS,
+                 scratch_blocks: int = 0) -> None:
         queue = pool.free_block_queue
         if not hasattr(queue, "relocate"):
             raise activation.ActivationError(
@@ -215,8 +159,7 @@ class Compactor:
         self.mode = mode
         self.enabled = True
         self.budget_blocks = budget_bytes // bytes_per_block
-        self._auto_interval = interval
-        self.interval = mode.every if mode.kind == "every" else interval
+        self.interval = interval
         self.max_phases = max_phases
         self.allocatable = allocatable
         self.kv_manager = None
@@ -226,29 +169,15 @@ class Compactor:
         self._relocations: list[tuple[int, int]] = []
         self._tables: dict[tuple[str, int, int], int] = {}
         self._seq = 0
-        self.steer = steer
         self.claim_blocks = claim_blocks
-        self.scratch_null = scratch_null
-        self.displace = displace
-        self.pack = pack
-        self.defrag = defrag
-        self.merge = merge
-        self._merge_tried: dict = {}     # table key -> (length, step) of a try that found nothing
-        self._where: dict = {}           # {id: (table key, position)}, with _owners
         self._single = None
         self._owners_step = 0
-        self._lone: set[int] = set()
         self._step_new: set[int] = set()
         self.scratch_blocks = scratch_blocks
         self.scratch_first = scratch_first(pool.num_gpu_blocks, granule_blocks)
         self._step_id = None
         self._maps = PlacementMaps(pool.num_gpu_blocks)   # lone blocks and claims
-        self._forced_next = 1
         self.pack_gate = None       # () -> bool: the elastic policy's "could shrink now"
-        # () -> int: the block ids the pool may hold at most (the elastic policy's maximum);
-        # None: the ids mapped now (see _under_pressure)
-        self.capacity_blocks = None
-        self._defrag_failed: dict[str, int] = {}     # request -> table length at a failed try
         self._pack_idle: tuple[int, int] | None = None   # (step, free blocks) of an empty pack
         self._gain = True           # this step: pack_gate's answer (placement follows it)
         self._plan_seconds = 0.0
@@ -256,10 +185,8 @@ class Compactor:
                          "cached_moved": 0, "bytes_moved": 0, "phases": 0,
                          "evacuations": 0, "evacuations_done": 0, "replans": 0,
                          "skipped_steps": 0, "steered": 0,
-                         "live_displaced": 0, "runs_merged": 0, "shared_moved": 0,
-                         "scratch_used": 0, "pack_skipped": 0, "defrag_failed": 0,
-                         "merges": 0,
-                         "merge_runs_saved": 0}
+                         "live_displaced": 0, "shared_moved": 0,
+                         "scratch_used": 0, "pack_skipped": 0}
         self.placements: dict[str, int] = {}
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
@@ -267,14 +194,11 @@ class Compactor:
         pool.proxima_compaction = self
         _compactors.add(self)
 
-    def set_mode(self, mode: activation.CompactionMode | None) -> None:
-        """Switch the policy between steps (None: off -- no placement, no plans; the
+    def set_enabled(self, on: bool) -> None:
+        """Switch compaction on or off between steps (off: no placement, no plans; the
         engine then behaves as elastic mode without compaction). For tests and the GPU
-        proof, which compare modes in one engine."""
-        self.enabled = mode is not None
-        if mode is not None:
-            self.mode = mode
-            self.interval = mode.every if mode.kind == "every" else self._auto_interval
+        proof, which compare modes in one engine (tests/support/forced.py)."""
+        self.enabled = bool(on)
         self._maps.drop_except(())
 
     def reset_metrics(self) -> None:
@@ -310,55 +234,29 @@ class Compactor:
         self._pinned |= pinned
 
     def step(self) -> None:
-        """The policy of the mode: auto packs every ``interval`` steps; ``every:K`` empties
-        one granule every K steps (the most occupied one that can be emptied, its cached
-        blocks too when there is room; a test of the machinery, not a policy)."""
+        """Plan this step's moves every ``interval`` steps (:meth:`plan_step`), timed."""
         if not self.enabled or self.budget_blocks <= 0 or self.steps % self.interval:
             return
         t0 = time.perf_counter()
-        if self.mode.kind == "every":
-            self._apply(self._forced_plan(self.view()))
-        else:
-            # run merging: every DEFRAG_EVERY steps, DEFRAG_FULL_EVERY while nothing could
-            # be given back (a full pool: placement is off then, runs matter less than
-            # the CPU each merge costs the step)
-            every = DEFRAG_EVERY if self._gain else DEFRAG_FULL_EVERY
-            if self.merge and self._gain and self._under_pressure():
-                if self.steps % (MERGE_EVERY * self.interval) == 0:
-                    self._merge_runs()
-            elif self.defrag and self.steps % (every * self.interval) == 0:
-                self._defrag()
-            if self.pack and self._pack_worthwhile():
-                plan = plan_pack(self.view(), self.budget_blocks - len(self._relocations),
-                                 max_phases=self.max_phases)
-                if plan:
-                    self._pack_idle = None
-                    self._apply(plan)
-                else:               # nothing to pack now: wait for blocks to be freed
-                    self._pack_idle = (self.steps, self._free_count())
+        self.plan_step()
         self._plan_seconds += time.perf_counter() - t0
 
-    def _under_pressure(self) -> bool:
-        """Whether the blocks in use fill ``MERGE_LOAD`` of the pool's usable ids: there
-        every allocation takes what was just freed and placement cannot keep runs whole,
-        so runs are merged by exchanges (:meth:`_merge_runs`); below, placement keeps them
-        and merging would cost CPU for little. Usable ids are what the pool may hold at
-        most (``capacity_blocks``: under the elastic policy, its maximum), else those
-        mapped now: an elastic pool kept ~90% full by its policy while it may still grow
-        is not under pressure (H200, session 7: merging there cost bursts 30% of their
-        throughput). O(granules) at most."""
-        pool = self.pool
-        usable = pool.num_gpu_blocks - 1
-        if self.capacity_blocks is not None:
-            usable = min(usable, self.capacity_blocks() - 1)
-        elif self.allocatable is not None:
-            G = self.granule_blocks
-            usable -= G * sum(1 for g in range(-(-pool.num_gpu_blocks // G))
-                              if not self.allocatable(g))
-        # in use: live blocks (an elastic pool's unmapped ids are neither free nor used)
-        live = getattr(pool.free_block_queue, "live_blocks", None)
-        used = live() if live is not None else pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-        return used >= MERGE_LOAD * max(usable, 1)
+    def plan_step(self) -> None:
+        """The policy: pack the sparsest granules' live blocks into the densest, when that
+        could give memory back (:meth:`_pack_worthwhile`). (The tests' forced compaction,
+        ``tests/support/forced.py``, puts another plan here.)"""
+        if not self._pack_worthwhile():
+            return
+        plan = plan_pack(self.view(), self.budget_left(), max_phases=self.max_phases)
+        if plan:
+            self._pack_idle = None
+            self.apply(plan)
+        else:                       # nothing to pack now: wait for blocks to be freed
+            self._pack_idle = (self.steps, self._free_count())
+
+    def budget_left(self) -> int:
+        """Blocks this step may still copy."""
+        return max(0, self.budget_blocks - len(self._relocations))
 
     def _free_count(self) -> int:
         return self.pool.get_num_free_blocks()          # free and cached (freed requests)
@@ -384,115 +282,6 @@ class Compactor:
             return False
         return True
 
-    def _defrag(self, attempts: int = 1) -> None:
-        """Make the most fragmented running requests one run each (plan_run), displacing
-        only free, cached and lone blocks of others, within what is left of the budget."""
-        left = self.budget_blocks - len(self._relocations)
-        tables = []
-        failed = self._defrag_failed
-        for mgr in self._managers():
-            for req_id, table in mgr.req_to_blocks.items():
-                if len(table) < 2 or len(table) > 2 * left or failed.get(req_id) == len(table):
-                    continue
-                ids = [b.block_id for b in table if not b.is_null]
-                runs = count_runs(ids)
-                if runs > 1:
-                    tables.append((runs, req_id, ids, len(table)))
-        if len(failed) > 4096:                 # finished requests' entries
-            failed.clear()
-        tables.sort(key=lambda t: (-t[0], t[1]))
-        for runs, req_id, ids, length in tables[:attempts]:
-            merged = 0
-            for part in (ids, _tail(ids)):
-                left = self.budget_blocks - len(self._relocations)
-                if left <= 0 or len(part) < 2:
-                    continue
-                plan = plan_run(self.view(), part, left, max_phases=self.max_phases,
-                                movable=self._singletons())
-                if plan and self._apply(plan):
-                    merged = count_runs(part) - 1
-                    break
-            if merged:
-                self.counters["runs_merged"] += merged
-                failed.pop(req_id, None)
-            else:
-                # no window now: not again until the table grows (or shrinks: preempted)
-                failed[req_id] = length
-                self.counters["defrag_failed"] += 1
-
-    def _table_ids(self) -> dict:
-        """``{(group, request): [block ids]}`` of the tables compaction may rewrite."""
-        out = {}
-        null = self.pool.null_block.block_id
-        for gid, mgr in enumerate(self._managers()):
-            for req_id, table in mgr.req_to_blocks.items():
-                if table:
-                    ids = [b.block_id for b in table]
-                    if null not in ids:
-                        out[(gid, req_id)] = ids
-        return out
-
-    def _where_map(self) -> dict:
-        """``{id: ((group, request), position)}`` of the blocks one request holds (built
-        with :meth:`_owners`, refreshed with it; the planner checks each entry again)."""
-        self._owners()
-        return self._where
-
-    def _merge_runs(self, attempts: int = MERGE_ATTEMPTS) -> None:
-        """Merge the most fragmented running requests' runs by exchanges with whatever
-        their window holds, other requests' LIVE blocks included (:func:`plan_merge`),
-        when that lowers the total number of runs; the whole table first, else the
-        blocks after its longest run. A request whose try found nothing is tried again
-        once its table changed or ``MERGE_RETRY`` steps later."""
-        tables = self._table_ids()
-        tried = self._merge_tried
-        if len(tried) > 4096:
-            tried.clear()
-        order = []
-        for key, ids in tables.items():
-            memo = tried.get(key)
-            if memo is not None and memo[0] == len(ids) and self.steps - memo[1] < MERGE_RETRY:
-                continue
-            runs = count_runs(ids)
-            if runs > 1:
-                order.append((-runs, key))
-        order.sort()
-        for _, key in order[:attempts]:
-            left = self.budget_blocks - len(self._relocations)
-            if left < 2:
-                break
-            ids = tables[key]
-            where = self._where_map()
-            done = False
-            for part in (ids, _tail(ids)):
-                if len(part) < 2 or len(part) > left:
-                    continue
-                plan, delta = plan_merge(self.view(), part, key, tables, where, left,
-                                         max_phases=self.max_phases)
-                if not plan:
-                    continue
-                moves = plan.final_positions()
-                holders = self._holders_from(moves, where)
-                if self._apply(plan, holders=holders):
-                    self.counters["merges"] += 1
-                    self.counters["merge_runs_saved"] -= delta
-                    if holders is None:          # a shared block moved: every holder's
-                        tables = self._table_ids()     # table changed, read them again
-                    else:      # the tables and the map follow the moves (no full pass)
-                        for t in {key} | {where[x][0] for x in moves if x in where}:
-                            if t in tables:
-                                tables[t] = [moves.get(x, x) for x in tables[t]]
-                    entries = [(y, where.pop(x, None)) for x, y in moves.items()]
-                    for y, entry in entries:
-                        if entry is not None:
-                            where[y] = entry
-                    done = True
-                    break
-            if done:
-                tried.pop(key, None)
-            else:
-                tried[key] = (len(ids), self.steps)
-
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
         """The elastic policy's hook before a shrink: move the content out of ``granules``
         (within what is left of this step's budget). True when they now hold no block in
@@ -505,7 +294,7 @@ class Compactor:
         plan, clear = plan_evacuate(self.view(), granules,
                                     max(0, self.budget_blocks - len(self._relocations)),
                                     cached_too=cached_too, max_phases=self.max_phases)
-        applied = self._apply(plan)
+        applied = self.apply(plan)
         self._plan_seconds += time.perf_counter() - t0
         if clear and applied:
             self.counters["evacuations_done"] += 1
@@ -534,206 +323,6 @@ class Compactor:
                     emptied += 1
             return emptied
         return empty
-
-    # ------------------------------------------------------------------ placement
-    def on_allocate(self, mgr, request_id: str, new_blocks: list) -> list:
-        """Where a fresh allocation's blocks go (called by the Proxima pool's manager
-        wrapper right after vLLM's ``allocate_new_blocks``, before the step's output is
-        built). The blocks just handed out hold nothing yet, so they can take the place of
-        any free block, cached or not, whose content (if cached) is copied into them: the
-        request continues its run (the ids after its last block), else takes the lowest
-        window of non-live ids that holds its expected length (a new run, packed towards
-        low ids so that high granules empty out; the rest of the window is claimed for its
-        growth). Costs one block copy per cached block displaced, within the step's budget;
-        the free count, the LRU order and every hash's content are unchanged."""
-        if not (self.steer and self.enabled):
-            return new_blocks
-        self._sync_step()
-        if self.mode.kind == "auto" and not self._gain:
-            # nothing could be given back now (a pool the load keeps full): placing for
-            # release gains nothing, and its copies and its CPU per allocation are not free
-            self._count("skipped_full")
-            return new_blocks
-        t0 = time.perf_counter()
-        try:
-            return self._place(mgr, request_id, new_blocks)
-        finally:                      # placement is planning too (the plan_ms figure)
-            self._plan_seconds += time.perf_counter() - t0
-
-    def _place(self, mgr, request_id: str, new_blocks: list) -> list:
-        pending_cow = {id(dst) for _, dst in getattr(mgr, "_pending_cow_copies", ())}
-        steer = [b for b in new_blocks if id(b) not in pending_cow]
-        k = len(steer)
-        req_blocks = mgr.req_to_blocks[request_id]
-        first = len(req_blocks) - k
-        if k == 0 or req_blocks[first:] != steer:
-            return new_blocks
-        view = self.view()
-        kinds = view.kinds
-        for b in steer:
-            kinds[b.block_id] = LIVE
-            self._step_new.add(b.block_id)
-            if self._single is not None:
-                self._single.pop(b.block_id, None)
-                self._lone.discard(b.block_id)
-            if b.block_id < len(self._maps.lone):
-                self._maps.lone[b.block_id] = 0
-        prev = req_blocks[first - 1] if first > 0 else None
-        ids = [b.block_id for b in steer]
-        total = self.pool.proxima_expected_tokens.get(request_id)
-        need = max(k, -(-total // mgr.block_size) - first) if total else k
-        if self.displace:
-            self._owners()                    # the lone blocks, marked in the maps
-        movable = self._owners() if self.displace and k > 1 else ()
-        where = plan_placement(view, ids, None if prev is None or prev.is_null else prev.block_id,
-                               need, maps=self._maps, owner=request_id, movable=movable,
-                               claim_blocks=self.claim_blocks)
-        self._count(where.reason)
-        result = new_blocks
-        if where.targets is not None and where.targets != ids:
-            plan = self._exchange(mgr, request_id, first, steer, where.targets)
-            if plan is None:
-                self._count("exchange_failed")
-                where.claim = None
-            else:
-                cow = [b for b in new_blocks if id(b) in pending_cow]
-                result = cow + plan
-        self._maps.claim(request_id, where.claim)
-        return result
-
-    def _count(self, what: str) -> None:
-        self.placements[what] = self.placements.get(what, 0) + 1
-
-    def _exchange(self, mgr, request_id: str, first: int, steer: list, window: list[int]):
-        """Give the request the blocks of ``window`` instead of ``steer`` (module doc);
-        None, nothing changed, when a block is not what the view said or over budget."""
-        pool = self.pool
-        blocks = pool.blocks
-        queue = pool.free_block_queue
-        mine = {b.block_id: b for b in steer}
-        spare = [b for b in steer if b.block_id not in window]
-        copies = 0
-        singles = self._owners() if self.displace else {}
-        for x in window:
-            if x in mine:
-                continue
-            blk = blocks[x]
-            if blk.ref_cnt and self._single_ok(singles.get(x), blk):
-                copies += 1
-                continue
-            if blk.ref_cnt or blk.is_null or (
-                    blk.next_free_block is None and not queue.buddy.is_free(x)):
-                self._view.kinds[x] = LIVE          # the view was stale: a hit or a hold
-                return None
-            if self.allocatable is not None and not self.allocatable(x // self.granule_blocks):
-                return None
-            copies += blk.next_free_block is not None
-        if len(self._relocations) + copies > self.budget_blocks:
-            self.counters["skipped_steps"] += 1
-            return None
-        if any(b.ref_cnt != 1 or b.block_hash is not None for b in spare):
-            return None
-        kinds = self._view.kinds
-        req_blocks = mgr.req_to_blocks[request_id]
-        out = []
-        for i, x in enumerate(window):
-            blk = mine.get(x)
-            if blk is None and x in singles and blocks[x].ref_cnt:
-                # a lone block of another request: its content goes to a block just
-                # handed out, its owner's table (and the worker's) to that block
-                blk = blocks[x]
-                given = spare.pop()
-                owner_mgr, owner, idx, _ = singles.pop(x)
-                self._lone.discard(x)
-                self._maps.lone[x] = 0
-                if blk.block_hash is not None or x in pool.cached_block_hashes_by_block:
-                    pool.move_block_hashes(blk, given)
-                owner_mgr.req_to_blocks[owner][idx] = given
-                self._tables[(owner, owner_mgr.kv_cache_group_id, idx)] = given.block_id
-                self._relocations.append((x, given.block_id))
-                self._step_new.add(given.block_id)
-                kinds[given.block_id] = LIVE
-                self.counters["live_displaced"] += 1
-            elif blk is None:
-                blk = blocks[x]
-                given = spare.pop()
-                cached = blk.next_free_block is not None
-                queue.exchange(blk, given)
-                if cached:
-                    pool.move_block_hashes(blk, given)
-                    self._relocations.append((x, given.block_id))
-                    kinds[given.block_id] = CACHED
-                    self.counters["cached_moved"] += 1
-                else:
-                    kinds[given.block_id] = FREE
-                blk.ref_cnt, given.ref_cnt = given.ref_cnt, 0
-                kinds[x] = LIVE
-            req_blocks[first + i] = blk
-            out.append(blk)
-        self.counters["steered"] += 1
-        self.counters["relocations"] += copies
-        self.counters["bytes_moved"] += copies * self.bytes_per_block
-        return out
-
-    def _owners(self) -> dict[int, tuple]:
-        """The LIVE blocks a placement may displace: held by one request (reference count
-        1), not awaiting vLLM's copy-on-write. ``{block id: (manager, request id, position,
-        lone)}``; ``lone``: a run of one id in its owner's table (moving it elsewhere
-        breaks no run). Found by a pass over every table every ``OWNERS_EVERY`` steps (it
-        costs O(blocks in use)); each use checks the entry again (:meth:`_single_ok`: still
-        that owner's, not allocated in this step, not awaiting a copy-on-write)."""
-        if self._single is None or self.steps - self._owners_step >= OWNERS_EVERY:
-            self._owners_step = self.steps
-            pinned = set(self._step_new)
-            for mgr in self._managers():
-                for _, blk in getattr(mgr, "_partial_hit_reqs", {}).values():
-                    pinned.add(blk.block_id)
-                for a, b in getattr(mgr, "_pending_cow_copies", ()):
-                    pinned.update((a.block_id, b.block_id))
-            owners = {}
-            where = {}                      # the same as {id: ((group, request), position)}
-            lone_ids = set()
-            for gid, mgr in enumerate(self._managers()):
-                for req_id, table in mgr.req_to_blocks.items():
-                    key = (gid, req_id)
-                    ids = [b.block_id for b in table]
-                    # a block is lone unless a neighbour in the table is its neighbour id
-                    before = [-2] + ids[:-1]
-                    after = ids[1:] + [-2]
-                    for i, (blk, x, p, q) in enumerate(zip(table, ids, before, after)):
-                        if blk.ref_cnt != 1 or blk.is_null or x in pinned:
-                            continue
-                        lone = p != x - 1 and q != x + 1
-                        owners[x] = (mgr, req_id, i, lone)
-                        where[x] = (key, i)
-                        if lone:
-                            lone_ids.add(x)
-            self._single = owners
-            self._where = where
-            self._lone = lone_ids
-            self._maps.resize(len(self.view().kinds))
-            mask = self._maps.lone
-            mask[:] = bytes(len(mask))
-            self._maps.set_lone(lone_ids)
-        return self._single
-
-    def _singletons(self) -> set[int]:
-        """The lone blocks of :meth:`_owners`."""
-        self._owners()
-        return self._lone
-
-    def _single_ok(self, entry, blk) -> bool:
-        if entry is None or blk.ref_cnt != 1 or blk.block_id in self._step_new:
-            return False
-        mgr, req_id, idx, _ = entry
-        table = mgr.req_to_blocks.get(req_id)
-        if not (table and idx < len(table) and table[idx] is blk):
-            return False
-        for m in self._managers():
-            if any(b is blk for _, b in getattr(m, "_partial_hit_reqs", {}).values()) or \
-                    any(blk is a or blk is b for a, b in getattr(m, "_pending_cow_copies", ())):
-                return False
-        return True
 
     def _sync_step(self) -> None:
         """Start a new step's state at its first event (allocations come before
@@ -812,7 +401,7 @@ class Compactor:
                     kinds[g * G:(g + 1) * G] = bytes([FIXED]) * len(range(g * G, min(n, (g + 1) * G)))
         null = pool.null_block.block_id
         self._pinned.discard(null)
-        scratch = [null] if self.scratch_null else []
+        scratch = [null]
         if self.scratch_blocks:
             first = self.scratch_first
             kinds += bytes([FIXED]) * (first + self.scratch_blocks - n)
@@ -821,7 +410,7 @@ class Compactor:
         return self._view
 
     # ------------------------------------------------------------------ applying
-    def _apply(self, plan: Plan, holders: dict | None = None) -> bool:
+    def apply(self, plan: Plan) -> bool:
         """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
         content from its first to its last id; a stay in the scratch id leaves no trace),
         after checking that every block involved is what the view said: a mismatch pins
@@ -829,8 +418,7 @@ class Compactor:
         if not plan:
             return True
         moves = plan.final_positions()                 # original id -> final id
-        if holders is None:
-            holders = self._holders(set(moves))
+        holders = self._holders(set(moves))
         bad = self._mismatch(moves, holders)
         if bad is not None:
             self.counters["replans"] += 1
@@ -879,7 +467,6 @@ class Compactor:
         if self._single is not None:            # moved blocks are no longer where they were
             for x in moves:
                 self._single.pop(x, None)
-                self._lone.discard(x)
                 if x < len(self._maps.lone):
                     self._maps.lone[x] = 0
         new_kinds = {y: kinds[x] for x, y in moves.items()}
@@ -893,27 +480,6 @@ class Compactor:
         c["relocations"] += plan.blocks_moved
         c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
         return True
-
-    def _holders_from(self, moves: dict[int, int], where: dict) -> dict | None:
-        """The holders of the moved LIVE ids from ``where`` (each checked against the
-        real table), or None when one is not there (then :meth:`_holders` looks)."""
-        managers = self._managers()
-        blocks = self.pool.blocks
-        out = {}
-        for x in moves:
-            blk = blocks[x]
-            if not blk.ref_cnt:
-                continue
-            entry = where.get(x)
-            if entry is None or blk.ref_cnt != 1:
-                return None
-            (gid, req), idx = entry
-            mgr = managers[gid]
-            table = mgr.req_to_blocks.get(req)
-            if not table or idx >= len(table) or table[idx] is not blk:
-                return None
-            out[x] = [(mgr, req, idx)]
-        return out
 
     def _holders(self, ids: set[int]) -> dict[int, list]:
         """``{block id: [(manager, request id, position), ...]}`` for the given ids."""
@@ -950,25 +516,10 @@ class Compactor:
                     return y
         return None
 
-    def _forced_plan(self, view: PoolView) -> Plan:
-        budget = self.budget_blocks - len(self._relocations)
-        live = view.live_per_granule()
-        order = sorted(range(view.num_granules), key=lambda g: (-live[g], g))
-        for g in order:
-            if not live[g]:
-                break
-            for cached_too in (True, False):
-                plan, _ = plan_evacuate(view, [g], budget, cached_too=cached_too,
-                                        max_phases=self.max_phases)
-                if plan:
-                    return plan
-        return Plan()
-
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
         """The figures for the engine status file and ``/metrics``."""
-        mode = "auto" if self.mode.kind == "auto" else f"every:{self.mode.every}"
-        return {"mode": mode if self.enabled else "off",
+        return {"mode": "auto" if self.enabled else "off",
                 "steps": self.steps, "budget_bytes": self.budget_blocks * self.bytes_per_block,
                 "bytes_per_block": self.bytes_per_block, **self.counters,
                 "placements": dict(self.placements),
@@ -1030,9 +581,9 @@ def _options(vllm_config, extra, composed: bool) -> "CompactionOptions | None":
     return options
 
 
-def worker_side(vllm_config, extra, composed: bool = False) -> bool:
-    """Whether this worker applies compaction's work (the settings checked here too)."""
-    return _options(vllm_config, extra, composed) is not None
+def worker_side(vllm_config, extra, composed: bool = False) -> "CompactionOptions | None":
+    """The settings when this worker applies compaction's work (None: off; checked here)."""
+    return _options(vllm_config, extra, composed)
 
 
 def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
@@ -1058,170 +609,9 @@ def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
         mode=options.mode, budget_bytes=options.budget_mib << 20, interval=options.interval,
         max_phases=options.max_phases, allocatable=lambda g: state[g] == MAPPED,
         claim_blocks=options.claim_blocks,
-        scratch_blocks=options.scratch_granules * channel.granule_blocks,
-        defrag=bool(options.defrag))
+        scratch_blocks=options.scratch_granules * channel.granule_blocks)
     logger.info("Proxima KV compaction: %s, budget %d MiB (%d blocks of %d KiB) and %d "
                 "mover launches per step, %d scratch blocks", compactor.stats()["mode"],
                 options.budget_mib, compactor.budget_blocks, bytes_per_block >> 10,
                 options.max_phases, compactor.scratch_blocks)
     return compactor
-
-
-# ----------------------------------------------------------------------------- worker side
-
-_saved: list[tuple[object, str, object]] = []
-_worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
-
-
-def install_worker_hook(cls=None) -> None:
-    """Wrap the V2 runner's ``update_requests`` (``cls``: ``GPUModelRunner``; idempotent):
-    see the module doc."""
-    if cls is None:
-        import vllm.v1.worker.gpu.model_runner as model_runner
-
-        cls = model_runner.GPUModelRunner
-    if any(owner is cls for owner, _, _ in _saved):
-        return
-    original = cls.update_requests
-
-    def update_requests(self, scheduler_output) -> None:
-        original(self, scheduler_output)
-        meta = scheduler_output.kv_connector_metadata
-        work = getattr(meta, "compaction", None)
-        if work is not None:
-            apply_on_worker(self, work)
-        elif any(getattr(m, "compaction", None) is not None
-                 for m in getattr(meta, "metadata", ()) or ()):
-            raise RuntimeError("KV compaction's work arrived inside another connector's "
-                               "metadata: compaction does not run beside other connectors")
-
-    update_requests.__wrapped__ = original
-    update_requests.__doc__ = original.__doc__
-    _saved.append((cls, "update_requests", original))
-    cls.update_requests = update_requests
-
-
-def uninstall_worker_hook() -> None:
-    while _saved:
-        owner, name, value = _saved.pop()
-        setattr(owner, name, value)
-
-
-class _WorkerState:
-    """Per model runner: the mover over its KV tensors and the pending timings."""
-
-    def __init__(self, runner) -> None:
-        from proxima.kernels import KVBlockMover
-
-        bpk = set(runner.block_tables.blocks_per_kv_block)
-        if len(bpk) != 1:
-            raise RuntimeError(f"{activation.COMPACTION_ENV}: KV-cache groups with different "
-                               f"kernel block sizes ({sorted(bpk)}) are not supported")
-        self.bpk = bpk.pop()
-        self.mover = KVBlockMover(runner.kv_caches)
-        self.pending: deque = deque()
-        from proxima.engines import elastic_v1
-
-        memory = elastic_v1.kv_memory()
-        spare = memory.spare_blocks if memory is not None else range(0)
-        self.limit = spare.stop if len(spare) else self.mover.num_blocks
-
-
-def worker_segments(work: CompactionWork, bpk: int, row_of) -> tuple[list, list]:
-    """The step's work as flat int lists for one upload (pure Python): per phase, its
-    single-block sources then destinations (kernel blocks: ``bpk`` per vLLM block); per
-    KV-cache group, the block-table rows, columns and new ids. Returns ``(segments,
-    index)``: ``index`` is ``[("move", phase number, count) | ("table", group, count)]``
-    (a table entry covers three segments: rows, columns, values). ``row_of``: request id
-    -> its table row (None: not held here)."""
-    segments: list = []
-    index: list = []
-    for p, phase in enumerate(work.phases):
-        src: list[int] = []
-        dst: list[int] = []
-        for s, d, n in phase:
-            src.extend(range(s * bpk, (s + n) * bpk))
-            dst.extend(range(d * bpk, (d + n) * bpk))
-        if src:
-            segments.append(src + dst)
-            index.append(("move", p, len(src)))
-    rows: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for req_id, group, cols, ids in work.tables:
-        row = row_of(req_id)
-        if row is None:
-            raise RuntimeError(f"compaction moved blocks of request {req_id}, which this "
-                               "worker does not hold: its block table cannot be updated")
-        r, c, v = rows.setdefault(group, ([], [], []))
-        for col, new in zip(cols, ids):
-            r.extend((row,) * bpk)
-            c.extend(range(col * bpk, (col + 1) * bpk))
-            v.extend(range(new * bpk, (new + 1) * bpk))
-    for group, (r, c, v) in rows.items():
-        segments += [r, c, v]
-        index.append(("table", group, len(r)))
-    return segments, index
-
-
-def apply_on_worker(runner, work: CompactionWork) -> None:
-    """Copy the moved blocks (every layer, current stream) and write their new ids into the
-    runner's persistent block tables, before the step's forward reads either.
-
-    Nothing here waits for the GPU: the moves and the table writes of the whole step go up
-    in one pinned, non-blocking host-to-device copy (16-byte aligned segments, so the
-    kernel never compiles again for a new slice), then one mover launch per phase and one
-    indexed write per KV-cache group, all queued on the current stream; the CUDA events
-    that time it are read only once they have completed (a later step)."""
-    import torch
-
-    from proxima.kernels.mover import pack_int64
-
-    state = runner.__dict__.get("_proxima_compaction")
-    if state is None:
-        state = runner._proxima_compaction = _WorkerState(runner)
-    cuda = state.mover.device.type == "cuda"
-    limit = state.limit
-    for phase in work.phases:
-        for s, d, n in phase:
-            if s < 0 or d < 0 or max(s, d) + n > limit:
-                raise RuntimeError(f"compaction: move ({s}, {d}, {n}) lies outside this "
-                                   f"worker's KV blocks and scratch (0..{limit - 1}): the "
-                                   "scheduler and the workers disagree on the settings")
-    segments, index = worker_segments(work, state.bpk, runner.req_states.req_id_to_index.get)
-    if not segments:
-        _collect_times(state)
-        return
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    flat, offsets = pack_int64(segments)
-    host = torch.tensor(flat, dtype=torch.int64)
-    dev = state.mover.device
-    data = host.pin_memory().to(dev, non_blocking=True) if cuda else host.to(dev)
-    seg = iter(offsets)
-    for kind, which, count in index:
-        if kind == "move":
-            at = next(seg)
-            state.mover.apply_pairs(data[at:at + 2 * count], count)
-        else:
-            r, c, v = next(seg), next(seg), next(seg)
-            table = runner.block_tables.block_tables[which].gpu
-            vals = data[v:v + count]
-            table[data[r:r + count], data[c:c + count]] = vals.to(table.dtype)
-    if cuda:
-        end.record()
-        state.pending.append((work.seq, start, end))
-    _collect_times(state)
-
-
-def _collect_times(state: _WorkerState) -> None:
-    """Read the CUDA events of earlier steps that have completed (``query`` never waits)."""
-    while state.pending and state.pending[0][2].query():
-        seq, s, e = state.pending.popleft()
-        _worker_times.append((seq, s.elapsed_time(e)))
-
-
-def take_worker_times() -> tuple[tuple[int, float], ...]:
-    """The GPU times measured since the last call (the connector's worker report)."""
-    out = tuple(_worker_times)
-    _worker_times.clear()
-    return out

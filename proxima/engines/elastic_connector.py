@@ -9,12 +9,10 @@ also on steps without tokens via ``no_forward``), and on which the workers answe
 step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel workers,
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
-race the step in flight. The same channel carries issue 14's block moves (``MOVE`` ops:
-applied in ``start_load_kv``, i.e. after the step's own block zeroing and copy-on-write
-copies in the V2 runner's ``update_requests`` and before its forward);
-other connectors compose with it through vLLM's ``MultiConnector``, which calls each
-child's hooks in order (Proxima's first: see :func:`proxima.engines.elastic_v1.
-with_elastic_connector`).
+race the step in flight. The same metadata carries KV compaction's block moves
+(:func:`proxima.engines.compaction_worker.install_worker_hook`); other connectors compose
+with it through vLLM's ``MultiConnector``, which calls each child's hooks in order
+(Proxima's first: see :func:`proxima.engines.elastic_v1.with_elastic_connector`).
 
 What configuring a connector changes in vLLM 0.26 (read from its source, checked by
 ``tests/vllm/test_elastic_connector.py`` for the scheduling part):
@@ -48,8 +46,9 @@ Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_po
 Proxima's block pool, its free queue becomes granule-aware
 (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
 packed) and :class:`proxima.memory.policy.GrowShrinkPolicy` grows and shrinks it at each
-step boundary (``policy: auto``); :class:`ForcedCycler` is a test policy. A stock pool gets
-the channel only (``policy: off``: the whole pool stays mapped).
+step boundary (``policy: auto``); a :class:`StepHook` given as the ``compactor`` option
+runs at every step boundary too (the tests' forced cycles, ``tests/support/forced.py``). A
+stock pool gets the channel only (``policy: off``: the whole pool stays mapped).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -71,11 +70,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.engines import compaction_v1, elastic_v1
+from proxima.engines import compaction_v1, compaction_worker, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
-from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy
 from proxima.memory.layout import check_block_major, granule_blocks
@@ -93,7 +91,7 @@ STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while
 class ElasticMetadata(KVConnectorMetadata):
     """Scheduler -> workers, every step: the step's ops (None: nothing to do) and KV
     compaction's copies and block-table changes (None: none; applied by
-    :func:`proxima.engines.compaction_v1.install_worker_hook`'s hook, before the ops)."""
+    :func:`proxima.engines.compaction_worker.install_worker_hook`'s hook, before the ops)."""
 
     batch: OpBatch | None = None
     compaction: object | None = None
@@ -135,69 +133,21 @@ def _current_stream() -> int:
     return torch.cuda.current_stream().cuda_stream if torch.cuda.is_initialized() else 0
 
 
-class ForcedCycler:
-    """A test policy: every ``every`` steps release up to ``granules`` granules that hold
-    neither live nor cached blocks, map them back ``hold`` steps later, and count a cycle
-    once the maps are confirmed (a map the GPU cannot back is asked again).
+class StepHook(Protocol):
+    """What the ``compactor`` option's factory may return besides a compactor: an object
+    the connector drives at every step boundary, after the grow/shrink policy (the tests'
+    forced map/unmap cycles: ``tests/support/forced.py``)."""
 
-    ``safe``: release only while the free blocks left in mapped memory cover what the held
-    requests may still need (``forecast``) plus ``margin``, so that no allocation ever
-    evicts a cached block stock would have kept and no admission changes: the schedule,
-    and so greedy output, stay identical to stock's (the GPU identity proof relies on it).
-    """
+    def tick(self, step: int, reserve: int, forecast: Callable[[], int]) -> object:
+        """``reserve``: blocks the next steps may allocate; ``forecast``: the blocks the
+        held requests may still need."""
 
-    def __init__(self, queue, channel: ElasticChannel, every: int, hold: int, granules: int,
-                 safe: bool = True, forecast=None, margin: int = 0) -> None:
-        self.queue, self.channel = queue, channel
-        self.every, self.hold, self.granules = every, hold, granules
-        self.safe, self.forecast, self.margin = safe, forecast, margin
-        self.cycles = 0
-        self.out: list[int] = []
-        self._since = 0
-        self._mapping = False
+    def pending(self) -> bool:
+        """Work in flight: the engine keeps stepping while True."""
 
-    def _candidates(self) -> list[int]:
-        q = self.queue
-        free_only = sorted((g for g, cached in q.releasable()
-                            if not cached and self.channel.state[g] == MAPPED), reverse=True)
-        if not self.safe:
-            return free_only[:self.granules]
-        spare = q.buddy.num_free - (self.forecast() if self.forecast else 0) - self.margin
-        out = []
-        for g in free_only:
-            size = len(q.granules.ids_of(g))
-            if len(out) == self.granules or spare < size:
-                break
-            out.append(g)
-            spare -= size
-        return out
+    def stats(self) -> dict:
+        """Figures added to the connector's status."""
 
-    def tick(self, step: int) -> bool:
-        """Advance at a step boundary; True when a cycle completed now."""
-        state = self.channel.state
-        if not self.out:
-            idle = not self.queue.live_blocks() and not (self.forecast and self.forecast())
-            if step % self.every == 0 and not idle:     # an idle engine sleeps: no cycle
-                self.out = self._candidates()
-                if self.out:
-                    self.queue.release(self.out)
-                    for run in runs(sorted(self.out)):
-                        self.channel.unmap(run.start, len(run))
-                    self._since, self._mapping = step, False
-            return False
-        if not self._mapping:
-            if step - self._since >= self.hold:
-                for run in runs(sorted(self.out)):
-                    self.channel.map(run.start, len(run))
-                self._mapping = True
-            return False
-        if any(state[g] != MAPPED for g in self.out):
-            retry = [g for g in self.out if state[g] == UNMAPPED]
-            for run in runs(retry):          # the GPU had no memory: ask again
-                self.channel.map(run.start, len(run))
-            return False
-        self.out, self.cycles = [], self.cycles + 1
-        return True
 
 class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     """Carries :mod:`proxima.memory.ops` batches to the workers; loads and saves nothing."""
@@ -211,8 +161,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
         self.compactor = None               # compaction_v1.Compactor (scheduler)
-        self._mover = None                  # the Triton block mover (worker)
-        self.cycler: ForcedCycler | None = None
+        self.step_hook: StepHook | None = None   # from the compactor option (tests)
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
         self._stats_written = 0.0           # when the stats file was last written (monotonic)
@@ -223,7 +172,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._last_allocated = 0
         self._step_allocs: deque[int] = deque(maxlen=64)
         self._memory = None
-        self._kv_caches: dict | None = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._background = None             # proxima.memory.background.BackgroundOps
         self._short = False
@@ -238,10 +186,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 raise UserError("elastic KV memory and vLLM's sleep mode both manage the KV "
                                 "memory; use one of them (unset PROXIMA_ELASTIC or "
                                 "--enable-sleep-mode)")
-            elastic_v1.install_allocation_hook(self.options, vllm_config)
-            # --- KV compaction (issue 14): the worker applies its moves before the forward
-            if compaction_v1.worker_side(vllm_config, self.options.compaction, self._composed):
-                compaction_v1.install_worker_hook()
+            # --- KV compaction (issue 14): its scratch granules past the pool, and the
+            # worker applies its moves before the forward
+            compaction = compaction_v1.worker_side(vllm_config, self.options.compaction,
+                                                   self._composed)
+            elastic_v1.install_allocation_hook(
+                self.options, vllm_config,
+                spare_granules=compaction.scratch_granules if compaction is not None else 0)
+            if compaction is not None:
+                compaction_worker.install_worker_hook()
             # ---
 
     # ================================================================ worker side
@@ -259,7 +212,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                     continue
                 seen.add(key)
                 self._check_view(memory, name, view)
-        self._memory, self._kv_caches = memory, kv_caches
+        self._memory = memory
         if self.options.map_in_background:
             from proxima.memory.background import BackgroundOps
 
@@ -281,10 +234,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if batch is None:
             return
         if self._background is not None:
-            self._background.submit(batch.seq, batch.ops, stream=_current_stream(),
-                                    mover=self._move)
+            self._background.submit(batch.seq, batch.ops)
             return
-        failed = self._memory.apply(batch.ops, stream=_current_stream(), mover=self._move)
+        failed = self._memory.apply(batch.ops, stream=_current_stream())
         self._done(batch.seq, failed)
 
     def _done(self, seq: int, failed) -> None:
@@ -293,16 +245,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("Proxima elastic KV: the GPU has no memory for %d more granules "
                            "now; serving at the current size", sum(n for _, n in failed))
         self._short = bool(failed)
-
-    def _move(self, src: int, dst: int, count: int) -> None:
-        # --- KV compaction (issue 14): MOVE ops with the Triton mover, every layer at once,
-        # on the current (the forward's) stream
-        if self._mover is None:
-            from proxima.kernels import KVBlockMover
-
-            self._mover = KVBlockMover(self._kv_caches)
-        self._mover.apply([src], [dst], [count])
-        # ---
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -317,7 +259,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self._background is not None:
             for seq, failed in self._background.poll():
                 self._done(seq, failed)
-        times = compaction_v1.take_worker_times()
+        times = compaction_worker.take_worker_times()
         if not self._applied and not times:
             return None
         stats = self._memory.stats
@@ -358,41 +300,45 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self._vllm_config, self._kv_cache_config, gpu_block_pool, ch,
             opts.compaction, self._composed)
         # ---
+        hook = self._load_hook()
         if opts.policy == "auto":
+            if callable(hook):
+                release = hook
+            else:                                # KV compaction empties granules on demand
+                release = self.compactor.release_hook() if self.compactor is not None else None
             self.policy = GrowShrinkPolicy(
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
-                clock=lambda: self.clock(), forecast=self._forecast,
-                compactor=self._load_compactor())
+                clock=lambda: self.clock(), forecast=self._forecast, compactor=release)
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
-                policy = self.policy               # and merges runs only near the maximum
-                self.compactor.capacity_blocks = lambda: policy.max_granules * g
-        if opts.force_cycle_every:
-            self.cycler = ForcedCycler(queue, ch, opts.force_cycle_every,
-                                       opts.force_cycle_hold, opts.force_cycle_granules,
-                                       safe=opts.force_cycle_safe, forecast=self._forecast,
-                                       margin=self._step_reserve())
+        if hasattr(hook, "tick"):
+            self.step_hook = hook
         gpu_block_pool.proxima_elastic = self.status
         logger.info("Proxima elastic KV: %d granules of %d blocks (%.1f MiB each), %d mapped "
                     "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
                     self.bytes_per_granule / 2**20, startup, initial, opts.policy,
                     queue.eviction)
 
-    def _load_compactor(self):
+    def _load_hook(self):
+        """The ``compactor`` option's object, ``factory(queue, channel, **kwargs)`` (see
+        :class:`proxima.engines.elastic_v1.ElasticOptions`); None when not given."""
         spec = self.options.compactor
         if not spec:
-            if self.compactor is not None:       # KV compaction empties granules on demand
-                return self.compactor.release_hook()
             return None
+        kwargs = dict(spec) if isinstance(spec, dict) else {"factory": spec}
+        path = kwargs.pop("factory")
         import importlib
 
-        module, _, name = spec.partition(":")
+        module, _, name = path.partition(":")
         try:
             factory = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
-            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {spec!r} cannot be loaded "
+            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {path!r} cannot be loaded "
                             f"({exc}); give module:factory") from None
-        return factory(self.queue, self.channel)
+        try:
+            return factory(self.queue, self.channel, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {path!r}: {exc}") from None
 
     def _forecast(self) -> int:
         """Blocks the requests the scheduler holds may still need (prompt + max_tokens,
@@ -454,9 +400,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.policy.options = dataclasses.replace(self.policy.options,
                                                           reserve_blocks=reserve)
             self.policy.step()
-        if self.cycler is not None:
-            self.cycler.margin = self._step_reserve()
-            self.cycler.tick(self.steps)
+        if self.step_hook is not None:
+            self.step_hook.tick(self.steps, self._step_reserve(), self._forecast)
         batch = self.channel.build()
         work = compactor.take_work() if compactor is not None else None
         if self.options.stats_file and time.monotonic() - self._stats_written >= STATS_EVERY_S:
@@ -516,7 +461,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self.channel is None:
             return False
         return (self.channel.pending or (self.policy is not None and self.policy.pending)
-                or (self.cycler is not None and bool(self.cycler.out)))
+                or (self.step_hook is not None and self.step_hook.pending()))
 
     # ================================================================ control
     def control(self, request: dict) -> dict:
@@ -558,7 +503,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                "granule_blocks": ch.granule_blocks, "num_granules": ch.num_granules,
                "num_blocks": ch.num_blocks, "mapped": ch.count(MAPPED),
                "unmapped": ch.count(UNMAPPED), "reported_mapped": ch.reported_mapped,
-               "forced_cycles": self.cycler.cycles if self.cycler else 0, **ch.stats}
+               **(self.step_hook.stats() if self.step_hook is not None else {}), **ch.stats}
         B = getattr(self, "bytes_per_granule", 0)
         out["bytes_per_granule"] = B
         if self.queue is not None:

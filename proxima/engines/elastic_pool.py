@@ -1,6 +1,6 @@
 """Proxima's free queue in elastic mode: mapped capacity only, live blocks packed by granule.
 
-:class:`GranuleFreeQueue` is :class:`~proxima.engines.vllm_v1.ProximaFreeQueue` (same
+:class:`GranuleFreeQueue` is :class:`~proxima.engines.free_queue.ProximaFreeQueue` (same
 methods, same two tiers, same vLLM code around it) plus a
 :class:`~proxima.allocator.granules.GranuleIndex`:
 
@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from proxima.allocator import BuddyAllocator
 from proxima.allocator.granules import (CLASSES, FINISHED, EvictionPolicy, GranuleIndex,
                                         ReuseHorizon)
-from proxima.engines.vllm_v1 import CLASSED_QUEUES, QUEUES, ProximaFreeQueue, _clock
+from proxima.engines.free_queue import ProximaFreeQueue, _clock
 
 
 class GranuleFreeQueue(ProximaFreeQueue):
@@ -50,6 +50,8 @@ class GranuleFreeQueue(ProximaFreeQueue):
     The owner sets ``end_for`` (the step the request being served is expected to finish
     at) before each allocation and calls :meth:`tick` once per scheduler step.
     """
+
+    classes_preempted = True        # the manager's free wrapper marks a preemption's blocks
 
     def __init__(self, blocks: list, reserved: tuple[int, ...] = (0,), *, granule_blocks: int,
                  eviction: EvictionPolicy = EvictionPolicy(), mapped: int | None = None,
@@ -371,7 +373,3 @@ class GranuleFreeQueue(ProximaFreeQueue):
         for g in range(gi.num_granules):
             if not gi.mapped[g] and any(buddy.is_free(i) for i in gi.ids_of(g)):
                 raise InvariantError(f"unmapped granule {g} has free ids in the buddy")
-
-
-QUEUES.add(GranuleFreeQueue)
-CLASSED_QUEUES.add(GranuleFreeQueue)

@@ -80,16 +80,21 @@ class ElasticOptions:
 
     ``policy``: ``auto`` (the default: the pool places by granule and the memory grows and
     shrinks with the load, :mod:`proxima.memory.policy`), ``fixed`` (placement by granule,
-    the whole pool mapped: only forced cycles release memory) or ``off`` (item 1: the whole
+    the whole pool mapped) or ``off`` (item 1: the whole
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
     vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
     ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
-    ``lru``, ``age:N``, ``window:W``). ``compactor``: ``module:factory`` of a compaction
-    hook (issue 14): ``factory(queue, channel) -> fn(pool, granules_wanted) -> emptied``,
-    asked before a shrink that finds too few empty granules (None: no compaction).
+    ``lru``, ``age:N``, ``window:W``). ``compactor``: a hook, ``module:factory`` or
+    ``{"factory": "module:factory", ...keyword arguments}``, called as ``factory(queue,
+    channel, **kwargs)`` once the pool places by granule (policy ``auto`` or ``fixed``). A
+    callable result is the grow/shrink policy's compactor, ``fn(queue, granules_wanted) ->
+    emptied``, asked before a shrink that finds too few empty granules (None: KV
+    compaction's own when it is on); a result with ``tick`` is driven at every step
+    boundary (see :class:`proxima.engines.elastic_connector.StepHook`; the tests' forced
+    cycles, ``tests/support/forced.py``).
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).
     ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity).
@@ -99,11 +104,7 @@ class ElasticOptions:
     ``map_in_background``: workers map and unmap on a thread of their own while the
     forward runs (default true, :mod:`proxima.memory.background`); false applies them
     before the step's forward, which waits for them.
-    ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
-    that every N steps releases up to ``granules`` granules holding neither live nor cached
-    blocks and maps them back ``hold`` steps later (0: off); with ``force_cycle_safe`` only
-    while the free blocks left cover what the held requests may still need, so that no
-    scheduling decision changes. ``stats_file``: where the scheduler side writes its
+    ``stats_file``: where the scheduler side writes its
     counters (JSON). ``verify``: check every step that no new block lies in an unmapped
     granule.
     ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
@@ -122,16 +123,12 @@ class ElasticOptions:
     retry_max_s: float = _POLICY.retry_max_s
     forecast: bool = _POLICY.forecast
     eviction: str = "auto"
-    compactor: str | None = None
+    compactor: str | dict | None = None
     idle_sleep_s: float = 0.005
     granule_bytes: int = 2 << 20
     zero_on_map: bool = True
     initial_granules: int | None = None
     map_in_background: bool = True
-    force_cycle_every: int = 0
-    force_cycle_hold: int = 2
-    force_cycle_granules: int = 4
-    force_cycle_safe: bool = True
     stats_file: str | None = None
     verify: bool = True
     compaction: dict | None = None
@@ -368,6 +365,7 @@ def deactivate() -> None:
 class _Worker:
     options: ElasticOptions | None = None
     vllm_config = None
+    spare_granules = 0  # past the pool: KV compaction's scratch (its settings say how many)
     memory = None      # the KvMemory of this worker process, once allocated
 
 
@@ -376,12 +374,16 @@ def kv_memory():
     return _Worker.memory
 
 
-def install_allocation_hook(options: ElasticOptions, vllm_config=None) -> None:
-    """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent)."""
+def install_allocation_hook(options: ElasticOptions, vllm_config=None,
+                            spare_granules: int = 0) -> None:
+    """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent);
+    ``spare_granules`` more are reserved past the pool (KV compaction's scratch blocks:
+    the connector reads how many from compaction's settings)."""
     import vllm.v1.worker.gpu.attn_utils as attn_utils
 
     _Worker.options = options
     _Worker.vllm_config = vllm_config
+    _Worker.spare_granules = spare_granules
     if attn_utils._allocate_kv_cache is not _allocate_kv_cache_vmm:
         _patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm)
 
@@ -427,15 +429,9 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
         g = granule_blocks(strides, options.granule_bytes)
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
-    # --- KV compaction (issue 14): its scratch granules, past the pool (compaction_v1)
-    from proxima.engines.compaction_v1 import CompactionOptions
-
-    compaction = CompactionOptions.resolve(options.compaction)
-    spare = compaction.scratch_granules if compaction is not None else 0
-    # ---
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
                       device=index, mapped=mapped, zero_on_map=options.zero_on_map,
-                      spare_granules=spare)
+                      spare_granules=_Worker.spare_granules)
     raw = [t.view(torch.int8) for t in memory.tensors()]
     tensors = {name: raw[i] for name, i in where.items()}
     layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}

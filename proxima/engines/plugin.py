@@ -23,6 +23,21 @@ from proxima.engines import activation
 logger = logging.getLogger("vllm.proxima")  # a child of vLLM's logger: same handler, same format
 
 
+def adapter(engine: str):
+    """The adapter module of an engine generation. Both expose ``activate()`` (patch vLLM,
+    after :func:`proxima.engines.activation.require`; idempotent), ``deactivate()`` (undo)
+    and ``is_active()``. (Here, not in :mod:`~proxima.engines.activation`: the adapters
+    import the policy, the policy imports no adapter.)"""
+    if engine == "v1":
+        from proxima.engines import vllm_v1 as module
+    elif engine == "v0":
+        from proxima.engines import vllm_v0 as module
+    else:
+        raise ValueError(f"no engine generation {engine!r}: "
+                         f"{', '.join(activation.ENGINE_NAMES)}")
+    return module
+
+
 def register() -> None:
     try:
         _register()
@@ -45,8 +60,7 @@ def _register() -> None:
             f"{activation.ELASTIC_ENV}=1 needs vLLM's V1 engine; this is vLLM "
             f"{vllm.__version__}")
     if proxima_on:          # Proxima's pool writes its own status: nothing to observe
-        adapter = activation.adapter(engine)
-        adapter.activate()          # the version policy first: an untested vLLM stops here
+        adapter(engine).activate()          # the version policy first: an untested vLLM stops here
         if elastic:
             from proxima.engines import elastic_v1
             elastic_v1.activate()

@@ -16,9 +16,7 @@ assumes a map lands some steps later, since async scheduling plans a step ahead)
   With several workers the scheduler waits for every worker's report of the batch.
 * ``UNMAP``: the sender guarantees that no block of the granule is in use or cached, so
   no step scheduled from now on reads it; the thread waits for the device (every kernel
-  launched before it, including any ``MOVE`` out of that granule) before it unmaps.
-* ``MOVE``: applied at once, on the caller's (the forward's) stream, in op order: a move
-  only touches confirmed, mapped granules, which no queued map or unmap can concern.
+  launched before it) before it unmaps.
 
 Batches are applied in order, one at a time. A driver error other than lack of memory
 stops the thread; the next :meth:`BackgroundOps.poll` raises it on the worker's thread.
@@ -29,9 +27,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
-from proxima.memory.ops import MAP, MOVE, UNMAP, Op, validate
+from proxima.memory.ops import MAP, Op, validate
 
 
 class BackgroundOps:
@@ -48,17 +46,12 @@ class BackgroundOps:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ caller's thread
-    def submit(self, seq: int, ops: Sequence[Op], *, stream: int = 0,
-               mover: Callable[[int, int, int], None] | None = None) -> None:
-        """Apply batch ``seq``: its moves now, on ``stream``, and its maps and unmaps on the
-        thread, in order."""
+    def submit(self, seq: int, ops: Sequence[Op]) -> None:
+        """Apply batch ``seq``: its maps and unmaps on the thread, in order."""
         self._raise()
         memory = self.memory
         validate(ops, memory.num_granules, memory.num_blocks)
-        moves = [op for op in ops if op.code == MOVE]
-        if moves:
-            memory.apply(moves, stream=stream, mover=mover)
-        todo = tuple(op for op in ops if op.code in (MAP, UNMAP))
+        todo = tuple(ops)
         if not todo:
             with self._lock:
                 self._done.append((seq, ()))

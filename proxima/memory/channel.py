@@ -2,7 +2,7 @@
 
 Pure Python (no torch, no vLLM), one instance per engine, driven at step boundaries:
 
-* the pool or a policy calls :meth:`ElasticChannel.unmap` / :meth:`map` / :meth:`move`
+* the pool or a policy calls :meth:`ElasticChannel.unmap` / :meth:`map`
   (between steps, or while the scheduler builds a step);
 * :meth:`build` drains what was asked into the step's :class:`~proxima.memory.ops.OpBatch`
   (vLLM: the KV connector's metadata, see :mod:`proxima.engines.elastic_connector`);
@@ -60,7 +60,7 @@ class ElasticChannel:
         self.listeners: list[Callable[[range, bool], None]] = []
         self.reported_mapped: int | None = None            # the workers' last count
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
-                      "map_failures": 0, "blocks_moved": 0, "reports": 0,
+                      "map_failures": 0, "reports": 0,
                       "worker_map_seconds": 0.0, "worker_unmap_seconds": 0.0}
 
     # ------------------------------------------------------------------ geometry
@@ -111,17 +111,6 @@ class ElasticChannel:
         self._expect(first, count, UNMAPPED, "map")
         self.state[first:first + count] = bytes([MAPPING]) * count
         self._queue.append(Op.map(first, count))
-
-    def move(self, src: int, dst: int, count: int = 1) -> None:
-        """Copy blocks ``[src, src + count)`` to ``[dst, dst + count)`` before the next
-        forward (both ranges in MAPPED granules)."""
-        validate([Op.move(src, dst, count)], self.num_granules, self.num_blocks)
-        for b in (src, src + count - 1, dst, dst + count - 1):
-            if not self.allocatable(b):
-                raise ChannelError(f"cannot move blocks [{src}, {src + count}) -> {dst}: "
-                                   f"block {b} is in an unmapped granule")
-        self._queue.append(Op.move(src, dst, count))
-        self.stats["blocks_moved"] += count
 
     # ------------------------------------------------------------------ the step
     @property

@@ -8,19 +8,18 @@ sized for the whole pool, and maps it by granules of ``granule_blocks`` block id
 of the GPU's 2 MiB allocation granules. The same block-id range is mapped in every layer,
 so the scheduler reasons in block ids only.
 
-It applies the channel's ops (:mod:`proxima.memory.ops`) in order; block moves go to a
-``mover`` the engine adapter supplies (the copy kernel is the engine's, or issue 14's).
+It applies the channel's ops (:mod:`proxima.memory.ops`) in order.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from proxima.memory.arena import VmmArena
 from proxima.memory.errors import CannotGrow
 from proxima.memory.layout import granule_blocks
-from proxima.memory.ops import MAP, MOVE, UNMAP, Op, validate
+from proxima.memory.ops import MAP, UNMAP, Op, validate
 
 GRANULE_BYTES = 2 << 20     # the H200's (and every current NVIDIA GPU's) VMM granularity
 
@@ -69,7 +68,7 @@ class KvMemory:
             raise ValueError(f"granule_bytes={granule_bytes} is not a multiple of the GPU's "
                              f"allocation granularity ({self.arena.granularity} bytes)")
         self.device = device
-        self.stats = {"map_ops": 0, "unmap_ops": 0, "move_ops": 0, "granules_mapped": 0,
+        self.stats = {"map_ops": 0, "unmap_ops": 0, "granules_mapped": 0,
                       "granules_unmapped": 0, "map_failures": 0, "map_seconds": 0.0,
                       "unmap_seconds": 0.0}
         want = self.num_granules if mapped is None else max(1, min(mapped, self.num_granules))
@@ -108,8 +107,7 @@ class KvMemory:
                              for r, size in enumerate(self.region_sizes)]
         return self._tensors
 
-    def apply(self, ops: Sequence[Op], *, stream: int = 0,
-              mover: Callable[[int, int, int], None] | None = None) -> list[tuple[int, int]]:
+    def apply(self, ops: Sequence[Op], *, stream: int = 0) -> list[tuple[int, int]]:
         """Apply ``ops`` in order. Returns the ``(first, count)`` granule ranges that could
         not be mapped for lack of GPU memory (they stay unmapped; nothing raised)."""
         validate(ops, self.num_granules, self.num_blocks)
@@ -129,11 +127,6 @@ class KvMemory:
                 stats["granules_unmapped"] += self.arena.unmap(op.first, op.first + op.count)
                 stats["unmap_ops"] += 1
                 stats["unmap_seconds"] += time.perf_counter() - t0
-            elif op.code == MOVE:
-                if mover is None:
-                    raise NotImplementedError(f"{op}: no block mover was given")
-                mover(op.first, op.dst, op.count)
-                stats["move_ops"] += 1
         return failed
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The commands that travel from the scheduler to the workers, and the workers' answer.
 
 One step carries at most one :class:`OpBatch`; a worker applies its ops in order before
-the step's forward pass reads any block id. Three kinds, as small tuples of ints so they
+the step's forward pass reads any block id. Two kinds, as small tuples of ints so they
 pickle cheaply through vLLM's executor:
 
 * ``MAP(first, count)``: back granules ``[first, first + count)`` with memory (zeroed).
@@ -11,9 +11,9 @@ pickle cheaply through vLLM's executor:
 * ``UNMAP(first, count)``: return those granules' memory (after a device synchronise).
   Idempotent; never fails for a mapped granule. The sender guarantees no block in them is
   in use or holds cached KV.
-* ``MOVE(src, dst, count)``: copy blocks ``[src, src + count)`` to ``[dst, dst + count)``
-  in every layer (compaction, issue 14; ranges must not overlap). Ordered with the other
-  ops: a MOVE before an UNMAP completes before that UNMAP's synchronise.
+
+(Block moves do not travel here: KV compaction's copies go with the step's
+``CompactionWork``, :mod:`proxima.engines.compaction_worker`.)
 
 Granules are counted in block ids: granule ``g`` is blocks ``[g * G, (g + 1) * G)`` with
 ``G`` = ``granule_blocks`` (see :mod:`proxima.memory.layout`).
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 from typing import Iterable, NamedTuple
 
-MAP, UNMAP, MOVE = 1, 2, 3
-_KIND = {MAP: "map", UNMAP: "unmap", MOVE: "move"}
+MAP, UNMAP = 1, 2
+_KIND = {MAP: "map", UNMAP: "unmap"}
 
 
 class Op(NamedTuple):
     code: int
-    first: int      # MAP/UNMAP: first granule; MOVE: first source block
-    count: int      # granules (MAP/UNMAP) or blocks (MOVE)
-    dst: int = -1   # MOVE: first destination block
+    first: int      # first granule
+    count: int      # granules
 
     @classmethod
     def map(cls, first: int, count: int = 1) -> "Op":
@@ -41,17 +40,11 @@ class Op(NamedTuple):
     def unmap(cls, first: int, count: int = 1) -> "Op":
         return cls(UNMAP, first, count)
 
-    @classmethod
-    def move(cls, src: int, dst: int, count: int = 1) -> "Op":
-        return cls(MOVE, src, count, dst)
-
     @property
     def kind(self) -> str:
         return _KIND.get(self.code, f"op{self.code}")
 
     def __str__(self) -> str:
-        if self.code == MOVE:
-            return f"move blocks [{self.first}, {self.first + self.count}) -> {self.dst}"
         return f"{self.kind} granules [{self.first}, {self.first + self.count})"
 
 
@@ -115,11 +108,5 @@ def validate(ops: Iterable[Op], num_granules: int, num_blocks: int) -> None:
                 raise ValueError(f"{op}: outside the pool's {num_granules} granules")
             if op.code == UNMAP and op.first == 0:
                 raise ValueError(f"{op}: granule 0 holds the null block and stays mapped")
-        elif op.code == MOVE:
-            if op.count < 1 or min(op.first, op.dst) < 1 or \
-                    max(op.first, op.dst) + op.count > num_blocks:
-                raise ValueError(f"{op}: outside blocks [1, {num_blocks})")
-            if op.first < op.dst + op.count and op.dst < op.first + op.count:
-                raise ValueError(f"{op}: source and destination overlap")
         else:
             raise ValueError(f"unknown op code {op.code} in {op!r}")

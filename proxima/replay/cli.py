@@ -177,8 +177,7 @@ def add_arguments(p) -> None:
                         f"{SIZE_UNITS}; default: the pool)")
     p.add_argument("--compaction", metavar="MODE",
                    help="Proxima's runs with KV compaction planned after every schedule() "
-                        "(copies counted, not made): 1 (the policy) or every:K (forced; V1 "
-                        "only; default: off)")
+                        "(copies counted, not made): 1 (the policy; V1 only; default: off)")
     p.add_argument("--compaction-budget-mib", type=int, metavar="M",
                    help="compaction's budget per step, MiB of Llama-3.1-8B blocks (2 MiB "
                         "each over 32 layers; default 256)")
@@ -222,7 +221,7 @@ def _validate(args) -> None:
         try:
             args.compaction = compaction_mode(args.compaction)
         except ValueError:
-            raise UserError(f"--compaction must be 1 or every:K (K >= 1), got "
+            raise UserError(f"--compaction must be 1, got "
                             f"{args.compaction!r}") from None
         if args.compaction is None:
             raise UserError("--compaction 0 is no compaction: drop --compaction")

@@ -54,9 +54,11 @@ def main() -> int:
         plugin.register()        # as vLLM's entry point would (Proxima may not be installed)
         # placement by granule with the whole pool mapped and strict LRU, plus forced safe
         # cycles: the schedule stays stock's, so any token difference is corrupted KV
+        from tests.support import forced
+
         kwargs["kv_transfer_config"] = KVTransferConfig(**elastic_v1.connector_config({
-            "policy": "fixed", "eviction": "lru", "force_cycle_every": 4,
-            "force_cycle_hold": 2, "force_cycle_granules": 8, "stats_file": str(stats)}))
+            "policy": "fixed", "eviction": "lru", "stats_file": str(stats),
+            "compactor": forced.cycles(every=4, hold=2, granules=8)}))
     else:
         os.environ.pop("PROXIMA_ALLOCATOR", None)
         os.environ.pop("PROXIMA_ELASTIC", None)

@@ -1,7 +1,7 @@
 """Issue 14 item 3's worker side on a GPU, without vLLM: a step's compaction work applied
 to a Llama-3.1-8B-shaped KV cache as vLLM 0.26's V2 runner holds it (FlashAttention's NHD
 pages, a persistent int32 block table), by the code the runner's hook calls
-(:func:`proxima.engines.compaction_v1.apply_on_worker`): a plan with a cycle through a
+(:func:`proxima.engines.compaction_worker.apply_on_worker`): a plan with a cycle through a
 scratch block past the pool, planned by the planner, then checked byte for byte, the
 table rewritten, and the GPU time measured with CUDA events.
 
@@ -29,7 +29,7 @@ else:
     pytest.importorskip("triton")
 
 from proxima.allocator.planner import CACHED, FIXED, FREE, LIVE, PoolView, plan_pack  # noqa: E402
-from proxima.engines import compaction_v1  # noqa: E402
+from proxima.engines import compaction_worker  # noqa: E402
 from proxima.kernels.layout import flash_attn_kv_caches  # noqa: E402
 
 
@@ -62,10 +62,10 @@ def test_a_planned_step_moves_every_layer_and_rewrites_the_table():
         req_states=SimpleNamespace(req_id_to_index={"a": 0}))
     moves = plan.final_positions()
     new = [moves.get(b, b) for b in (1, 2, 3)]
-    work = compaction_v1.CompactionWork(
+    work = compaction_worker.CompactionWork(
         1, tuple(tuple(p) for p in plan.phases),
         (("a", 0, (0, 1, 2), tuple(new)),), plan.blocks_moved)
-    compaction_v1.apply_on_worker(runner, work)
+    compaction_worker.apply_on_worker(runner, work)
     torch.cuda.synchronize()
     # compared as bits: random bytes seen as bf16 include NaNs, which never compare equal
     for layer, old in zip(kv, before):
@@ -76,10 +76,10 @@ def test_a_planned_step_moves_every_layer_and_rewrites_the_table():
             if x not in moves and x not in moves.values():
                 assert torch.equal(layer[x], old[x])
     assert table[0, :3].tolist() == new
-    compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(2, (), (), 0))
+    compaction_worker.apply_on_worker(runner, compaction_worker.CompactionWork(2, (), (), 0))
     torch.cuda.synchronize()
-    compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(3, (), (), 0))
-    times = compaction_v1.take_worker_times()
+    compaction_worker.apply_on_worker(runner, compaction_worker.CompactionWork(3, (), (), 0))
+    times = compaction_worker.take_worker_times()
     assert times and times[0][0] == 1 and times[0][1] > 0
     print(f"\ncompaction step: {plan.blocks_moved} blocks of {layers} layers in "
           f"{len(plan.phases)} phases, {times[0][1] * 1000:.0f} us on the GPU")
@@ -93,7 +93,7 @@ def test_a_move_outside_the_blocks_and_scratch_is_refused():
             gpu=torch.zeros(1, 4, dtype=torch.int32, device="cuda"))], blocks_per_kv_block=[1]),
         req_states=SimpleNamespace(req_id_to_index={}))
     with pytest.raises(RuntimeError, match="lies outside this worker's KV blocks"):
-        compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(
+        compaction_worker.apply_on_worker(runner, compaction_worker.CompactionWork(
             1, (((3, 20, 1),),), (), 1))
 
 
@@ -116,7 +116,7 @@ def test_steps_with_any_move_count_compile_the_kernel_once():
     sizes = []
     for seq, k in enumerate(range(1, 41), start=1):
         phases = (((0, 64, k),),) if k % 2 else (((0, 64, k // 2),), ((k, 100, k // 2),))
-        compaction_v1.apply_on_worker(runner, compaction_v1.CompactionWork(
+        compaction_worker.apply_on_worker(runner, compaction_worker.CompactionWork(
             seq, phases, (("a", 0, (0,), (64,)),), k))
         sizes.append(compiled())
     torch.cuda.synchronize()

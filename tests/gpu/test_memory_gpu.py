@@ -176,8 +176,8 @@ def test_kv_memory_keeps_every_other_block_through_unmap_and_remap(torch_on_gpu)
 
 def test_maps_and_unmaps_on_the_mapping_thread_while_kernels_run(torch_on_gpu):
     """proxima.memory.background on the real driver: a grow is mapped while the forward's
-    stream is busy, reported only when usable (zero-filled); a move out of a granule runs
-    before the thread unmaps that granule; another process's memory comes back."""
+    stream is busy, reported only when usable (zero-filled); a copy out of a granule queued
+    on the forward's stream runs before the thread unmaps that granule."""
     torch = torch_on_gpu
     from proxima.memory.background import BackgroundOps
     from proxima.memory.kv import KvMemory
@@ -192,7 +192,7 @@ def test_maps_and_unmaps_on_the_mapping_thread_while_kernels_run(torch_on_gpu):
         for _ in range(20):                              # the forward's stream is busy
             busy = busy @ busy / 8192
         t0 = time.perf_counter()
-        bg.submit(0, (Op.map(8, 100),), stream=torch.cuda.current_stream().cuda_stream)
+        bg.submit(0, (Op.map(8, 100),))
         submit_ms = (time.perf_counter() - t0) * 1e3
         assert bg.drain(30)
         done_ms = (time.perf_counter() - t0) * 1e3
@@ -202,12 +202,11 @@ def test_maps_and_unmaps_on_the_mapping_thread_while_kernels_run(torch_on_gpu):
             p[256:3456].copy_((torch.arange(256, 3456, device="cuda", dtype=torch.int32)
                                [:, None] * 4 + r).expand_as(p[256:3456]))
 
-        def mover(src, dst, n):
-            for p in pages:
-                p[dst:dst + n].copy_(p[src:src + n])
-
-        # move granule 100's blocks into granule 9, then unmap 100..107 on the thread
-        bg.submit(1, (Op.move(3200, 288, 32), Op.unmap(100, 8)), mover=mover)
+        # copy granule 100's blocks into granule 9 on the forward's stream, then unmap
+        # 100..107 on the thread (it waits for the device first)
+        for p in pages:
+            p[288:320].copy_(p[3200:3232])
+        bg.submit(1, (Op.unmap(100, 8),))
         assert bg.drain(30) and bg.poll() == [(1, ())] and mem.mapped_granules == 100
         for r, p in enumerate(pages):
             assert torch.equal(p[288:320, 0], torch.arange(3200, 3232, device="cuda",

@@ -107,11 +107,6 @@ def test_kv_memory_applies_ops_in_order_and_reports_what_could_not_grow():
     assert mem.stats["map_failures"] == 2 and mem.stats["granules_unmapped"] == 2
     with pytest.raises(ValueError, match="null block"):
         mem.apply([Op.unmap(0, 1)])
-    with pytest.raises(NotImplementedError):
-        mem.apply([Op.move(40, 100, 4)])
-    moves = []
-    mem.apply([Op.move(40, 100, 4)], mover=lambda *m: moves.append(m))
-    assert moves == [(40, 100, 4)]
 
 
 def test_kv_memory_that_cannot_start_says_so():

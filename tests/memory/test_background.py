@@ -1,6 +1,6 @@
 """Maps and unmaps on the worker's mapping thread (proxima.memory.background), on the CPU
 stand-in driver: ops land in order, a batch is reported only once its memory is mapped
-and zero-filled, unmaps wait for the device, moves stay on the caller's thread."""
+and zero-filled, unmaps wait for the device."""
 
 import threading
 
@@ -39,7 +39,7 @@ def test_a_map_is_reported_only_after_its_memory_is_mapped_and_zero_filled():
     driver.threads.clear()                          # the start-up maps ran here
     bg = BackgroundOps(mem)
     driver.gate.clear()
-    bg.submit(7, (Op.map(2, 3),), stream=5)
+    bg.submit(7, (Op.map(2, 3),))
     assert bg.busy and bg.poll() == []              # the caller did not wait
     assert not mem.arena.is_mapped(2)
     driver.gate.set()
@@ -50,25 +50,21 @@ def test_a_map_is_reported_only_after_its_memory_is_mapped_and_zero_filled():
     log = driver.log
     zeros = [e for e in log if e[0] == "zero"]
     stream = zeros[-1][3]
-    assert stream not in (0, 5)                     # the thread's own stream, not the forward's
+    assert stream != 0                              # the thread's own stream
     assert log.index(("stream_sync", stream)) > log.index(zeros[-1])
     # one access grant per region for the run of three granules, not one per page
     assert [e[2] for e in log if e[0] == "access"][-2:] == [3 * 2 * MiB] * 2
     bg.close()
 
 
-def test_batches_land_in_order_and_moves_run_at_once_on_the_callers_stream():
+def test_batches_land_in_order():
     driver = GatedDriver()
     mem = memory(driver, mapped=8)
     bg = BackgroundOps(mem)
-    moved = []
     driver.gate.clear()
     bg.submit(1, (Op.unmap(6, 2),))
     bg.submit(2, (Op.map(6, 1),))
-    bg.submit(3, (Op.move(10, 40, 4),), mover=lambda *a: moved.append(
-        (threading.current_thread().name, a)))
-    assert moved == [("MainThread", (10, 40, 4))]     # not behind the queued maps
-    assert bg.poll() == [(3, ())]                      # a batch of moves only: done now
+    assert bg.poll() == []                             # behind the gate: nothing done yet
     driver.gate.set()
     assert bg.drain(5)
     assert bg.poll() == [(1, ()), (2, ())]

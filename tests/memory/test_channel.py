@@ -94,10 +94,6 @@ def test_requests_that_contradict_the_state_are_refused():
     ch.unmap(5, 1)
     with pytest.raises(ChannelError, match="is unmapped"):
         ch.unmap(4, 2)
-    with pytest.raises(ChannelError, match="block 160 is in an unmapped granule"):
-        ch.move(150, 10, 11)
-    ch.move(10, 200, 8)
-    assert ch.build().ops[-1] == Op.move(10, 200, 8)
     with pytest.raises(ChannelError, match="assumed 32"):
         ch.on_report(Report((), 10, 16))
 

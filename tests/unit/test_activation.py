@@ -161,10 +161,12 @@ def test_both_adapters_expose_the_same_activation_interface():
     patches, idempotent), deactivate(), is_active(), all without arguments."""
     import inspect
 
+    from proxima.engines.plugin import adapter
+
     for engine in activation.ENGINE_NAMES:
-        module = activation.adapter(engine)
+        module = adapter(engine)
         for name in ("activate", "deactivate", "is_active"):
             fn = getattr(module, name)
             assert not inspect.signature(fn).parameters, (engine, name)
     with pytest.raises(ValueError, match="no engine generation 'v2'"):
-        activation.adapter("v2")
+        adapter("v2")

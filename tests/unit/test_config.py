@@ -182,9 +182,10 @@ def test_elastic_options_turn_sizes_into_bytes_and_keep_the_rest():
     ({"policy": "elastic"}, "policy must be auto or fixed or off, got 'elastic'"),
     ({"forecast": "yes"}, "forecast must be true or false, got 'yes'"),
     ({"eviction": "fifo"}, "eviction: eviction policy 'fifo'"),
-    ({"compactor": "nocolon"}, "compactor must be 'module:factory' or null"),
+    ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
     ({"compaction": "1"}, "compaction must be an object of compaction settings or null"),
-    ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
+    ({"compactor": "m:f", "policy": "off"}, "the compactor hook needs the pool"),
+    ({"compactor": {"every": 3}}, "compactor must be 'module:factory', {"),
     ({"speed": 9, "zoom": 1}, "src: unknown option(s) speed, zoom; known: band, compaction"),
 ])
 def test_bad_elastic_options_are_one_line(extra, message):

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxima.allocator.placement import plan_placement
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PlanError, PoolView,
-                                       check_plan, plan_evacuate, plan_merge, plan_pack,
-                                       plan_placement, plan_run, schedule_phases)
+                                       check_plan, plan_evacuate, plan_pack, schedule_phases)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -154,29 +154,6 @@ def test_evacuate_empties_what_it_says(pool, data, budget, cached_too, max_phase
 
 
 @SETTINGS
-@given(pools(), st.data(), st.integers(0, 60), st.sampled_from([None, 3, 8]))
-def test_run_makes_one_run_or_nothing(pool, data, budget, max_phases):
-    kinds, g, tables, pinned, scratch = pool
-    if not tables:
-        return
-    owner = data.draw(st.sampled_from(sorted(tables)))
-    blocks = tables[owner]
-    lone = {b for r, t in tables.items() if r != owner for b in t}
-    movable = data.draw(st.sets(st.sampled_from(sorted(lone)), max_size=len(lone))) \
-        if lone else set()
-    plan = plan_run(PoolView(kinds, g, pinned, scratch=scratch), blocks, budget,
-                    max_phases=max_phases, movable=movable)
-    verify(kinds, g, tables, pinned, scratch, plan, budget, max_phases)
-    moved = plan.final_positions()
-    new = [moved.get(b, b) for b in blocks]
-    if plan:
-        assert new == list(range(new[0], new[0] + len(new)))
-    assert all(moved.get(x, x) == x for x in pinned)
-    others = {b for r, t in tables.items() if r != owner for b in t}
-    assert all(x in movable for x in moved if x in others)     # only what it was let move
-
-
-@SETTINGS
 @given(pools(), st.data())
 def test_placement_targets_are_usable(pool, data):
     kinds, g, tables, pinned, scratch = pool
@@ -277,74 +254,3 @@ def test_budget_zero_moves_nothing_and_a_bad_budget_is_refused():
     assert not plan_pack(PoolView(kinds, 4), 0)
     with pytest.raises(PlanError, match="budget must be an integer >= 0"):
         plan_pack(PoolView(kinds, 4), -1)
-
-
-# ----------------------------------------------------------------------------- merging
-
-def _runs(ids):
-    return sum(1 for i, x in enumerate(ids) if i == 0 or x != ids[i - 1] + 1)
-
-
-@SETTINGS
-@given(pools(), st.data(), st.integers(0, 60), st.sampled_from([None, 3, 8]))
-def test_merge_makes_one_run_and_lowers_the_total_by_what_it_says(pool, data, budget,
-                                                                   max_phases):
-    kinds, g, tables, pinned, scratch = pool
-    if not tables:
-        return
-    owner = data.draw(st.sampled_from(sorted(tables)))
-    table = tables[owner]
-    lo = data.draw(st.integers(0, max(0, len(table) - 1)))
-    blocks = table[lo:]                                  # the whole table or its tail
-    where = {x: (r, p) for r, t in tables.items() for p, x in enumerate(t)}
-    unknown = data.draw(st.sets(st.sampled_from(sorted(where)), max_size=3)) if where else set()
-    for x in unknown:                                    # shared or not seen: may not move
-        del where[x]
-    view = PoolView(kinds, g, pinned, scratch=scratch)
-    plan, delta = plan_merge(view, blocks, owner, tables, where, budget,
-                             max_phases=max_phases)
-    verify(kinds, g, tables, pinned, scratch, plan, budget, max_phases)
-    moved = plan.final_positions()
-    if not plan:
-        assert delta == 0
-        return
-    new = {r: [moved.get(b, b) for b in t] for r, t in tables.items()}
-    seg = [moved.get(b, b) for b in blocks]
-    assert seg == list(range(seg[0], seg[0] + len(seg)))          # the segment: one run
-    change = sum(_runs(t) for t in new.values()) - sum(_runs(t) for t in tables.values())
-    assert change == delta < 0                                    # fewer runs, as said
-    assert len(plan.phases) <= 3                                  # out, in, back
-    mine = set(table)
-    for x in moved:                                   # others' blocks: only known ones
-        if kinds[x] == LIVE and x not in mine:
-            assert x in where and x not in unknown
-
-
-def test_merge_swaps_another_requests_run_whole_on_a_full_pool():
-    # no FREE block: a 1..3 + 8, 9; b's run 4, 5 sits in a's window; c holds 6, 7
-    kinds = [FIXED] + [LIVE] * 9 + [CACHED, CACHED] + [FIXED, FIXED]
-    tables = {"a": [1, 2, 3, 8, 9], "b": [4, 5], "c": [6, 7]}
-    where = {x: (r, p) for r, t in tables.items() for p, x in enumerate(t)}
-    scratch = [12, 13]
-    view = PoolView(kinds, 4, scratch=scratch)
-    plan, delta = plan_merge(view, tables["a"], "a", tables, where, 16)
-    verify(kinds, 4, tables, set(), scratch, plan, 16)
-    moved = plan.final_positions()
-    assert delta == -1 and plan.blocks_moved == 6 and len(plan.phases) == 3
-    assert [moved.get(x, x) for x in tables["a"]] == [1, 2, 3, 4, 5]
-    assert [moved.get(x, x) for x in tables["b"]] == [8, 9]       # still one run
-    assert not plan_merge(view, tables["a"], "a", tables, where, 5)[0]   # over budget
-    assert not plan_merge(PoolView(kinds, 4), tables["a"], "a", tables, where, 16)[0]
-    stale = {**where, 4: ("b", 1)}                    # an entry that is out of date
-    assert not plan_merge(view, tables["a"], "a", tables, stale, 16)[0]
-
-
-def test_merge_refuses_an_exchange_that_breaks_as_many_runs_as_it_saves():
-    # a = [1, 5]; b's run 2, 3, 4 lies between: any window cuts b once for a's one run
-    kinds = [FIXED] + [LIVE] * 5 + [FREE, FREE] + [FIXED]
-    tables = {"a": [1, 5], "b": [2, 3, 4]}
-    where = {x: (r, p) for r, t in tables.items() for p, x in enumerate(t)}
-    plan, delta = plan_merge(PoolView(kinds, 4, scratch=[8]), [1, 5], "a", tables, where, 16)
-    assert not plan and delta == 0
-    with pytest.raises(PlanError, match="distinct LIVE"):
-        plan_merge(PoolView(kinds, 4), [1, 6], "a", tables, where, 16)

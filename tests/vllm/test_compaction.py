@@ -4,7 +4,7 @@ The scheduler, KV-cache manager, block pool and prefix cache are vLLM's own code
 is Proxima's, compaction runs in the elastic connector's scheduler side as in an engine.
 The worker is a model of vLLM's V2 runner: per-request block tables updated from the
 scheduler output (new requests: full ids; running ones: appended ids), compaction's work
-applied with the real worker code (:func:`proxima.engines.compaction_v1.apply_on_worker`:
+applied with the real worker code (:func:`proxima.engines.compaction_worker.apply_on_worker`:
 the block mover on CPU tensors, then the table writes), and a "forward" that writes every
 scheduled token's KV slot with a value that depends only on the token and its position,
 after checking that every slot the request already computed reads back what was written
@@ -19,12 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxima.engines import compaction_v1, elastic_v1, vllm_v1
-from proxima.engines.compaction_v1 import CompactionOptions, apply_on_worker
+from proxima.engines import compaction_v1, compaction_worker, elastic_v1, vllm_v1
+from proxima.engines.compaction_v1 import CompactionOptions
+from proxima.engines.compaction_worker import apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
-from proxima.memory.channel import MAPPED
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
+from tests.support import forced
 from tests.vllm.test_elastic_connector import across_processes
 
 if elastic_v1.unsupported_reason():
@@ -232,10 +233,16 @@ class ProcessModelRunner(ModelRunner):
 
 
 def run(num_blocks, depth=1, workload=None, runner_class=None, **compaction):
+    """``mode``: ``"1"`` (the policy) or ``"every:K"`` (the tests' forced compaction)."""
+    forced_mode = None
+    if str(compaction.get("mode", "")).startswith("every:"):
+        forced_mode, compaction["mode"] = compaction["mode"], "1"
     scheduler = build_scheduler(proxima=True, num_blocks=num_blocks,
                                 async_scheduling=depth == 2, kv_transfer_config=ktc(**compaction),
                                 max_num_batched_tokens=2048)
     compactor = scheduler.connector.compactor
+    if forced_mode is not None:
+        forced.set_mode(compactor, forced_mode)
     total = num_blocks
     if compactor is not None:
         total = compaction_v1.scratch_first(num_blocks, GRANULE) + compactor.scratch_blocks
@@ -288,79 +295,6 @@ def test_compaction_moves_live_shared_and_cached_blocks(mode):
         assert c["shared_moved"] > 0     # a prefix block held by two requests
 
 
-def pressure_specs(n=60, seed=11):
-    """``pressure`` in small: every request at once, prompts of 2-20 blocks (every third
-    shares a 48-token prefix with the one before: hits), outputs of 2-16 blocks, a pool
-    the load keeps full (preemptions)."""
-    import random
-
-    rng = random.Random(seed)
-    out, prefix = [], []
-    for i in range(n):
-        body = [rng.randrange(3, 500) for _ in range(rng.randrange(32, 320))]
-        out.append((f"p{i}", prefix + body if i % 3 == 2 else body, rng.randrange(32, 256), 0))
-        prefix = body[:48]
-    return out
-
-
-def finished_runs(scheduler, runner):
-    """Blocks per run over every request's table as it finished (the replay's figure)."""
-    from proxima.allocator import count_runs
-
-    tables = []
-    kv = scheduler.kv_cache_manager
-    original = kv.free
-
-    def free(request):
-        if request.is_finished():
-            tables.append([b.block_id for b in
-                           kv.coordinator.single_type_managers[0].req_to_blocks.get(
-                               request.request_id, [])])
-        return original(request)
-
-    kv.free = free
-    return tables, lambda: sum(map(len, tables)) / sum(count_runs(t) for t in tables)
-
-
-def test_run_merging_under_pressure_changes_no_decision_and_keeps_runs_whole():
-    """A full pool (every request at once): placement alone cannot keep runs whole there,
-    so auto mode merges runs by exchanging places with other requests' live blocks
-    (plan_merge). Nothing the scheduler decides changes -- admissions, tokens,
-    preemptions, finishes and prefix-cache hits equal those without compaction -- every
-    slot reads what was written through the moved tables, the pool's check passes every
-    step, and the finished tables hold far fewer runs than with merging off."""
-    work = pressure_specs()
-    _, plain_runner, plain = run(240, 1, workload=work)
-
-    def merged(merge: bool):
-        scheduler = build_scheduler(proxima=True, num_blocks=240,
-                                    kv_transfer_config=ktc(mode="1"),
-                                    max_num_batched_tokens=2048)
-        compactor = scheduler.connector.compactor
-        compactor.merge = merge
-        runner = ModelRunner(scheduler, compaction_v1.scratch_first(240, GRANULE)
-                             + compactor.scratch_blocks)
-        tables, per_run = finished_runs(scheduler, runner)
-        vllm_v1.activate()
-        try:
-            log = drive(scheduler, work, runner)
-        finally:
-            vllm_v1.deactivate()
-        pool = scheduler.kv_cache_manager.block_pool
-        pool.free_block_queue.buddy.check()
-        assert pool.get_num_free_blocks() == 240 - 1
-        return compactor, runner, log, per_run()
-
-    compactor, runner, log, with_merge = merged(True)
-    _, _, log_off, without = merged(False)
-    assert log == plain == log_off          # admissions, tokens, preemptions, finishes, hits
-    assert sum(len(s[1]) for s in plain[0]) > 0 and plain[1][0] > 0  # preempted, hit
-    assert runner.checked == plain_runner.checked > 10_000
-    c = compactor.counters
-    assert c["merges"] > 0 and c["merge_runs_saved"] > 0 and c["live_moved"] > 0
-    assert with_merge > 1.5 * without, (with_merge, without)
-
-
 # ----------------------------------------------------------------------------- elastic
 
 def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
@@ -375,11 +309,13 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
     released: list[tuple[int, int]] = []
 
     class EvacuateThenRelease:           # stands in for the elastic policy's shrink
-        cycles = 0
-        out = ()
-        margin = 0
+        def pending(self):
+            return False
 
-        def tick(self, step):
+        def stats(self):
+            return {}
+
+        def tick(self, step, reserve, forecast):
             if released or step < 10:
                 return False
             view = compactor.view()
@@ -394,7 +330,7 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
                 released.append((g, live[g]))
             return False
 
-    conn.cycler = EvacuateThenRelease()
+    conn.step_hook = EvacuateThenRelease()
     runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
     seen_after = []
@@ -448,63 +384,12 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     assert runner.unmapped > 0 and runner.checked > 10_000
 
 
-def test_an_elastic_pool_that_may_still_grow_is_not_under_pressure():
-    """Run merging works only under pressure: the live blocks fill MERGE_LOAD of what the
-    pool may hold -- under the elastic policy its maximum, not the granules mapped now (a
-    pool the policy keeps ~90% full while it may grow is not short of memory), and the
-    unmapped ids count as neither free nor used."""
-    elastic = {"release_delay_s": 0.0}
-    scheduler = build_scheduler(proxima=True, num_blocks=40 * GRANULE,
-                                kv_transfer_config=ktc("auto", elastic, mode="1"),
-                                max_num_batched_tokens=2048)
-    conn = scheduler.connector
-    compactor, queue = conn.compactor, conn.queue
-    seen = []
-    real_step = compactor.step
-
-    def step():
-        live, mapped = queue.live_blocks(), conn.channel.count(MAPPED) * GRANULE
-        seen.append((live, mapped, compactor._under_pressure()))
-        real_step()
-
-    compactor.step = step
-    runner = ModelRunner(scheduler, compaction_v1.scratch_first(40 * GRANULE, GRANULE)
-                         + compactor.scratch_blocks)
-    drive_elastic(scheduler, specs(60), runner, conn)
-    pool = 40 * GRANULE - 1
-    full_mapped = [s for s in seen if s[0] >= compaction_v1.MERGE_LOAD * s[1] and s[1] < pool]
-    assert full_mapped                       # the policy kept the mapped part full ...
-    for live, mapped, pressure in seen:      # ... and only the maximum decides
-        assert pressure == (live >= compaction_v1.MERGE_LOAD * pool), (live, mapped)
-    assert not compactor.counters.get("merges")
-
-
-@pytest.mark.parametrize("defrag", [0, 1])
-def test_runs_are_restored_off_pressure_only_when_asked(defrag, monkeypatch):
-    """Auto mode's run defragmentation while the pool is not under pressure costs CPU
-    for contiguity vLLM 0.26 does not use: off by default, on with ``defrag: 1``."""
-    calls = []
-    real = compaction_v1.Compactor._defrag
-    monkeypatch.setattr(compaction_v1.Compactor, "_defrag",
-                        lambda self, *a: calls.append(1) or real(self, *a))
-    scheduler = build_scheduler(proxima=True, num_blocks=40 * GRANULE,
-                                kv_transfer_config=ktc("auto", {"release_delay_s": 0.0},
-                                                       mode="1", defrag=defrag),
-                                max_num_batched_tokens=2048)
-    conn = scheduler.connector
-    runner = ModelRunner(scheduler, compaction_v1.scratch_first(40 * GRANULE, GRANULE)
-                         + conn.compactor.scratch_blocks)
-    drive_elastic(scheduler, specs(60), runner, conn)
-    assert bool(calls) == bool(defrag)
-    assert runner.checked > 1000                      # and every slot read what was written
-
-
 def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     """Policy auto on a pool the load keeps full (preemptions): packing and placing for
     release gain nothing then (no granule could be released), so the compactor does not
     even plan them -- plan_pack runs only on steps where the policy could shrink, placement
-    is skipped on the others; the moves come from the steps with room and from run
-    merging, and every slot still reads what was written."""
+    is skipped on the others; the moves come from the steps with room, and every slot still
+    reads what was written."""
     calls = []
     real_pack = compaction_v1.plan_pack
 
@@ -541,12 +426,12 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
 # ----------------------------------------------------------------------------- settings
 
 @pytest.mark.parametrize("extra, message", [
-    ({"mode": "sometimes"}, "mode must be 1, every:K"),
-    ({"mode": "every:0"}, "mode must be 1, every:K"),
+    ({"mode": "sometimes"}, "mode must be 1 .on. or 0 .off."),
+    ({"mode": "every:2"}, "mode must be 1 .on. or 0 .off."),     # forced: tests/support only
     ({"mode": "1", "budget_mib": 0}, "budget_mib must be an integer >= 1"),
     ({"mode": "1", "scratch_granules": -1}, "scratch_granules must be an integer >= 0"),
     ({"mode": "1", "budget": 3}, "unknown option"),
-    ({"mode": "1", "defrag": 2}, "defrag must be 0 .off. or 1 .on., got 2"),
+    ({"mode": "1", "defrag": 1}, "unknown option"),
 ])
 def test_bad_compaction_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError
@@ -559,8 +444,8 @@ def test_the_mode_comes_from_the_environment_unless_the_options_say(monkeypatch)
     from proxima.engines.activation import ActivationError, CompactionMode
 
     assert CompactionOptions.resolve(None) is None
-    monkeypatch.setenv("PROXIMA_COMPACTION", "every:4")
-    assert CompactionOptions.resolve(None).mode == CompactionMode("every", 4)
+    monkeypatch.setenv("PROXIMA_COMPACTION", "1")
+    assert CompactionOptions.resolve(None).mode == CompactionMode("auto")
     assert CompactionOptions.resolve({"mode": "0"}) is None
     monkeypatch.setenv("PROXIMA_COMPACTION", "often")
     with pytest.raises(ActivationError, match=r"PROXIMA_COMPACTION must be 1 \(KV compaction.*got 'often'"):
@@ -598,25 +483,18 @@ def test_the_worker_hook_wraps_and_unwraps_update_requests():
         def update_requests(self, scheduler_output):
             calls.append("vllm")
 
-    compaction_v1.install_worker_hook(Runner)
-    compaction_v1.install_worker_hook(Runner)            # idempotent
+    compaction_worker.install_worker_hook(Runner)
+    compaction_worker.install_worker_hook(Runner)        # idempotent
     try:
         seen = []
-        real = compaction_v1.apply_on_worker
-        compaction_v1.apply_on_worker = lambda runner, work: seen.append(work)
+        real = compaction_worker.apply_on_worker
+        compaction_worker.apply_on_worker = lambda runner, work: seen.append(work)
         Runner().update_requests(SimpleNamespace(kv_connector_metadata=ElasticMetadata()))
         Runner().update_requests(SimpleNamespace(
             kv_connector_metadata=ElasticMetadata(compaction="work")))
         assert calls == ["vllm", "vllm"] and seen == ["work"]
     finally:
-        compaction_v1.apply_on_worker = real
-        compaction_v1.uninstall_worker_hook()
+        compaction_worker.apply_on_worker = real
+        compaction_worker.uninstall_worker_hook()
     assert "__wrapped__" not in Runner.update_requests.__dict__
 
-
-def test_the_tail_to_merge_is_what_follows_the_longest_run():
-    tail = compaction_v1._tail
-    assert tail([10, 11, 12, 13, 40, 7, 8, 90]) == [40, 7, 8, 90]
-    assert tail([5, 60, 61, 62, 9, 3]) == [9, 3]          # a head before it stays
-    assert tail([10, 11, 12, 40]) == []                    # one block after it: one run
-    assert tail([1, 2, 3]) == []

@@ -26,6 +26,7 @@ from proxima.memory.kv import KvMemory
 from proxima.memory.ops import Op
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from tests.memory.fake_driver import FakeDriver
+from tests.support import forced
 
 if elastic_v1.unsupported_reason():
     pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
@@ -191,17 +192,9 @@ def test_the_connector_changes_no_scheduling_decision(proxima, depth):
     assert sum(len(step[3]) for step in plain) > 0      # the workload did preempt
 
 
-def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monkeypatch):
-    import torch
-
-    # vLLM's copy stages its indices in pinned memory, which needs a GPU driver
-    monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)
-
+def test_ops_from_the_pool_reach_the_worker_in_order():
     scheduler = scheduler_for(True, 1024, 1, elastic_config(policy="fixed"))
     worker = Worker(scheduler)
-    kv = {f"layer.{i}": torch.arange(1024 * 16, dtype=torch.float32).view(1024, 16) + i
-          for i in range(2)}
-    worker.conn._kv_caches = kv
     conn = scheduler.connector
     channel = conn.channel
 
@@ -210,18 +203,16 @@ def test_ops_from_the_pool_reach_the_worker_in_order_and_moves_copy_blocks(monke
             conn.queue.release([3])       # blocks 768..1023, all free before any request
             channel.unmap(3)
         if step == 2:
-            channel.move(600, 650, 4)
+            assert not worker.memory.arena.is_mapped(3) and channel.state[3] != MAPPED
+            channel.map(3)                # and back: mapped once the worker confirms it
 
     vllm_v1.activate()
     try:
         drive(scheduler, specs(12), worker, between=between)
     finally:
         vllm_v1.deactivate()
-    assert worker.ops == [Op.unmap(3, 1), Op.move(600, 650, 4)]
-    assert not worker.memory.arena.is_mapped(3) and channel.state[3] != MAPPED
-    for i in range(2):       # vLLM's own copy kernel moved blocks 600..603 to 650..653
-        assert torch.equal(kv[f"layer.{i}"][650:654],
-                           torch.arange(600 * 16, 604 * 16, dtype=torch.float32).view(4, 16) + i)
+    assert worker.ops == [Op.unmap(3, 1), Op.map(3, 1)]
+    assert worker.memory.arena.is_mapped(3) and channel.state[3] == MAPPED
 
 
 def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
@@ -240,13 +231,13 @@ def test_a_block_handed_out_from_an_unmapped_granule_stops_the_step():
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth, tmp_path):
     stats = tmp_path / "elastic.json"
-    ktc = elastic_config(policy="fixed", eviction="lru", force_cycle_every=3,
-                         force_cycle_hold=2, force_cycle_granules=3, stats_file=str(stats))
+    ktc = elastic_config(policy="fixed", eviction="lru", stats_file=str(stats),
+                         compactor=forced.cycles(every=3, hold=2, granules=3))
     # 64 granules of 256 blocks: enough stay free of live and cached blocks
     _, _, stock = run(False, 64 * GRANULE, depth)
     scheduler, worker, elastic = run(True, 64 * GRANULE, depth, ktc, worker=True)
     conn = scheduler.connector
-    assert conn.cycler.cycles >= 3
+    assert conn.step_hook.cycles >= 3
     unmaps = [op for op in worker.ops if op.kind == "unmap"]
     maps = [op for op in worker.ops if op.kind == "map"]
     # every released granule was mapped again, but those of a cycle still open at the end
@@ -263,13 +254,13 @@ def test_forced_cycles_unmap_and_remap_without_touching_an_unmapped_block(depth,
     conn.queue.check()
     conn.shutdown()
     written = json.loads(stats.read_text())
-    assert written["forced_cycles"] == conn.cycler.cycles and written["map_failures"] == 0
+    assert written["forced_cycles"] == conn.step_hook.cycles and written["map_failures"] == 0
     assert written["granule_blocks"] == GRANULE and written["reported_mapped"] is not None
 
 
 def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out():
-    ktc = elastic_config(policy="fixed", initial_granules=6, force_cycle_every=2,
-                         force_cycle_hold=1, force_cycle_granules=2, force_cycle_safe=False)
+    ktc = elastic_config(policy="fixed", initial_granules=6,
+                         compactor=forced.cycles(every=2, hold=1, granules=2, safe=False))
     scheduler = scheduler_for(True, 8 * GRANULE, 1, ktc)
     worker = Worker(scheduler)
     conn = scheduler.connector
@@ -285,7 +276,7 @@ def test_a_map_the_gpu_cannot_back_is_retried_and_no_block_of_it_is_handed_out()
     finally:
         vllm_v1.deactivate()
     assert conn.channel.stats["map_failures"] >= 1     # while memory was short
-    assert conn.cycler.cycles >= 1                      # and completed once it was back
+    assert conn.step_hook.cycles >= 1                   # and completed once it was back
     assert worker.checked > 0
     conn.queue.check()
 
@@ -390,14 +381,14 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
 @pytest.mark.parametrize("extra, message", [
     ({"granule_bytes": 0}, "granule_bytes: 0 is below 1"),
     ({"initial_granules": 0}, r"initial_granules: 0 is out of range: .* \(granule 0 holds"),
-    ({"force_cycle_every": -1}, r"force_cycle_every: -1 is out of range: .* steps \(0: off\)"),
     ({"granule": 1}, "unknown option"),
     ({"policy": "elastic"}, "policy must be auto or fixed or off"),
     ({"min_bytes": "lots"}, "min_bytes: 'lots' is not a size"),
     ({"min_bytes": "4GiB", "max_bytes": "1GiB"}, "max_bytes .* is below min_bytes"),
     ({"eviction": "fifo"}, "eviction policy 'fifo'"),
-    ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
+    ({"compactor": forced.cycles(), "policy": "off"}, "needs the pool to place by granule"),
     ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
+    ({"compactor": {"every": 3}}, "compactor must be 'module:factory'"),
     ({"headroom": -1}, "headroom: -1 is out of range: give a share of the live blocks"),
     ({"headroom": "NaN"}, "headroom: 'NaN' is not finite"),
     ({"max_bytes": "1e400GiB"}, "max_bytes: '1e400GiB' is above the bound of 1024TiB"),
@@ -407,6 +398,19 @@ def test_bad_options_are_one_clear_error(extra, message):
 
     with pytest.raises(UserError, match=message):
         elastic_v1.ElasticOptions.from_extra(extra)
+
+
+@pytest.mark.parametrize("hook, message", [
+    (forced.cycles(every=0), "compactor 'tests.support.forced:ForcedCycler': every must be a "
+                             "positive integer, got 0"),
+    ({"factory": forced.FACTORY, "often": 1}, "unexpected keyword argument 'often'"),
+    ("tests.support.forced:nothing", "cannot be loaded"),
+])
+def test_a_hook_that_cannot_be_built_is_one_clear_error(hook, message):
+    from proxima.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        scheduler_for(True, 8 * GRANULE, 1, elastic_config(policy="fixed", compactor=hook))
 
 
 def test_the_workers_report_must_agree_with_the_predicted_granule():

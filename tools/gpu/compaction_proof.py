@@ -7,8 +7,8 @@ One engine (dummy Llama-3.1-8B, ``load_format=dummy``, token-id prompts, CUDA gr
 prefix caching on, async scheduling as vLLM's default) with Proxima's allocator, elastic
 KV memory and KV compaction; its scheduler runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the compactor's mode is switched between runs
-(:meth:`proxima.engines.compaction_v1.Compactor.set_mode`; ``off`` is elastic mode
-without compaction). Sub-proofs, each with its own time budget, each one PASS/FAIL line,
+(:func:`tests.support.forced.set_mode`; ``off`` is elastic mode without compaction,
+``every:K`` the tests' forced compaction). Sub-proofs, each with its own time budget, each one PASS/FAIL line,
 the JSON rewritten after each (``$OUT/compaction_proof.json``):
 
 1. ``identity``: the same greedy requests (64, a third sharing one of four 512-token
@@ -146,7 +146,7 @@ def build_engine(args, proof: Proof):
     from proxima.engines import elastic_v1, plugin
 
     plugin.register()               # as vLLM's entry point would (Proxima may not be installed)
-    extra = {"compaction": {"mode": "every:2"}}         # hook, scratch and compactor on
+    extra = {"compaction": {"mode": "1"}}               # hook, scratch and compactor on
     proof.result["vllm"] = vllm.__version__
     import torch
 
@@ -197,12 +197,11 @@ def generate(llm, prompts, max_tokens):
     return tokens, wall, _preemptions[0] - before, cached
 
 
-def mode_of(text):
-    from proxima.engines.activation import compaction_mode
+def set_mode(compactor, mode):
+    """``off``, ``auto`` (the policy) or ``every:K`` (forced: the tests' own policy)."""
+    from tests.support import forced
 
-    if text == "off":
-        return None
-    return compaction_mode("1" if text == "auto" else text)     # "1" is the policy, auto
+    forced.set_mode(compactor, mode)
 
 
 # ----------------------------------------------------------------------------- sub-proofs
@@ -213,7 +212,7 @@ def identity(llm, compactor, proof, probe):
         runs = {}
         probe.check_syncs = True
         for mode in ("off", "every:2", "every:5", "auto"):
-            compactor.set_mode(mode_of(mode))
+            set_mode(compactor, mode)
             compactor.reset_metrics()
             probe.reset()
             tokens, wall, preempted, cached = generate(llm, prompts, 96)
@@ -330,7 +329,7 @@ class _Probe:
 
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from proxima.engines import compaction_v1
+        from proxima.engines import compaction_worker
 
         self.sched_s = 0.0
         self.steps = 0
@@ -363,8 +362,8 @@ class _Probe:
         gc.callbacks.append(on_gc)
         self._on_gc = on_gc
 
-        worker = compaction_v1.apply_on_worker
-        self._undo.append((compaction_v1, "apply_on_worker", worker))
+        worker = compaction_worker.apply_on_worker
+        self._undo.append((compaction_worker, "apply_on_worker", worker))
 
         def checked(runner, work):
             import warnings
@@ -389,7 +388,7 @@ class _Probe:
                                        if any(d in str(w.filename).replace(os.sep, "/")
                                               for d in ("proxima/engines/",
                                                         "proxima/kernels/")))
-        compaction_v1.apply_on_worker = checked
+        compaction_worker.apply_on_worker = checked
 
     def reset(self) -> None:
         self.sched_s, self.steps, self.gc_s, self.syncs, self.syncs_any = 0.0, 0, 0.0, 0, 0
@@ -439,7 +438,7 @@ def _rounds(llm, compactor, proof, rounds, probe, prompts, done) -> None:
                       f"{r} rounds")
             break
         for mode in ("off", "auto"):
-            compactor.set_mode(mode_of(mode))
+            set_mode(compactor, mode)
             compactor.reset_metrics()
             probe.reset()
             tokens, wall, preempted, cached = generate(llm, prompts, 128)

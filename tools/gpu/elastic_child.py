@@ -86,8 +86,10 @@ def build(mode: str, stats_dir: Path, **kw):
 
     options = dict(kw.pop("elastic_options", {}) or {})
     if mode == "elastic":
-        options = {"policy": "fixed", "eviction": "lru", "force_cycle_every": 4,
-                   "force_cycle_hold": 2, "force_cycle_granules": 8, **options}
+        from tests.support import forced      # the repository root is on sys.path
+
+        options = {"policy": "fixed", "eviction": "lru",
+                   "compactor": forced.cycles(every=4, hold=2, granules=8), **options}
     elif mode == "elastic-off":
         options = {"policy": "off", **options}
     elif mode == "elastic-fixed":
