@@ -22,6 +22,7 @@ from proxima.engines.status import STATS_ENV
 from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME
 from proxima.serve import logs, validate
+from proxima.serve.serve_flags import take_elastic_options
 
 HELP = f"""\
 usage: proxima serve [MODEL] [vllm serve options ...]
@@ -80,54 +81,6 @@ Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OP
 same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
 default: a temporary file), VLLM_* as for vLLM.
 """
-
-#: Proxima's own serve options (taken out of the command line): flag -> takes a value
-ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
-                 "--elastic-options": True}
-
-
-def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
-    """``argv`` without Proxima's elastic flags, and the elastic options they give (None:
-    ``--elastic`` absent). A bad value is one UserError naming the flag."""
-    rest, given, i = [], {}, 0
-    while i < len(argv):
-        token = argv[i]
-        flag, eq, inline = token.partition("=")
-        if flag in ELASTIC_FLAGS:
-            if ELASTIC_FLAGS[flag]:
-                if eq:
-                    value = inline
-                elif i + 1 < len(argv):
-                    i += 1
-                    value = argv[i]
-                else:
-                    raise UserError(f"{flag} needs a value (e.g. {flag} 8GiB)")
-                given[flag] = value
-            else:
-                if eq:
-                    raise UserError(f"--elastic takes no value, got {token!r}")
-                given[flag] = True
-            i += 1
-            continue
-        rest.append(token)
-        i += 1
-    if not given:
-        return rest, None
-    if "--elastic" not in given:
-        raise UserError(f"{next(iter(given))} needs --elastic (elastic KV memory)")
-    from proxima import config
-
-    options = {}
-    if "--elastic-options" in given:
-        options.update(config.elastic_options_text(given["--elastic-options"],
-                                                   "--elastic-options"))
-    for flag, key in (("--kv-min", "min_bytes"), ("--kv-max", "max_bytes")):
-        if flag in given:
-            config.parse_size(given[flag], flag)
-            options[key] = given[flag]
-    config.elastic_options(options, "proxima serve --elastic")
-    return rest, options
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every token after ``serve`` goes to vLLM's parser untouched (argparse would reject

@@ -280,7 +280,7 @@ def engine_env() -> dict:
 def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Engine]]:
     """Every check that needs no engine; UserError (one line) on bad input."""
     from proxima.serve import validate
-    from proxima.serve.cli import take_elastic_options
+    from proxima.serve.serve_flags import take_elastic_options
 
     plan = multi_config.parse_command_line(argv)
     multi_config.check_plan(plan, validate.check_model)
@@ -362,7 +362,7 @@ def _option_sets(plan: multi_config.MultiPlan):
     """(label, vllm serve argv): the options for every model first, then each model's;
     Proxima's own (--kv-min, --kv-max, --elastic-options) taken out, as the engine's
     proxima serve takes them out before vLLM's parser sees the rest."""
-    from proxima.serve.cli import take_elastic_options
+    from proxima.serve.serve_flags import take_elastic_options
 
     def vllm_only(tokens):
         return take_elastic_options(["--elastic", *tokens])[0]

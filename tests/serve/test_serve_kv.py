@@ -183,7 +183,7 @@ def test_metrics_carry_the_elastic_section(tmp_path):
 
 
 def test_serve_takes_its_elastic_options_out_of_the_command_line():
-    from proxima.serve.cli import take_elastic_options
+    from proxima.serve.serve_flags import take_elastic_options
 
     rest, options = take_elastic_options(["m", "--port", "8000", "--elastic", "--kv-max=80GiB",
                                           "--kv-min", "2GiB", "--elastic-options",
@@ -205,7 +205,7 @@ def test_serve_takes_its_elastic_options_out_of_the_command_line():
     (["--elastic=1"], "--elastic takes no value"),
 ])
 def test_serve_elastic_bad_options_are_one_clear_error(argv, message):
-    from proxima.serve.cli import take_elastic_options
+    from proxima.serve.serve_flags import take_elastic_options
 
     with pytest.raises(UserError, match=message):
         take_elastic_options(["m", *argv])
