@@ -95,10 +95,11 @@ class Record:
     min: int = 0               # its minimum (never given back)
     unmet: int = 0             # memory it wants and could not map (0: none)
     updated: float = 0.0       # time.time() of the last post
+    name: str = ""             # tells apart engines of one process (a two-engine replay)
 
     @property
     def key(self) -> str:
-        return f"{self.pid}:{self.start}"
+        return f"{self.pid}:{self.start}:{self.name}"
 
     def alive(self) -> bool:
         return process_start(self.pid) == self.start
@@ -135,9 +136,11 @@ class Ledger:
     Args:
         path: the ledger file (:func:`ledger_path`); its directory must exist.
         pid: the process the record speaks for (default: this one).
+        name: tells apart several engines of one process (default: none).
     """
 
-    def __init__(self, path: str | os.PathLike, pid: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, pid: int | None = None,
+                 name: str = "") -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise LedgerError(f"the ledger's directory {self.path.parent} does not exist: "
@@ -147,7 +150,8 @@ class Ledger:
         if start is None:
             raise LedgerError(f"process {self.pid} does not exist")
         self.start = start
-        self.key = f"{self.pid}:{self.start}"
+        self.name = str(name)
+        self.key = f"{self.pid}:{self.start}:{self.name}"
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self._posted: tuple | None = None
         self.writes = 0
@@ -167,7 +171,8 @@ class Ledger:
         for entry in entries if isinstance(entries, list) else []:
             try:
                 rec = Record(**{k: entry[k] for k in ("pid", "start", "mapped", "min",
-                                                      "unmet", "updated")})
+                                                      "unmet", "updated")},
+                             name=str(entry.get("name", "")))
             except (KeyError, TypeError):
                 continue
             if all(type(getattr(rec, k)) is int and getattr(rec, k) >= 0
@@ -236,7 +241,8 @@ class Ledger:
         state = (mapped, minimum, unmet)
         if state == self._posted and not force:
             return False
-        self._update(Record(self.pid, self.start, mapped, minimum, unmet, time.time()))
+        self._update(Record(self.pid, self.start, mapped, minimum, unmet, time.time(),
+                            self.name))
         self._posted = state
         return True
 
