@@ -77,6 +77,7 @@ from proxima.ioutil import publish_text_later
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy, parse_bytes
+from proxima.memory.sharing import SharedPolicyStep
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -209,6 +210,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.channel: ElasticChannel | None = None
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
+        self.shared: SharedPolicyStep | None = None   # the policy stepped with the ledger
         self.compactor = None               # compaction_v1.Compactor (scheduler)
         self._mover = None                  # the Triton block mover (worker)
         self.cycler: ForcedCycler | None = None
@@ -362,6 +364,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
                 clock=lambda: self.clock(), forecast=self._forecast,
                 compactor=self._load_compactor())
+            self.shared = SharedPolicyStep(self.policy, *self._open_ledger())
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
                 policy = self.policy               # and merges runs only near the maximum
@@ -376,6 +379,47 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                     "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
                     self.bytes_per_granule / 2**20, startup, initial, opts.policy,
                     queue.eviction)
+
+    def _open_ledger(self):
+        """``(ledger, gpu_memory)`` for :class:`SharedPolicyStep`: on a GPU, the ledger of
+        the GPU this engine's worker uses (a one-GPU engine: tensor or pipeline parallel
+        engines span several and keep none) and NVML's free/total memory of it (NVML needs
+        no CUDA context in this process); ``(None, None)`` elsewhere (CPU, the replay,
+        which sets its stand-in's own). Any failure: said once, the engine runs without."""
+        try:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cuda():
+                return None, None
+            if self._vllm_config.parallel_config.world_size != 1:
+                logger.info("Proxima elastic KV: no GPU ledger for an engine on %d GPUs",
+                            self._vllm_config.parallel_config.world_size)
+                return None, None
+            from vllm.utils.import_utils import import_pynvml
+
+            from proxima.memory.ledger import Ledger, ledger_path
+
+            nvml = import_pynvml()
+            nvml.nvmlInit()              # kept initialised (NVML counts its inits)
+            handle = nvml.nvmlDeviceGetHandleByIndex(
+                current_platform.device_id_to_physical_device_id(0))
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+
+            def gpu_memory():
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                return int(info.free), int(info.total)
+
+            ledger = None
+            if self.options.ledger:
+                ledger = Ledger(ledger_path(uuid, self.options.ledger_dir))
+                logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
+                            "through %s", ledger.path)
+            return ledger, gpu_memory
+        except Exception as exc:        # noqa: BLE001 - the engine serves without it
+            logger.warning("Proxima elastic KV: no GPU ledger (%s: %s); cached blocks are "
+                           "given back after cache_hold_s only", type(exc).__name__, exc)
+            return None, None
 
     def _load_compactor(self):
         spec = self.options.compactor
@@ -452,7 +496,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
                 self.policy.options = dataclasses.replace(self.policy.options,
                                                           reserve_blocks=reserve)
-            self.policy.step()
+            self.shared.step()
         if self.cycler is not None:
             self.cycler.margin = self._step_reserve()
             self.cycler.tick(self.steps)
@@ -542,7 +586,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.policy.set_limits(lo, hi, clear_max=hi is None)
             except ValueError as exc:
                 return {"error": str(exc), **self.status()}
-            self.policy.step()
+            self.shared.step()
             logger.info("Proxima elastic KV: limits set to min %d, max %s bytes", lo,
                         "pool" if hi is None else hi)
         return self.status()
@@ -565,6 +609,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self.policy is not None:
             out.update(self.policy.snapshot())
             out["events"] = self.policy.stats.events[-20:]     # (time, grow/shrink/fail, n)
+            ledger = self.shared.ledger if self.shared is not None else None
+            out.update(ledger=str(ledger.path) if ledger is not None else None,
+                       unmet_bytes=self.policy.unmet_bytes,
+                       others_unmet_bytes=self.shared.others_unmet_bytes if self.shared else 0)
         else:
             live = self.queue.live_blocks() if self.queue is not None else None
             releasable = self.queue.num_releasable() if self.queue is not None else 0
@@ -592,5 +640,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:
             self.write_stats(wait=True)
+            if self.shared is not None:
+                self.shared.close()          # this engine's claim leaves the ledger
         elif self._background is not None:
             self._background.close()

@@ -107,6 +107,10 @@ class ElasticOptions:
     granule.
     ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
     CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
+    ``cache_hold_s``, ``gpu_free_low``: when granules of cached blocks are given back
+    (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the
+    engines' demand through the GPU's ledger (:mod:`proxima.memory.ledger`; default true);
+    ``ledger_dir``: where its file lives (None: ``PROXIMA_LEDGER_DIR``, else ``/dev/shm``).
     """
 
     policy: str = "auto"
@@ -133,6 +137,10 @@ class ElasticOptions:
     stats_file: str | None = None
     verify: bool = True
     compaction: dict | None = None
+    cache_hold_s: float = _POLICY.cache_hold_s
+    gpu_free_low: float = _POLICY.gpu_free_low
+    ledger: bool = True
+    ledger_dir: str | None = None
 
     _SIZES = ("min_bytes", "max_bytes", "initial_bytes", "granule_bytes")
 
@@ -177,12 +185,18 @@ class ElasticOptions:
         if self.max_bytes is not None and self.max_bytes < self.min_bytes:
             raise UserError(f"{CONNECTOR}: max_bytes ({self.max_bytes}) is below min_bytes "
                             f"({self.min_bytes})")
-        for name in ("headroom", "band", "release_delay_s", "retry_s", "idle_sleep_s"):
+        for name in ("headroom", "band", "release_delay_s", "retry_s", "idle_sleep_s",
+                     "cache_hold_s", "gpu_free_low"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 bad(name, "a number >= 0")
+        if self.gpu_free_low > 1:
+            bad("gpu_free_low", "a share of the GPU's memory between 0 and 1")
+        if self.ledger_dir is not None and (not isinstance(self.ledger_dir, str)
+                                            or not self.ledger_dir.strip()):
+            bad("ledger_dir", "a directory or null")
         for name in ("forecast", "force_cycle_safe", "verify", "zero_on_map",
-                     "map_in_background"):
+                     "map_in_background", "ledger"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
         if type(self.force_cycle_every) is not int or self.force_cycle_every < 0:
@@ -226,7 +240,8 @@ class ElasticOptions:
                              reserve_blocks=max(self.reserve_blocks, reserve_blocks),
                              release_delay_s=float(self.release_delay_s),
                              retry_s=float(self.retry_s), forecast=self.forecast,
-                             band=float(self.band))
+                             band=float(self.band), cache_hold_s=float(self.cache_hold_s),
+                             gpu_free_low=float(self.gpu_free_low))
 
 
 def _parse_options(text: str) -> dict:

@@ -134,6 +134,27 @@ class ElasticRun:
         self.bytes_per_granule = self.connector.bytes_per_granule
         capacity = None if spec.gpu_bytes is None else spec.gpu_bytes // self.bytes_per_granule
         self.worker = ReplayWorker(self.connector.channel, capacity)
+        self._ledger_dir = None
+        if self.connector.shared is not None:
+            self._share(spec)
+
+    def _share(self, spec: ElasticReplay) -> None:
+        """The GPU ledger and the driver's free memory, stood in for: a ledger file of its
+        own in a temporary directory (this engine alone in it), and a GPU of fixed size
+        (``gpu_bytes``, else the pool) whose free memory is what this engine leaves."""
+        import tempfile
+
+        from proxima.memory.ledger import Ledger, ledger_path
+
+        self._ledger_dir = tempfile.TemporaryDirectory(prefix="proxima-replay-ledger-")
+        shared = self.connector.shared
+        shared.ledger = Ledger(ledger_path("replay", self._ledger_dir.name))
+        B = self.bytes_per_granule
+        total = spec.gpu_bytes if spec.gpu_bytes is not None \
+            else self.connector.channel.num_granules * B
+        worker = self.worker
+        shared.gpu_memory = lambda: (max(0, total - len(worker.mapped) * B), total)
+        shared.post()
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -154,4 +175,6 @@ class ElasticRun:
     def report(self) -> dict:
         status = self.connector.status()
         status.pop("events", None)
+        if status.get("ledger"):
+            status["ledger"] = "stand-in"      # a temporary file: its name is noise
         return {"elastic": status, "bytes_per_granule": self.bytes_per_granule}

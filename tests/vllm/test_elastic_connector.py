@@ -399,6 +399,10 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
     ({"force_cycle_every": 3, "policy": "off"}, "forced cycles need the pool"),
     ({"compactor": "nocolon"}, "compactor must be 'module:factory'"),
     ({"headroom": -1}, "headroom must be a number >= 0"),
+    ({"cache_hold_s": -5}, "cache_hold_s must be a number >= 0"),
+    ({"gpu_free_low": 1.5}, "gpu_free_low must be a share of the GPU's memory"),
+    ({"ledger": "yes"}, "ledger must be true or false"),
+    ({"ledger_dir": ""}, "ledger_dir must be a directory or null"),
 ])
 def test_bad_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError
