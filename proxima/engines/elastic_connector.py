@@ -127,6 +127,50 @@ def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
                           granule_bytes)
 
 
+def open_gpu_ledger(options, world_size: int = 1):
+    """``(ledger, gpu_memory)`` for :class:`~proxima.memory.sharing.SharedPolicyStep`: on a
+    GPU, the ledger of the GPU this engine's worker uses (a one-GPU engine: tensor or
+    pipeline parallel engines span several and keep none) and NVML's free/total memory of
+    it (NVML needs no CUDA context in this, the scheduler's, process); ``(None, None)``
+    elsewhere (CPU; the replay sets its stand-in's own). ``options``: the
+    :class:`~proxima.engines.elastic_v1.ElasticOptions`. Any failure is said once and the
+    engine runs without (cached blocks then go back after ``cache_hold_s``)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return None, None
+        if world_size != 1:
+            logger.info("Proxima elastic KV: no GPU ledger for an engine on %d GPUs",
+                        world_size)
+            return None, None
+        from vllm.utils.import_utils import import_pynvml
+
+        from proxima.memory.ledger import Ledger, ledger_path
+
+        nvml = import_pynvml()
+        nvml.nvmlInit()                  # kept initialised (NVML counts its inits)
+        handle = nvml.nvmlDeviceGetHandleByIndex(
+            current_platform.device_id_to_physical_device_id(0))
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+
+        def gpu_memory() -> tuple[int, int]:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            return int(info.free), int(info.total)
+
+        ledger = None
+        if options.ledger:
+            ledger = Ledger(ledger_path(uuid, options.ledger_dir))
+            logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
+                        "through %s", ledger.path)
+        return ledger, gpu_memory
+    except Exception as exc:            # noqa: BLE001 - the engine serves without it
+        logger.warning("Proxima elastic KV: no GPU ledger (%s: %s); cached blocks are "
+                       "given back after cache_hold_s only", type(exc).__name__, exc)
+        return None, None
+
+
 def _current_stream() -> int:
     """The CUDA stream the forward is about to run on (zero-fills of new granules go
     there, ahead of it); 0 where CUDA was never started (CPU tests)."""
@@ -364,7 +408,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
                 clock=lambda: self.clock(), forecast=self._forecast,
                 compactor=self._load_compactor())
-            self.shared = SharedPolicyStep(self.policy, *self._open_ledger())
+            self.shared = SharedPolicyStep(self.policy, *open_gpu_ledger(
+                self.options, self._vllm_config.parallel_config.world_size))
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
                 policy = self.policy               # and merges runs only near the maximum
@@ -379,47 +424,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                     "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
                     self.bytes_per_granule / 2**20, startup, initial, opts.policy,
                     queue.eviction)
-
-    def _open_ledger(self):
-        """``(ledger, gpu_memory)`` for :class:`SharedPolicyStep`: on a GPU, the ledger of
-        the GPU this engine's worker uses (a one-GPU engine: tensor or pipeline parallel
-        engines span several and keep none) and NVML's free/total memory of it (NVML needs
-        no CUDA context in this process); ``(None, None)`` elsewhere (CPU, the replay,
-        which sets its stand-in's own). Any failure: said once, the engine runs without."""
-        try:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cuda():
-                return None, None
-            if self._vllm_config.parallel_config.world_size != 1:
-                logger.info("Proxima elastic KV: no GPU ledger for an engine on %d GPUs",
-                            self._vllm_config.parallel_config.world_size)
-                return None, None
-            from vllm.utils.import_utils import import_pynvml
-
-            from proxima.memory.ledger import Ledger, ledger_path
-
-            nvml = import_pynvml()
-            nvml.nvmlInit()              # kept initialised (NVML counts its inits)
-            handle = nvml.nvmlDeviceGetHandleByIndex(
-                current_platform.device_id_to_physical_device_id(0))
-            uuid = nvml.nvmlDeviceGetUUID(handle)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-
-            def gpu_memory():
-                info = nvml.nvmlDeviceGetMemoryInfo(handle)
-                return int(info.free), int(info.total)
-
-            ledger = None
-            if self.options.ledger:
-                ledger = Ledger(ledger_path(uuid, self.options.ledger_dir))
-                logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
-                            "through %s", ledger.path)
-            return ledger, gpu_memory
-        except Exception as exc:        # noqa: BLE001 - the engine serves without it
-            logger.warning("Proxima elastic KV: no GPU ledger (%s: %s); cached blocks are "
-                           "given back after cache_hold_s only", type(exc).__name__, exc)
-            return None, None
 
     def _load_compactor(self):
         spec = self.options.compactor

@@ -667,3 +667,10 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     with pytest.raises(SystemExit, match="min_bytes: 'lots' is not a size"):
         register()
     vllm_v1.deactivate()
+
+
+def test_no_gpu_no_ledger():
+    """On CPU the connector keeps no GPU ledger (the replay sets its stand-in's own)."""
+    from proxima.engines.elastic_connector import open_gpu_ledger
+
+    assert open_gpu_ledger(elastic_v1.ElasticOptions(), 1) == (None, None)
