@@ -674,3 +674,26 @@ def test_no_gpu_no_ledger():
     from proxima.engines.elastic_connector import open_gpu_ledger
 
     assert open_gpu_ledger(elastic_v1.ElasticOptions(), 1) == (None, None)
+
+
+def test_an_engine_alone_keeps_its_warm_cache_between_bursts():
+    """The replay's bursts (the real scheduler, connector and policy; a stand-in ledger with
+    this engine alone and a GPU with room to spare): granules of cached blocks stay through
+    the gaps between bursts (1,500 steps, 37.5 s of the policy's clock), so the later bursts
+    hit the shared prefixes that the rule before the ledger (``cache_hold_s`` 0: they went
+    after the 10 s release delay) evicted; empty granules are still given back, and the
+    hold's end takes the engine back to its minimum."""
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import make_workload
+
+    w = make_workload("bursts", requests=160)
+    before, now = (run_replay(w, proxima=True, num_blocks=8000,
+                              elastic=ElasticReplay(extra={"cache_hold_s": hold}))
+                   for hold in (0.0, 60.0))
+    assert now.completed == before.completed == 160
+    assert now.prefix_hit_rate > before.prefix_hit_rate + 0.01, (now.prefix_hit_rate,
+                                                                 before.prefix_hit_rate)
+    e, b = now.details["elastic"], before.details["elastic"]
+    assert e["evicted_cached"] < b["evicted_cached"]
+    assert e["bytes_returned"] > 0 and e["mapped_granules"] == 1      # back at the minimum
