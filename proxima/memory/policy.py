@@ -352,6 +352,11 @@ class GrowShrinkPolicy:
             if done < count:
                 self.stats.kept_cached += 1
 
+    def retry_now(self) -> None:
+        """Memory was freed (another engine gave some back): a grow waiting for
+        ``retry_s`` after a failure is tried at the next step."""
+        self._retry_at = 0.0
+
     def band_granules(self, mapped: int) -> int:
         """The hysteresis band in granules at ``mapped`` granules (at least 1)."""
         return max(1, int(self.options.band * mapped))

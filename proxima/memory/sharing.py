@@ -7,9 +7,12 @@ place of :meth:`GrowShrinkPolicy.step`. The policy stays pure -- it gets the oth
 unmet demand and the driver's free memory as arguments -- and the ledger stays a file;
 this is the glue between them. Pure Python.
 
+An engine whose grow failed reads the ledger too, and tries again at once when the others'
+mapped memory went down (one gave some back) instead of after ``retry_s``.
+
 Cost: the ledger is read and the driver asked only while the policy has memory in excess
-(:attr:`GrowShrinkPolicy.pending`: only then can it give anything), the driver at most
-every ``gpu_every_s``; the record is written only when it changes (a grow, a shrink, a
+(:attr:`GrowShrinkPolicy.pending`: only then can it give anything) or waits for memory,
+the driver at most every ``gpu_every_s``; the record is written only when it changes (a grow, a shrink, a
 change of unmet demand).
 """
 
@@ -40,6 +43,7 @@ class SharedPolicyStep:
         self.gpu_memory = gpu_memory
         self.gpu_every_s = gpu_every_s
         self.others_unmet_bytes = 0
+        self._others_mapped: int | None = None    # the others' mapped bytes while short
         self._gpu: tuple[int, int] | None = None
         self._gpu_at: float | None = None
         self.post()
@@ -56,16 +60,31 @@ class SharedPolicyStep:
             self._gpu_at = now
         return self._gpu if self._gpu is not None else (None, None)
 
+    def _read(self):
+        try:
+            return self.ledger.read()
+        except OSError:
+            return None
+
     def step(self) -> None:
         policy = self.policy
         others, free, total = 0, None, None
         if policy.pending:             # memory in excess: is someone waiting for it?
             if self.ledger is not None:
-                try:
-                    others = self.ledger.read().others_unmet_bytes
-                except OSError:
-                    others = 0
+                view = self._read()
+                others = view.others_unmet_bytes if view is not None else 0
             free, total = self._gpu_figures()
+        elif policy.stats.short and self.ledger is not None:
+            # waiting for memory: when another engine gave some back, try now rather than
+            # after retry_s
+            view = self._read()
+            if view is not None:
+                mapped = view.others_mapped_bytes
+                if self._others_mapped is not None and mapped < self._others_mapped:
+                    policy.retry_now()
+                self._others_mapped = mapped
+        if not policy.stats.short:
+            self._others_mapped = None
         self.others_unmet_bytes = others
         policy.step(others_unmet_bytes=others, gpu_free_bytes=free, gpu_total_bytes=total)
         self.post()

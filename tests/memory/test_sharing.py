@@ -49,7 +49,7 @@ class Engine:
         self.ch = ElasticChannel(32 * G, G)
         self.pool = Pool(self.ch, mapped)
         self.demand = [0]
-        opts = dict(release_delay_s=1.0, cache_hold_s=60.0, retry_s=0.2)
+        opts = dict(release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0)
         opts.update(options)
         self.policy = GrowShrinkPolicy(self.pool, self.ch, B, PolicyOptions(**opts),
                                        clock=lambda: now[0], forecast=lambda: self.demand[0])
@@ -88,15 +88,19 @@ def test_the_idle_engine_keeps_its_cache_until_the_other_asks_then_gives_it_at_o
     assert a.shared.ledger.read().others_unmet_bytes == 0
 
     b.demand[0] = 40                           # a burst on b: 10 granules more wanted
-    steps_to_yield = None
+    steps_to_yield = steps_to_served = None
     for i in range(1, 60):
         run([a, b], now, 1)
         if steps_to_yield is None and a.policy.stats.yields:
             steps_to_yield = i
+        if steps_to_served is None and b.mapped * G - b.pool.live_blocks() >= 40:
+            steps_to_served = i
     assert b.policy.stats.failed_grows > 0     # the GPU was full: b asked through the ledger
     # b's failed grow is reported at its first step, posted at its second; a reads it at
     # its next step
     assert steps_to_yield is not None and steps_to_yield <= 3
+    # b saw a's memory go down in the ledger and mapped at once, not retry_s (100 steps) on
+    assert steps_to_served is not None and steps_to_served <= steps_to_yield + 2
     assert a.policy.stats.evicted_cached > 0   # the cache went because b needed it
     assert b.mapped * G - b.pool.live_blocks() >= 40    # b got what it wanted
     assert b.policy.unmet_bytes == 0 and a.shared.ledger.read().others_unmet_bytes == 0
