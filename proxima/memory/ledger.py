@@ -59,7 +59,8 @@ def ledger_path(gpu: str | int, directory: str | os.PathLike | None = None) -> P
 
 def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot, from ``/proc``), or None
-    when there is no such process. Where ``/proc`` is missing, 0 for a live process."""
+    when there is no such process or it is a zombie (dead, not yet reaped). Where
+    ``/proc`` is missing, 0 for a live process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -70,6 +71,8 @@ def process_start(pid: int) -> int | None:
     if data:
         # the command name (field 2) is in parentheses and may hold spaces or ')'
         fields = data[data.rfind(b")") + 2:].split()
+        if fields and fields[0] in (b"Z", b"X"):
+            return None                  # killed, not yet reaped by its parent: gone
         try:
             return int(fields[19])       # field 22 overall; fields[0] is field 3
         except (IndexError, ValueError):

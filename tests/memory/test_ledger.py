@@ -88,8 +88,12 @@ def test_sigkill_leaves_no_claim(tmp_path):
     mine = Ledger(path)
     assert mine.read().others_unmet_bytes == 3 << 30
     victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=60)
+    # not reaped yet: a zombie, whose /proc entry is still there -- already gone for readers
+    os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)
+    with open(f"/proc/{victim.pid}/stat", "rb") as f:
+        assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     assert mine.read().others_unmet_bytes == 0
+    victim.wait(timeout=60)
     assert mine.read().records == ()
     mine.post(1, 0, 0)                              # the next write drops the dead record
     assert [e["pid"] for e in json.loads(path.read_text())["engines"]] == [os.getpid()]
