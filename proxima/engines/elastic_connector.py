@@ -76,6 +76,7 @@ from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy
+from proxima.memory.sharing import SharedPolicyStep
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -125,6 +126,50 @@ def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
                           granule_bytes)
 
 
+def open_gpu_ledger(options, world_size: int = 1):
+    """``(ledger, gpu_memory)`` for :class:`~proxima.memory.sharing.SharedPolicyStep`: on a
+    GPU, the ledger of the GPU this engine's worker uses (a one-GPU engine: tensor or
+    pipeline parallel engines span several and keep none) and NVML's free/total memory of
+    it (NVML needs no CUDA context in this, the scheduler's, process); ``(None, None)``
+    elsewhere (CPU; the replay sets its stand-in's own). ``options``: the
+    :class:`~proxima.engines.elastic_v1.ElasticOptions`. Any failure is said once and the
+    engine runs without (cached blocks then go back after ``cache_hold_s``)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return None, None
+        if world_size != 1:
+            logger.info("Proxima elastic KV: no GPU ledger for an engine on %d GPUs",
+                        world_size)
+            return None, None
+        from vllm.utils.import_utils import import_pynvml
+
+        from proxima.memory.ledger import Ledger, ledger_path
+
+        nvml = import_pynvml()
+        nvml.nvmlInit()                  # kept initialised (NVML counts its inits)
+        handle = nvml.nvmlDeviceGetHandleByIndex(
+            current_platform.device_id_to_physical_device_id(0))
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+
+        def gpu_memory() -> tuple[int, int]:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            return int(info.free), int(info.total)
+
+        ledger = None
+        if options.ledger:
+            ledger = Ledger(ledger_path(uuid, options.ledger_dir))
+            logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
+                        "through %s", ledger.path)
+        return ledger, gpu_memory
+    except Exception as exc:            # noqa: BLE001 - the engine serves without it
+        logger.warning("Proxima elastic KV: no GPU ledger (%s: %s); cached blocks are "
+                       "given back after cache_hold_s only", type(exc).__name__, exc)
+        return None, None
+
+
 def _current_stream() -> int:
     """The CUDA stream the forward is about to run on (zero-fills of new granules go
     there, ahead of it); 0 where CUDA was never started (CPU tests)."""
@@ -160,6 +205,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self.channel: ElasticChannel | None = None
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
+        self.shared: SharedPolicyStep | None = None   # the policy stepped with the ledger
         self.compactor = None               # compaction_v1.Compactor (scheduler)
         self.step_hook: StepHook | None = None   # from the compactor option (tests)
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
@@ -309,6 +355,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self.policy = GrowShrinkPolicy(
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
                 clock=lambda: self.clock(), forecast=self._forecast, compactor=release)
+            self.shared = SharedPolicyStep(self.policy, *open_gpu_ledger(
+                self.options, self._vllm_config.parallel_config.world_size))
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
         if hasattr(hook, "tick"):
@@ -399,7 +447,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
                 self.policy.options = dataclasses.replace(self.policy.options,
                                                           reserve_blocks=reserve)
-            self.policy.step()
+            self.shared.step()
         if self.step_hook is not None:
             self.step_hook.tick(self.steps, self._step_reserve(), self._forecast)
         batch = self.channel.build()
@@ -488,7 +536,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.policy.set_limits(lo, hi, clear_max=hi is None)
             except ValueError as exc:
                 return {"error": str(exc), **self.status()}
-            self.policy.step()
+            self.shared.step()
             logger.info("Proxima elastic KV: limits set to min %d, max %s bytes", lo,
                         "pool" if hi is None else hi)
         return self.status()
@@ -511,6 +559,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if self.policy is not None:
             out.update(self.policy.snapshot())
             out["events"] = self.policy.stats.events[-20:]     # (time, grow/shrink/fail, n)
+            ledger = self.shared.ledger if self.shared is not None else None
+            out.update(ledger=str(ledger.path) if ledger is not None else None,
+                       unmet_bytes=self.policy.unmet_bytes,
+                       others_unmet_bytes=self.shared.others_unmet_bytes if self.shared else 0)
         else:
             live = self.queue.live_blocks() if self.queue is not None else None
             releasable = self.queue.num_releasable() if self.queue is not None else 0
@@ -538,5 +590,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.SCHEDULER:
             self.write_stats(wait=True)
+            if self.shared is not None:
+                self.shared.close()          # this engine's claim leaves the ledger
         elif self._background is not None:
             self._background.close()

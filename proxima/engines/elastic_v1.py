@@ -109,6 +109,10 @@ class ElasticOptions:
     granule.
     ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
     CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
+    ``cache_hold_s``, ``gpu_free_low``: when granules of cached blocks are given back
+    (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the
+    engines' demand through the GPU's ledger (:mod:`proxima.memory.ledger`; default true);
+    ``ledger_dir``: where its file lives (None: ``PROXIMA_LEDGER_DIR``, else ``/dev/shm``).
     """
 
     policy: str = "auto"
@@ -132,6 +136,10 @@ class ElasticOptions:
     stats_file: str | None = None
     verify: bool = True
     compaction: dict | None = None
+    cache_hold_s: float = _POLICY.cache_hold_s
+    gpu_free_low: float = _POLICY.gpu_free_low
+    ledger: bool = True
+    ledger_dir: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":
@@ -158,7 +166,8 @@ class ElasticOptions:
                              release_delay_s=float(self.release_delay_s),
                              retry_s=float(self.retry_s), retry_max_s=float(self.retry_max_s),
                              forecast=self.forecast,
-                             band=float(self.band))
+                             band=float(self.band), cache_hold_s=float(self.cache_hold_s),
+                             gpu_free_low=float(self.gpu_free_low))
 
 
 def warmup_blocks(vllm_config, kv_cache_config) -> int:

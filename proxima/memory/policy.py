@@ -26,7 +26,8 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   is free for this engine to map) a grow asks for no more than that, none while it is
   less than a granule, and a failed one is tried again early once the driver says more is
   free than when it failed.
-* **Shrink** when free has exceeded wanted by more than two bands for ``release_delay_s``,
+* **Shrink** when free has exceeded wanted by more than two bands for ``release_delay_s``
+  (which granules may go: the release rule below),
   down to wanted plus one band (an idle engine: by a granule, down to wanted; the band keeps a steady load from growing and shrinking
   by a granule every second: each map or unmap is driver work on every worker; measured
   on the H200, 125 grows in a 60 s steady run without it): release granules without live
@@ -35,6 +36,39 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   in ``evicted_cached``), never below ``min_bytes`` or wanted. Before a shrink that finds
   too few such granules, ``compactor`` (None by default; issue 14's compaction) may be
   asked to empty some.
+
+**The release rule** (issue 33, item 3). A granule without live blocks either holds no
+cached block (*empty*: releasing it costs nothing) or holds cached blocks a later request
+may hit (releasing evicts them: every prefix hit lost is prefill computed again). So:
+
+* empty granules go after ``release_delay_s``, as before: memory is still returned;
+* granules of cached blocks go only when someone needs the memory:
+  - **another Proxima engine on this GPU asks** (the ledger, :mod:`proxima.memory.ledger`,
+    shows its unmet demand: ``others_unmet_bytes``): at once, no delay -- that engine is
+    serving at a size it did not choose -- and as many granules as it asks for (it
+    re-posts what is still missing, so the next step gives more if one engine's excess
+    was not enough);
+  - **the GPU is short** (the driver's free memory below ``gpu_free_low`` of the GPU:
+    ``gpu_free_bytes`` / ``gpu_total_bytes``): after ``release_delay_s``, as before --
+    a process that is not Proxima cannot say what it wants, and low free memory is the
+    one sign of it there is;
+  - **the hold ends**: the excess has lasted ``cache_hold_s`` with nobody asking: the
+    load is gone, the cache is presumed cold, and the engine goes back to its minimum
+    (so an idle engine does not keep stepping, watching the ledger, for ever).
+
+  Otherwise they stay: evicting a warm cache nobody wants the memory of is a pure loss
+  (measured in the CPU replay: bursts 0.594 against stock's 0.604 prefix hits before).
+  Why not a hold for ever: the engine would have to keep stepping to see later demand,
+  and with ``cache_hold_s <= release_delay_s`` the rule is the one before the ledger.
+  Kernel memory ballooning (and Prism's, behind kvcached) reclaims on the host's demand
+  alone; here the demand is the engines' own, posted when a grow fails, so an idle
+  engine gives exactly what a busy one misses, within a step.
+
+An engine whose grow fails posts its unmet demand (:attr:`GrowShrinkPolicy.unmet_bytes`:
+the granules the grow wanted, while the GPU is short of them; 0 once a map succeeds or
+nothing more is wanted); the connector writes it to the ledger, the others read it at
+their next step. The policy itself reads and writes nothing: its inputs are arguments of
+:meth:`GrowShrinkPolicy.step`.
 
 ``min_bytes`` and ``max_bytes`` can be changed at run time (:meth:`set_limits`); a new
 minimum above the mapped size grows at the next step, a new maximum below it shrinks
@@ -85,7 +119,11 @@ class PolicyOptions:
     the held requests may still need (prompt + max_tokens) as wanted free memory;
     ``band``: the hysteresis, a fraction of the mapped granules (at least one granule):
     a grow maps this much beyond what is wanted, a shrink waits for twice this much in
-    excess and keeps this much (0: a granule, the rule before the band)."""
+    excess and keeps this much (0: a granule, the rule before the band);
+    ``cache_hold_s``: how long granules holding cached blocks are kept once in excess
+    while nobody asks for the memory (see the module's release rule; at most
+    ``release_delay_s``: the rule before the ledger); ``gpu_free_low``: the share of the
+    GPU's memory below which its free memory is short (other processes may be waiting)."""
 
     min_bytes: int = 0
     max_bytes: int | None = None
@@ -96,6 +134,8 @@ class PolicyOptions:
     forecast: bool = True
     retry_max_s: float = 30.0
     band: float = 0.05
+    cache_hold_s: float = 60.0
+    gpu_free_low: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("min_bytes", "reserve_blocks"):
@@ -106,7 +146,8 @@ class PolicyOptions:
                                            or self.max_bytes < self.min_bytes):
             raise ValueError(f"max_bytes must be None or an integer >= min_bytes "
                              f"({self.min_bytes}), got {self.max_bytes!r}")
-        for name in ("headroom", "release_delay_s", "retry_s", "band", "retry_max_s"):
+        for name in ("headroom", "release_delay_s", "retry_s", "band", "retry_max_s",
+                     "cache_hold_s", "gpu_free_low"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -124,6 +165,8 @@ class PolicyStats:
     bytes_returned: int = 0        # released granules x bytes per granule
     evicted_cached: int = 0        # cached blocks evicted by releases
     compactor_calls: int = 0
+    yields: int = 0                # steps that gave memory to another engine's demand
+    kept_cached: int = 0           # looks at a due release that kept cached granules
     short: bool = False            # the last grow could not be backed
     events: list = field(default_factory=list)   # (time, "grow"/"shrink"/"fail", granules)
 
@@ -168,6 +211,8 @@ class GrowShrinkPolicy:
         self._fails = 0                      # failed grows in a row (the backoff's power)
         self._free_at_fail: int | None = None    # what the driver said when the last failed
         self._excess_since: float | None = None
+        self._due_at: float | None = None     # when the waiting release may act next
+        self.unmet_bytes = 0                  # what a grow wants and the GPU cannot give
         self._retry_at = 0.0
         self._reported_short = False
         channel.listeners.append(self._on_map)
@@ -222,8 +267,14 @@ class GrowShrinkPolicy:
         """Live blocks, or requests held that will need blocks."""
         return bool(self.pool.live_blocks() or (self.forecast is not None and self.forecast()))
 
-    def step(self) -> None:
-        """One step boundary: grow, or shrink after the delay, or nothing."""
+    def step(self, *, others_unmet_bytes: int = 0, gpu_free_bytes: int | None = None,
+             gpu_total_bytes: int | None = None) -> None:
+        """One step boundary: grow, or shrink after the delay, or nothing.
+
+        ``others_unmet_bytes``: what the other Proxima engines on this GPU want and cannot
+        map (the ledger's view, :mod:`proxima.memory.ledger`; 0: nobody waits).
+        ``gpu_free_bytes`` / ``gpu_total_bytes``: the driver's figures for the GPU (None:
+        not known, taken as not short). See the module's release rule."""
         ch, G = self.channel, self.channel.granule_blocks
         now = self.clock()
         mapped = ch.count(MAPPED)
@@ -239,8 +290,15 @@ class GrowShrinkPolicy:
         grow = max(-(-short_blocks // G) + band - 1 if short_blocks > 0 else 0,
                    floor - mapped - pending)
         grow = min(grow, cap - mapped - pending)
+        # unmet demand (for the ledger): while the GPU cannot back a grow, what is wanted
+        # beyond what is mapped (maps in flight are not had yet)
+        self.unmet_bytes = 0
+        if self.stats.short:
+            want = max(-(-(wanted - free) // G) + band - 1 if wanted > free else 0,
+                       floor - mapped)
+            self.unmet_bytes = max(0, min(want, cap - mapped)) * self.bytes_per_granule
         if grow > 0:
-            self._excess_since = None
+            self._excess_since = self._due_at = None
             free_now = self.free_bytes() if self.free_bytes is not None else None
             if free_now is not None:          # never ask for what the driver says is not there
                 grow = min(grow, free_now // self.bytes_per_granule)
@@ -260,14 +318,42 @@ class GrowShrinkPolicy:
         if over > 0:
             excess = max(excess, over)
         if excess <= 0:
-            self._excess_since = None
+            self._excess_since = self._due_at = None
             return
         if self._excess_since is None:
             self._excess_since = now
-        if now - self._excess_since < self.options.release_delay_s:
+        o, waited = self.options, now - self._excess_since
+        if others_unmet_bytes > 0:
+            # another engine waits for memory now: give what it asks (no delay), cached
+            # blocks included, never below wanted or the minimum (excess says so)
+            asked = -(-others_unmet_bytes // self.bytes_per_granule)
+            count, cached_ok = min(excess, max(asked, over)), True
+        elif waited < o.release_delay_s:
+            self._due_at = self._excess_since + o.release_delay_s
             return
-        self._shrink(excess, now)
-        self._excess_since = None
+        elif self._due_at is not None and now < self._due_at:
+            return             # cached granules held: look again when due (or when asked)
+        else:
+            short = (gpu_free_bytes is not None and gpu_total_bytes
+                     and gpu_free_bytes < o.gpu_free_low * gpu_total_bytes)
+            count = excess
+            cached_ok = over > 0 or bool(short) or waited >= o.cache_hold_s
+        done = self._shrink(count, now, cached_ok)
+        if done and others_unmet_bytes > 0:
+            self.stats.yields += 1
+        if done >= excess or (cached_ok and done < count):
+            self._excess_since = self._due_at = None    # nothing left that could go
+        else:          # cached granules kept: they go when asked, short, or after the hold
+            # (looked at again after a release delay, to see whether the GPU is short)
+            self._due_at = min(now + o.release_delay_s,
+                               self._excess_since + max(o.cache_hold_s, o.release_delay_s))
+            if done < count:
+                self.stats.kept_cached += 1
+
+    def retry_now(self) -> None:
+        """Memory was freed (another engine gave some back): a grow waiting for
+        ``retry_s`` after a failure is tried at the next step."""
+        self._retry_at = 0.0
 
     def band_granules(self, mapped: int) -> int:
         """The hysteresis band in granules at ``mapped`` granules (at least 1)."""
@@ -298,7 +384,10 @@ class GrowShrinkPolicy:
         """Seconds until the waiting release is due (None: none is waiting)."""
         if self._excess_since is None:
             return None
-        return max(0.0, self._excess_since + self.options.release_delay_s - self.clock())
+        due = self._due_at
+        if due is None:
+            due = self._excess_since + self.options.release_delay_s
+        return max(0.0, due - self.clock())
 
     # ------------------------------------------------------------------ actions
     def _grow(self, count: int, now: float) -> None:
@@ -311,17 +400,24 @@ class GrowShrinkPolicy:
             self.stats.granules_grown += len(todo)
             self.stats.events.append((now, "grow", len(todo)))
 
-    def _shrink(self, count: int, now: float) -> None:
+    def _shrink(self, count: int, now: float, cached_ok: bool = True) -> int:
+        """Release up to ``count`` granules without live blocks (``cached_ok`` False: only
+        those without cached blocks either); returns how many went."""
         pool = self.pool
-        candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
-        if len(candidates) < count and self.compactor is not None:
+
+        def candidates():
+            return [g for g, cached in pool.releasable()
+                    if self.channel.state[g] == MAPPED and (cached_ok or not cached)]
+
+        found = candidates()
+        if len(found) < count and self.compactor is not None:
             self.stats.compactor_calls += 1
-            self.compactor(pool, count - len(candidates))
+            self.compactor(pool, count - len(found))
             # asked again even when it emptied none: its moves may have filled a candidate
-            candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
-        chosen = sorted(candidates[:count])
+            found = candidates()
+        chosen = sorted(found[:count])
         if not chosen:
-            return
+            return 0
         evicted = pool.release(chosen)
         for run in runs(chosen):
             self.channel.unmap(run.start, len(run))
@@ -333,6 +429,7 @@ class GrowShrinkPolicy:
         s.events.append((now, "shrink", len(chosen)))
         if len(s.events) > 1000:
             del s.events[:500]
+        return len(chosen)
 
     def _on_map(self, granules: range, ok: bool) -> None:
         s = self.stats
@@ -348,6 +445,7 @@ class GrowShrinkPolicy:
         s.failed_grows += len(granules)
         s.failed_grow_attempts += 1
         s.short = True
+        self.unmet_bytes = max(self.unmet_bytes, len(granules) * self.bytes_per_granule)
         s.events.append((self.clock(), "fail", len(granules)))
         self._fails += 1
         o = self.options

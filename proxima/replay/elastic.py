@@ -222,6 +222,27 @@ class ElasticRun:
             # the simulated GPU's room less what the worker has mapped or is mapping
             policy.free_bytes = lambda: max(0, capacity - len(self.worker.mapped)) \
                 * self.bytes_per_granule
+        self._ledger_dir = None
+        if self.connector.shared is not None:
+            self._share(spec)
+
+    def _share(self, spec: ElasticReplay) -> None:
+        """The GPU ledger and the driver's free memory, stood in for: a ledger file of its
+        own in a temporary directory (this engine alone in it), and a GPU of fixed size
+        (``gpu_bytes``, else the pool) whose free memory is what this engine leaves."""
+        import tempfile
+
+        from proxima.memory.ledger import Ledger, ledger_path
+
+        self._ledger_dir = tempfile.TemporaryDirectory(prefix="proxima-replay-ledger-")
+        shared = self.connector.shared
+        shared.ledger = Ledger(ledger_path("replay", self._ledger_dir.name))
+        B = self.bytes_per_granule
+        total = spec.gpu_bytes if spec.gpu_bytes is not None \
+            else self.connector.channel.num_granules * B
+        worker = self.worker
+        shared.gpu_memory = lambda: (max(0, total - len(worker.mapped) * B), total)
+        shared.post()
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -251,4 +272,6 @@ class ElasticRun:
             status["failed_grows_per_minute"] = policy.stats.failed_grow_attempts / minutes
             status["failed_granules_per_minute"] = policy.stats.failed_grows / minutes
         status["simulated_seconds"] = self.step * self.spec.step_seconds
+        if status.get("ledger"):
+            status["ledger"] = "stand-in"      # a temporary file: its name is noise
         return {"elastic": status, "bytes_per_granule": self.bytes_per_granule}

@@ -38,9 +38,10 @@ class Pool:
     def hot_cached_blocks(self):
         return 0
 
-    def releasable(self):
-        return [(g, self.cached[g]) for g in range(1, self.ch.num_granules)
-                if self.ch.state[g] == MAPPED and not self.live[g]]
+    def releasable(self):             # cheapest first, as the real queue: fewest cached
+        return sorted(((g, self.cached[g]) for g in range(1, self.ch.num_granules)
+                       if self.ch.state[g] == MAPPED and not self.live[g]),
+                      key=lambda gc: (gc[1], -gc[0]))
 
     def num_releasable(self):
         return len(self.releasable())
@@ -123,7 +124,9 @@ def test_a_short_dip_in_load_does_not_release_memory():
 
 
 def test_granules_holding_live_blocks_are_never_released():
-    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
+    # cache_hold_s 0: granules of cached blocks go with the release delay (the rule before
+    # the ledger)
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0, cache_hold_s=0.0)
     pool.live[3] = 2
     pool.cached[4] = 3
     policy.step()
@@ -289,3 +292,70 @@ def test_a_busy_shrink_keeps_a_band_and_an_idle_one_goes_to_the_minimum():
     pool.live[0] = 1
     policy.step()                                       # idle: down to the minimum
     assert ch.count(MAPPED) == 1
+
+
+# ------------------------------------------------------------------ the release rule (issue 33)
+def warm_idle(**options):
+    """An idle engine at 8 granules: 1-3 hold cached blocks, 4-7 are empty."""
+    ch, pool, policy, now, demand = setup(mapped=8, release_delay_s=10.0, **options)
+    for g in (1, 2, 3):
+        pool.cached[g] = G
+    return ch, pool, policy, now, demand
+
+
+def test_an_idle_engine_returns_empty_granules_and_keeps_its_warm_cache_until_the_hold():
+    ch, pool, policy, now, demand = warm_idle(cache_hold_s=60.0)
+    policy.step()
+    now[0] = 10.0
+    policy.step()
+    assert sorted(pool.released) == [4, 5, 6, 7]             # memory is still returned
+    assert policy.stats.evicted_cached == 0 and policy.pending
+    assert policy.due_in() == pytest.approx(10.0)           # no spin: next look in a delay
+    for t in (20.0, 30.0, 40.0, 50.0, 59.0):
+        now[0] = t
+        policy.step()
+    assert ch.count(MAPPED) == 4 and policy.stats.evicted_cached == 0
+    now[0] = 60.0                                           # nobody asked for the hold
+    policy.step()
+    assert ch.count(MAPPED) == 1 and policy.stats.evicted_cached == 3 * G
+    assert not policy.pending
+
+
+def test_another_engines_demand_takes_the_cache_at_once_as_much_as_it_asks():
+    ch, pool, policy, now, demand = warm_idle(cache_hold_s=60.0)
+    policy.step()
+    now[0] = 1.0                                            # well within the delay
+    policy.step(others_unmet_bytes=2 * B)
+    assert len(pool.released) == 2 and sorted(pool.released) == [6, 7]   # empties first
+    policy.step(others_unmet_bytes=5 * B)
+    assert sorted(pool.released) == [1, 2, 3, 4, 5, 6, 7]
+    assert policy.stats.evicted_cached == 3 * G and policy.stats.yields == 2
+
+
+def test_a_short_gpu_takes_the_cache_after_the_delay():
+    ch, pool, policy, now, demand = warm_idle(cache_hold_s=60.0, gpu_free_low=0.1)
+    gpu = dict(gpu_free_bytes=50 * B, gpu_total_bytes=100 * B)
+    policy.step(**gpu)
+    now[0] = 10.0
+    policy.step(**gpu)                                      # plenty free: cache kept
+    assert ch.count(MAPPED) == 4
+    now[0] = 20.0
+    policy.step(gpu_free_bytes=9 * B, gpu_total_bytes=100 * B)   # short: others may wait
+    assert ch.count(MAPPED) == 1 and policy.stats.evicted_cached == 3 * G
+
+
+def test_a_failed_grow_is_unmet_demand_until_a_map_succeeds():
+    ch, pool, policy, now, demand = setup(retry_s=1.0)
+    demand[0] = 10
+    policy.step()
+    assert policy.unmet_bytes == 0
+    confirm(ch, failed=[1, 2])
+    assert policy.unmet_bytes == 2 * B
+    policy.step()
+    assert policy.unmet_bytes == 2 * B                      # still wanted, still short
+    now[0] = 1.0
+    policy.step()                                           # the retry: maps in flight...
+    assert ch.count(MAPPING) == 2 and policy.unmet_bytes == 2 * B   # ...are not had yet
+    confirm(ch)
+    policy.step()
+    assert policy.unmet_bytes == 0

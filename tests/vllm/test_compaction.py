@@ -54,11 +54,12 @@ def ktc(policy="fixed", elastic=None, **compaction):
     the pool may evict another old cached block when compaction has moved blocks between
     granules, so a hit can change; in strict LRU order nothing compaction does can change
     a decision, which is what the identity tests check. ``auto`` grows and shrinks
-    (``elastic``: more of its options)."""
+    (``elastic``: more of its options), granules of cached blocks with the release delay
+    (``cache_hold_s`` 0: these engines run on the real clock and must go idle)."""
     from vllm.config import KVTransferConfig
 
     extra = {"granule_bytes": GRANULE * PAGE, "policy": policy, "eviction": "lru",
-             **(elastic or {})}
+             "cache_hold_s": 0.0, **(elastic or {})}
     if compaction:
         extra["compaction"] = compaction
     return KVTransferConfig(**elastic_v1.connector_config(extra))

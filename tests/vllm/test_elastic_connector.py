@@ -392,6 +392,10 @@ def test_native_offloading_flag_is_refused_with_the_way_out():
     ({"headroom": -1}, "headroom: -1 is out of range: give a share of the live blocks"),
     ({"headroom": "NaN"}, "headroom: 'NaN' is not finite"),
     ({"max_bytes": "1e400GiB"}, "max_bytes: '1e400GiB' is above the bound of 1024TiB"),
+    ({"cache_hold_s": -5}, "cache_hold_s: -5 is out of range"),
+    ({"gpu_free_low": 1.5}, "gpu_free_low: 1.5 is out of range: give a share of the GPU's memory"),
+    ({"ledger": "yes"}, "ledger must be true or false"),
+    ({"ledger_dir": ""}, "ledger_dir must be a directory or null"),
 ])
 def test_bad_options_are_one_clear_error(extra, message):
     from proxima.errors import UserError
@@ -669,3 +673,33 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     with pytest.raises(SystemExit, match="min_bytes: 'lots' is not a size"):
         register()
     vllm_v1.deactivate()
+
+
+def test_no_gpu_no_ledger():
+    """On CPU the connector keeps no GPU ledger (the replay sets its stand-in's own)."""
+    from proxima.engines.elastic_connector import open_gpu_ledger
+
+    assert open_gpu_ledger(elastic_v1.ElasticOptions(), 1) == (None, None)
+
+
+def test_an_engine_alone_keeps_its_warm_cache_between_bursts():
+    """The replay's bursts (the real scheduler, connector and policy; a stand-in ledger with
+    this engine alone and a GPU with room to spare): granules of cached blocks stay through
+    the gaps between bursts (1,500 steps, 37.5 s of the policy's clock), so the later bursts
+    hit the shared prefixes that the rule before the ledger (``cache_hold_s`` 0: they went
+    after the 10 s release delay) evicted; empty granules are still given back, and the
+    hold's end takes the engine back to its minimum."""
+    from proxima.replay.driver_v1 import run_replay
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import make_workload
+
+    w = make_workload("bursts", requests=160)
+    before, now = (run_replay(w, proxima=True, num_blocks=8000,
+                              elastic=ElasticReplay(extra={"cache_hold_s": hold}))
+                   for hold in (0.0, 60.0))
+    assert now.completed == before.completed == 160
+    assert now.prefix_hit_rate > before.prefix_hit_rate + 0.01, (now.prefix_hit_rate,
+                                                                 before.prefix_hit_rate)
+    e, b = now.details["elastic"], before.details["elastic"]
+    assert e["evicted_cached"] < b["evicted_cached"]
+    assert e["bytes_returned"] > 0 and e["mapped_granules"] == 1      # back at the minimum

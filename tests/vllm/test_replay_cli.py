@@ -145,6 +145,7 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
     assert p["mapped_granule_fraction"] < 1.0 == s["mapped_granule_fraction"]
     e = p["elastic"]
     assert e["grows"] >= 1 and e["shrinks"] >= 1 and e["bytes_returned"] > 0
+    assert e["ledger"] == "stand-in" and e["unmet_bytes"] == 0  # alone on its stand-in GPU
     assert p["blocks_leaked"] == 0                             # unmapped is not leaked
     assert plot.stat().st_size > 10_000
 

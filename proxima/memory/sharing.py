@@ -1,0 +1,109 @@
+"""One engine's policy step with the GPU's other engines in view: the ledger read, the
+policy stepped with what it says, this engine's record written.
+
+:class:`SharedPolicyStep` is what the scheduler-side connector (and the CPU replay's
+stand-in, and the tests' two engines on one simulated GPU) calls at each step boundary in
+place of :meth:`GrowShrinkPolicy.step`. The policy stays pure -- it gets the others'
+unmet demand and the driver's free memory as arguments -- and the ledger stays a file;
+this is the glue between them. Pure Python.
+
+An engine whose grow failed reads the ledger too, and tries again at once when the others'
+mapped memory went down (one gave some back) instead of after ``retry_s``.
+
+Cost: the ledger is read and the driver asked only while the policy has memory in excess
+(:attr:`GrowShrinkPolicy.pending`: only then can it give anything) or waits for memory,
+the driver at most every ``gpu_every_s``; the record is written only when it changes (a grow, a shrink, a
+change of unmet demand).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from proxima.memory.channel import MAPPED, MAPPING
+from proxima.memory.ledger import Ledger
+from proxima.memory.policy import GrowShrinkPolicy
+
+
+class SharedPolicyStep:
+    """Args:
+        policy: this engine's policy.
+        ledger: this GPU's ledger (None: no other engine is seen; the policy then sees no
+            demand but its own).
+        gpu_memory: ``fn() -> (free bytes, total bytes)`` of the GPU, the driver's figures
+            (None: not known).
+        gpu_every_s: at most how often ``gpu_memory`` is asked (policy clock).
+    """
+
+    def __init__(self, policy: GrowShrinkPolicy, ledger: Ledger | None = None,
+                 gpu_memory: Callable[[], tuple[int, int]] | None = None,
+                 gpu_every_s: float = 0.5) -> None:
+        self.policy = policy
+        self.ledger = ledger
+        self.gpu_memory = gpu_memory
+        self.gpu_every_s = gpu_every_s
+        self.others_unmet_bytes = 0
+        self._others_mapped: int | None = None    # the others' mapped bytes while short
+        self._gpu: tuple[int, int] | None = None
+        self._gpu_at: float | None = None
+        self.post()
+
+    def _gpu_figures(self) -> tuple[int | None, int | None]:
+        if self.gpu_memory is None:
+            return None, None
+        now = self.policy.clock()
+        if self._gpu_at is None or now - self._gpu_at >= self.gpu_every_s:
+            try:
+                self._gpu = self.gpu_memory()
+            except Exception:          # a driver that cannot answer: not known this time
+                self._gpu = None
+            self._gpu_at = now
+        return self._gpu if self._gpu is not None else (None, None)
+
+    def _read(self):
+        try:
+            return self.ledger.read()
+        except OSError:
+            return None
+
+    def step(self) -> None:
+        policy = self.policy
+        others, free, total = 0, None, None
+        if policy.pending:             # memory in excess: is someone waiting for it?
+            if self.ledger is not None:
+                view = self._read()
+                others = view.others_unmet_bytes if view is not None else 0
+            free, total = self._gpu_figures()
+        elif policy.stats.short and self.ledger is not None:
+            # waiting for memory: when another engine gave some back, try now rather than
+            # after retry_s
+            view = self._read()
+            if view is not None:
+                mapped = view.others_mapped_bytes
+                if self._others_mapped is not None and mapped < self._others_mapped:
+                    policy.retry_now()
+                self._others_mapped = mapped
+        if not policy.stats.short:
+            self._others_mapped = None
+        self.others_unmet_bytes = others
+        policy.step(others_unmet_bytes=others, gpu_free_bytes=free, gpu_total_bytes=total)
+        self.post()
+
+    def post(self) -> None:
+        """This engine's record: mapped (and mapping) bytes, minimum, unmet demand."""
+        if self.ledger is None:
+            return
+        p, ch = self.policy, self.policy.channel
+        B = p.bytes_per_granule
+        try:
+            self.ledger.post((ch.count(MAPPED) + ch.count(MAPPING)) * B,
+                             p.min_granules * B, p.unmet_bytes)
+        except OSError:
+            pass                       # a full or vanished /dev/shm: the engine serves on
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            try:
+                self.ledger.close()
+            except OSError:
+                pass

@@ -1,0 +1,135 @@
+"""Two engines' policies sharing one ledger file and one simulated GPU of fixed size, on
+CPU: the idle engine keeps its warm cache while nobody asks, and gives it back within a
+step or two of the other's unmet demand appearing in the ledger."""
+
+from proxima.memory.channel import MAPPED, ElasticChannel
+from proxima.memory.ledger import Ledger
+from proxima.memory.ops import MAP, UNMAP, Report
+from proxima.memory.policy import GrowShrinkPolicy, PolicyOptions
+from proxima.memory.sharing import SharedPolicyStep
+from tests.memory.test_policy import B, G, Pool
+
+STEP_S = 0.05
+
+
+class Gpu:
+    """One GPU of ``capacity`` granules shared by the engines' channels: a map beyond it
+    fails (the memory is held by the other engine), as the driver would refuse it."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held: dict[int, set] = {}
+
+    def free_total(self):
+        used = sum(len(s) for s in self.held.values())
+        return (self.capacity - used) * B, self.capacity * B
+
+    def deliver(self, ch: ElasticChannel):
+        mine = self.held.setdefault(id(ch), {g for g in range(ch.num_granules)
+                                             if ch.state[g] == MAPPED})
+        batch = ch.build()
+        if batch is None:
+            return
+        failed = []
+        for op in batch.ops:
+            span = range(op.first, op.first + op.count)
+            if op.code == UNMAP:
+                mine.difference_update(span)
+            elif op.code == MAP:
+                for g in span:
+                    if sum(len(s) for s in self.held.values()) >= self.capacity:
+                        failed.append((g, op.first + op.count - g))
+                        break
+                    mine.add(g)
+        ch.on_report(Report(((batch.seq, tuple(failed)),), len(mine), G))
+
+
+class Engine:
+    def __init__(self, name, ledger_file, gpu, now, mapped, **options):
+        self.ch = ElasticChannel(32 * G, G)
+        self.pool = Pool(self.ch, mapped)
+        self.demand = [0]
+        opts = dict(release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0)
+        opts.update(options)
+        self.policy = GrowShrinkPolicy(self.pool, self.ch, B, PolicyOptions(**opts),
+                                       clock=lambda: now[0], forecast=lambda: self.demand[0])
+        self.gpu = gpu
+        gpu.deliver(self.ch)
+        self.shared = SharedPolicyStep(self.policy, Ledger(ledger_file, name=name),
+                                       gpu_memory=gpu.free_total)
+
+    def step(self):
+        self.shared.step()
+        self.gpu.deliver(self.ch)
+
+    @property
+    def mapped(self):
+        return self.ch.count(MAPPED)
+
+
+def run(engines, now, steps):
+    for _ in range(steps):
+        now[0] += STEP_S
+        for e in engines:
+            e.step()
+
+
+def test_the_idle_engine_keeps_its_cache_until_the_other_asks_then_gives_it_at_once(tmp_path):
+    now = [0.0]
+    gpu = Gpu(capacity=20)
+    path = tmp_path / "proxima-ledger-0.json"
+    a = Engine("a", path, gpu, now, mapped=16)
+    for g in range(1, 12):                     # a's warm prefix cache: granules 1-11
+        a.pool.cached[g] = G
+    b = Engine("b", path, gpu, now, mapped=2)
+    run([a, b], now, 100)                      # 5 s: five release delays, nobody asks
+    assert a.mapped == 12                      # its empty granules went back...
+    assert a.policy.stats.evicted_cached == 0  # ...its cache stayed
+    assert a.shared.ledger.read().others_unmet_bytes == 0
+
+    b.demand[0] = 40                           # a burst on b: 10 granules more wanted
+    steps_to_yield = steps_to_served = None
+    for i in range(1, 60):
+        run([a, b], now, 1)
+        if steps_to_yield is None and a.policy.stats.yields:
+            steps_to_yield = i
+        if steps_to_served is None and b.mapped * G - b.pool.live_blocks() >= 40:
+            steps_to_served = i
+    assert b.policy.stats.failed_grows > 0     # the GPU was full: b asked through the ledger
+    # b's failed grow is reported at its first step, posted at its second; a reads it at
+    # its next step
+    assert steps_to_yield is not None and steps_to_yield <= 3
+    # b saw a's memory go down in the ledger and mapped at once, not retry_s (100 steps) on
+    assert steps_to_served is not None and steps_to_served <= steps_to_yield + 2
+    assert a.policy.stats.evicted_cached > 0   # the cache went because b needed it
+    assert b.mapped * G - b.pool.live_blocks() >= 40    # b got what it wanted
+    assert b.policy.unmet_bytes == 0 and a.shared.ledger.read().others_unmet_bytes == 0
+    assert a.mapped + b.mapped <= gpu.capacity
+
+
+def test_a_killed_engines_demand_is_not_served(tmp_path):
+    """A record with unmet demand whose process is gone asks for nothing."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "proxima-ledger-0.json"
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; from proxima.memory.ledger import Ledger; "
+                              f"Ledger({str(path)!r}).post(0, 0, {8 * B}); print('ok', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ok"
+    now = [0.0]
+    a = Engine("a", path, Gpu(capacity=64), now, mapped=16)
+    for g in range(1, 12):
+        a.pool.cached[g] = G
+    run([a], now, 2)
+    assert a.policy.stats.yields == 1              # a live engine's demand is served
+    child.kill()
+    child.wait(timeout=60)
+    assert json.loads(path.read_text())["engines"]  # its record is still in the file...
+    before = a.policy.stats.evicted_cached
+    run([a], now, 10)
+    assert a.policy.stats.evicted_cached == before  # ...and asks for nothing
+    assert a.policy.stats.yields == 1
