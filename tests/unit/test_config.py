@@ -186,7 +186,7 @@ def test_elastic_options_turn_sizes_into_bytes_and_keep_the_rest():
     ({"compaction": "1"}, "compaction must be an object of compaction settings or null"),
     ({"compactor": "m:f", "policy": "off"}, "the compactor hook needs the pool"),
     ({"compactor": {"every": 3}}, "compactor must be 'module:factory', {"),
-    ({"speed": 9, "zoom": 1}, "src: unknown option(s) speed, zoom; known: band, compaction"),
+    ({"speed": 9, "zoom": 1}, "src: unknown option(s) speed, zoom; known: band, cache_hold_s, compaction"),
 ])
 def test_bad_elastic_options_are_one_line(extra, message):
     with pytest.raises(ConfigError) as info:
