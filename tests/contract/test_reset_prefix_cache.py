@@ -344,3 +344,17 @@ def test_v0_has_no_prefix_cache_reset_for_proxima_to_follow():
                     f" were never checked against a reset (a fresh pool, caching off, a "
                     f"second reset, blocks in use: tests/contract/test_reset_prefix_cache.py"
                     f" does it for V1)", pytrace=False)
+
+
+def test_a_v0_prefix_cache_reset_is_named(monkeypatch, tmp_path):
+    fake = tmp_path / "vllm"
+    (fake / "core" / "block").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core" / "block" / "prefix_caching_block.py").write_text(
+        "class PrefixCachingBlockAllocator:\n    def reset_prefix_cache(self) -> bool:\n"
+        "        return True\n")
+    monkeypatch.setattr(vllm, "__file__", str(fake / "__init__.py"))
+    with pytest.raises(pytest.fail.Exception) as info:
+        test_v0_has_no_prefix_cache_reset_for_proxima_to_follow()
+    assert "vllm/core/block/prefix_caching_block.py" in str(info.value)
+    assert str(info.value).startswith(f"vLLM {VERSION} changed its V0 engine")
