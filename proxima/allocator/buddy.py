@@ -431,17 +431,21 @@ class BuddyAllocator:
 
         All ids are checked first: a value that is not an int id of the pool, a reserved
         or not allocated id, or an id listed twice raises :class:`AllocationError` and
-        nothing changes. Cost: sorting and checking the ids in C (a descending or
-        ascending list sorts in one pass), plus O(1) per range.
+        nothing changes. So does an empty collection: a caller that frees nothing has
+        lost track of what it holds (a used-up iterator, a list it emptied) or should not
+        have called; one that may have nothing to give back checks first. Cost: sorting
+        and checking the ids in C (a descending or ascending list sorts in one pass), plus
+        O(1) per range.
         """
         try:
             ordered = sorted(ids)
         except TypeError:                   # not iterable, or items that do not compare
             ordered = None
+        if ordered == []:
+            raise AllocationError(f"cannot free {short_repr(ids)}: no ids given; call free "
+                                  f"only with ids to give back")
         if ordered is None or set(map(type, ordered)) != _INTS:
             raise _not_ids(ids)
-        if not ordered:
-            return
         first, last = ordered[0], ordered[-1]
         if first < 0 or last >= self.num_blocks:
             raise AllocationError(f"cannot free id {first if first < 0 else last}: the "

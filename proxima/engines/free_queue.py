@@ -193,8 +193,12 @@ class ProximaFreeQueue:
 
     def _demote(self, k: int) -> None:
         """Move the ``k`` least recently used cached blocks into the buddy tier (the pool's
-        reset_prefix_cache, when vLLM's offload connectors drop their cursors too)."""
-        self.buddy.free(self._pop_lru(k))
+        reset_prefix_cache, when vLLM's offload connectors drop their cursors too). With
+        none cached (a fresh pool, caching off, a second reset) there is nothing to free:
+        the buddy refuses an empty free, as it refuses every call that frees nothing."""
+        ids = self._pop_lru(k)
+        if ids:
+            self.buddy.free(ids)
         self._walk_held = self._walk_pos = None
 
     def remove(self, block) -> None:

@@ -160,6 +160,19 @@ def test_free_refuses_mixed_types_that_do_not_sort():
     refused(a, lambda p: p.free(iter(ids)), "give block ids")
 
 
+@pytest.mark.parametrize("ids", [[], (), range(3, 3), set()])
+def test_free_refuses_an_empty_collection(ids):
+    """Freeing nothing is the caller's mistake (it lost its ids, or should have checked),
+    named as such; callers with possibly nothing to give back (the pool's prefix-cache
+    reset with no cached block) check first."""
+    a = BuddyAllocator(16, reserved={0})
+    a.allocate(8)
+    refused(a, lambda p: p.free(ids), "no ids given")
+    used_up = iter(a.allocate(2))
+    a.free(used_up)
+    refused(a, lambda p: p.free(used_up), "no ids given")    # the same iterator again
+
+
 @SETTINGS
 @given(pool=pools(), data=st.data())
 def test_take_refuses_what_is_not_a_free_id(pool, data):
