@@ -43,6 +43,7 @@ from typing import Callable, Mapping
 
 from proxima import config
 from proxima.errors import UserError
+from proxima.memory.ledger import DIR_ENV as LEDGER_DIR_ENV
 
 ENV = "PROXIMA_ALLOCATOR"
 OBSERVE_ENV = "PROXIMA_OBSERVE"
@@ -238,6 +239,13 @@ def _stats_file(value: str) -> Path:
     return path
 
 
+def _ledger_dir(value: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.is_dir() or not os.access(path, os.W_OK):
+        raise ValueError(f"{str(path)!r} is not a writable directory")
+    return path
+
+
 @dataclass(frozen=True)
 class CompactionMode:
     """``PROXIMA_COMPACTION``'s meaning when on: ``auto`` (the policy decides when and
@@ -276,6 +284,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              _stats_file, None),
     Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1) or 0 / unset (off)",
              compaction_mode, None),
+    Variable(LEDGER_DIR_ENV, "a writable directory for the per-GPU ledger of elastic engines "
+             "(one per container when containers share /dev/shm), or unset (/dev/shm)",
+             _ledger_dir, None),
 )}
 
 

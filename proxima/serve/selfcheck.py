@@ -27,10 +27,10 @@ from proxima.serve.report import Check, Report, failed, ok, skipped
 EXIT_STATUS = """\
 exit status:
   0  no check failed (skipped ones are not failures)
-  1  a check failed (with --url also a server whose self-check has not passed yet:
-     still starting, its phase is printed); or with --url, a failure of the server: it answered an
-     error, what is not a self-check report, or no whole answer within 10 s (one line
-     on stderr)
+  1  a check failed (with --url also a server whose self-check has not passed yet: still
+     starting, its phase is printed); or with --url, a runtime failure of the server: it
+     answered an error, what is not a self-check report, or no whole answer within 10 s
+     (one line on stderr)
   2  bad input: a malformed --url or --model, an option that does not apply, or nothing
      listening at --url (one line on stderr)"""
 #: seconds the whole GET URL/proxima/selfcheck may take
