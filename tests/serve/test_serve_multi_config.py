@@ -204,6 +204,10 @@ def test_compaction_flag_sets_the_environment_and_needs_elastic():
     (["-tp", "2"], None),                                   # vLLM picks for several GPUs
 ])
 def test_elastic_on_one_gpu_runs_the_mp_executor_unless_one_was_chosen(serve_args, argv, backend):
+    import vllm
+
+    if backend == "uni" and vllm.__version__.startswith("0.6."):
+        pytest.skip("vLLM 0.6 (the card stack, V0: no elastic KV) has no uni executor")
     args = serve_args(*argv)
     line = serve_flags.default_executor(args, argv)
     assert (line is not None) == (backend == "mp" and "--distributed" not in " ".join(argv))
