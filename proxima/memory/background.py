@@ -46,18 +46,21 @@ class BackgroundOps:
         self._queued = 0                   # batches handed to the thread, not yet done
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._reached = -1          # the last batch whose lead ops (or all) are applied
 
     # ------------------------------------------------------------------ caller's thread
     def submit(self, seq: int, ops: Sequence[Op], *, stream: int = 0,
-               mover: Callable[[int, int, int], None] | None = None) -> None:
+               mover: Callable[[int, int, int], None] | None = None, lead: int = 0) -> None:
         """Apply batch ``seq``: its moves now, on ``stream``, and its maps and unmaps on the
-        thread, in order."""
+        thread, in order. ``lead``: its first ``lead`` ops are maps a step may wait for
+        (:meth:`wait_lead`): the thread says when they are done, before the rest."""
         self._raise()
         memory = self.memory
         validate(ops, memory.num_granules, memory.num_blocks)
         moves = [op for op in ops if op.code == MOVE]
         if moves:
             memory.apply(moves, stream=stream, mover=mover)
+        lead = sum(1 for op in ops[:lead] if op.code in (MAP, UNMAP))
         todo = tuple(op for op in ops if op.code in (MAP, UNMAP))
         if not todo:
             with self._lock:
@@ -66,7 +69,7 @@ class BackgroundOps:
             self._start()
             with self._lock:
                 self._queued += 1
-            self._jobs.put((seq, todo))
+            self._jobs.put((seq, todo, lead))
 
     def poll(self) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
         """The batches done since the last call, in order, each with the ``(first,
@@ -90,6 +93,20 @@ class BackgroundOps:
                 return False
             time.sleep(0.001)
         return not self.busy
+
+    def wait_lead(self, seq: int, timeout: float | None = None) -> bool:
+        """Wait until batch ``seq``'s lead ops (and every batch before it) are applied
+        (True); False when ``timeout`` passed or the thread stopped on an error
+        (:meth:`poll` raises it)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._error is None:
+            with self._lock:
+                if self._reached >= seq or self._queued == 0:
+                    return True
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(0.0002)
+        return False
 
     def close(self) -> None:
         """Finish what was handed over, then stop the thread."""
@@ -120,11 +137,18 @@ class BackgroundOps:
                 job = self._jobs.get()
                 if job is None:
                     return
-                seq, ops = job
-                failed = self.memory.apply(ops, stream=stream)
-                if any(op.code == MAP for op in ops):
+                seq, ops, lead = job
+                failed = []
+                if lead:                      # maps a step waits for: first, and said so
+                    failed += self.memory.apply(ops[:lead], stream=stream)
+                    driver.stream_synchronize(stream)
+                    with self._lock:
+                        self._reached = seq
+                failed += self.memory.apply(ops[lead:], stream=stream)
+                if any(op.code == MAP for op in ops[lead:]):
                     driver.stream_synchronize(stream)     # zero-filled before reported
                 with self._lock:
+                    self._reached = seq
                     self._done.append((seq, tuple(failed)))
                     self._queued -= 1
         except BaseException as exc:    # noqa: BLE001 - raised again by poll()/submit()

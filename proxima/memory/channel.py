@@ -19,6 +19,14 @@ Granule states, as the scheduler must see them:
              in the background, so blocks become usable only once every worker's report
              confirms the map (``workers`` of them; a failed map goes back to
              ``UNMAPPED``, and an unmap is queued so that workers that did map release).
+
+:meth:`ElasticChannel.admit` makes a ``MAPPING`` granule whose map is still queued
+``MAPPED`` before its report (it stays in :attr:`~ElasticChannel.admitted` until then): the
+scheduler may hand its blocks out at once. Its map goes first in the step's batch, and
+:attr:`~ElasticChannel.wait_point` says how far into which batch the workers must have
+mapped before the forward of a step that hands such a block out. A map of an admitted granule
+that fails cannot be taken back (its blocks may be in use): :meth:`~ElasticChannel.
+on_report` raises :class:`ChannelError`.
 """
 
 from __future__ import annotations
@@ -53,12 +61,15 @@ class ElasticChannel:
         self.num_granules = -(-num_blocks // granule_blocks)
         self.state = bytearray(self.num_granules)          # all MAPPED
         self._queue: list[Op] = []
+        self._lead = 0                        # leading queued ops that map admitted granules
         self._next_seq = 0
         self._waiting: dict[int, list[range]] = {}         # seq -> its MAP ranges
         self._acks: dict[int, tuple[int, set]] = {}         # seq -> (workers, failures)
         self._unmapping: dict[int, int] = {}                # seq -> workers yet to report
         self.listeners: list[Callable[[range, bool], None]] = []
         self.reported_mapped: int | None = None            # the workers' last count
+        self.admitted: set[int] = set()        # MAPPED before the workers confirmed it
+        self._wait: tuple[int, int] | None = None   # (batch, leading ops): admitted maps
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
                       "map_failures": 0, "blocks_moved": 0, "reports": 0,
                       "worker_map_seconds": 0.0, "worker_unmap_seconds": 0.0}
@@ -101,6 +112,9 @@ class ElasticChannel:
         use or cached KV: the caller's guarantee). Their blocks stop being allocatable now."""
         validate([Op.unmap(first, count)], self.num_granules, self.num_blocks)
         self._expect(first, count, MAPPED, "unmap")
+        if self.admitted.intersection(range(first, first + count)):
+            raise ChannelError(f"cannot unmap granules [{first}, {first + count}): a map of "
+                               f"theirs is still in flight")
         self.state[first:first + count] = bytes([UNMAPPED]) * count
         self._queue.append(Op.unmap(first, count))
         self.stats["granules_unmapped"] += count
@@ -111,6 +125,38 @@ class ElasticChannel:
         self._expect(first, count, UNMAPPED, "map")
         self.state[first:first + count] = bytes([MAPPING]) * count
         self._queue.append(Op.map(first, count))
+
+    def admit(self, granules) -> None:
+        """Make ``granules`` (MAPPING, their map asked for in this step and not yet sent)
+        allocatable now. Their map ops move to the front of the step's batch, so the
+        workers can finish them first: :attr:`wait_point`."""
+        granules = set(granules)
+        bad = [g for g in sorted(granules) if self.state[g] != MAPPING]
+        queued = {g for op in self._queue if op.code == MAP
+                  for g in range(op.first, op.first + op.count)}
+        bad += sorted(granules - queued)
+        if bad:
+            raise ChannelError(f"cannot admit granule {bad[0]}: it is "
+                               f"{_STATE[self.state[bad[0]]]}, not a map of this step")
+        for g in granules:
+            self.state[g] = MAPPED
+        self.admitted.update(granules)
+        first, rest = [], []
+        for op in self._queue:
+            if op.code != MAP:
+                rest.append(op)
+                continue
+            for run, out in _split(range(op.first, op.first + op.count), self.admitted):
+                (rest if out else first).append(Op.map(run.start, len(run)))
+        self._queue = first + rest
+        self._lead = len(first)
+
+    @property
+    def wait_point(self) -> tuple[int, int] | None:
+        """``(batch seq, ops)``: the workers must have applied the first ``ops`` ops of
+        that batch (and every batch before it) before a forward that reads an admitted
+        granule not yet confirmed (None: none is unconfirmed)."""
+        return self._wait if self.admitted else None
 
     def move(self, src: int, dst: int, count: int = 1) -> None:
         """Copy blocks ``[src, src + count)`` to ``[dst, dst + count)`` before the next
@@ -143,6 +189,8 @@ class ElasticChannel:
             self._waiting[batch.seq] = maps
         elif any(op.code == UNMAP for op in ops):
             self._unmapping[batch.seq] = self.workers
+        if self._lead:
+            self._wait, self._lead = (batch.seq, self._lead), 0
         self.stats["batches"] += 1
         self.stats["ops"] += len(ops)
         return batch
@@ -175,6 +223,12 @@ class ElasticChannel:
             maps = self._waiting.pop(seq)
             for rng in maps:
                 for run, ok in _split(rng, bad):
+                    if not ok and self.admitted.intersection(run):
+                        raise ChannelError(
+                            f"the workers could not map granules [{run.start}, {run.stop}), "
+                            f"whose blocks the scheduler had already handed out (another "
+                            f"process took the GPU memory); run elastic KV with "
+                            f"admit_mapping false on a GPU shared with other processes")
                     self.state[run.start:run.stop] = bytes([MAPPED if ok else UNMAPPED]) * len(run)
                     if ok:
                         self.stats["granules_mapped"] += len(run)
@@ -182,7 +236,8 @@ class ElasticChannel:
                         self.stats["map_failures"] += len(run)
                         self._queue.append(Op.unmap(run.start, len(run)))   # reconcile
                     for fn in self.listeners:
-                        fn(run, ok)
+                        fn(run, ok)        # (they may ask which of run were admitted)
+                    self.admitted.difference_update(run)
 
 
 def _split(rng: range, bad: set[int]):

@@ -222,8 +222,11 @@ class GrowShrinkPolicy:
         """Live blocks, or requests held that will need blocks."""
         return bool(self.pool.live_blocks() or (self.forecast is not None and self.forecast()))
 
-    def step(self) -> None:
-        """One step boundary: grow, or shrink after the delay, or nothing."""
+    def step(self, grow_only: bool = False) -> list[int]:
+        """One step boundary: grow, or shrink after the delay, or nothing. Returns the
+        granules a grow asked for (empty: none). ``grow_only``: the grow half alone (the
+        connector runs it before the scheduler admits waiting requests, see
+        :mod:`proxima.engines.elastic_connector`)."""
         ch, G = self.channel, self.channel.granule_blocks
         now = self.clock()
         mapped = ch.count(MAPPED)
@@ -245,12 +248,14 @@ class GrowShrinkPolicy:
             if free_now is not None:          # never ask for what the driver says is not there
                 grow = min(grow, free_now // self.bytes_per_granule)
                 if grow <= 0:
-                    return
+                    return []
             freed = (free_now is not None and self._free_at_fail is not None
                      and free_now > self._free_at_fail)
             if now >= self._retry_at or freed:
-                self._grow(grow, now)
-            return
+                return self._grow(grow, now)
+            return []
+        if grow_only:
+            return []
         # shrink: excess beyond wanted and two bands (or above the maximum) for the delay,
         # down to a band above wanted; an idle engine keeps no band
         keep = band if busy else 0
@@ -261,13 +266,14 @@ class GrowShrinkPolicy:
             excess = max(excess, over)
         if excess <= 0:
             self._excess_since = None
-            return
+            return []
         if self._excess_since is None:
             self._excess_since = now
         if now - self._excess_since < self.options.release_delay_s:
-            return
+            return []
         self._shrink(excess, now)
         self._excess_since = None
+        return []
 
     def band_granules(self, mapped: int) -> int:
         """The hysteresis band in granules at ``mapped`` granules (at least 1)."""
@@ -301,7 +307,7 @@ class GrowShrinkPolicy:
         return max(0.0, self._excess_since + self.options.release_delay_s - self.clock())
 
     # ------------------------------------------------------------------ actions
-    def _grow(self, count: int, now: float) -> None:
+    def _grow(self, count: int, now: float) -> list[int]:
         ch = self.channel
         todo = [g for g in range(ch.num_granules) if ch.state[g] == UNMAPPED][:count]
         for run in runs(todo):
@@ -310,15 +316,18 @@ class GrowShrinkPolicy:
             self.stats.grows += 1
             self.stats.granules_grown += len(todo)
             self.stats.events.append((now, "grow", len(todo)))
+        return todo
 
     def _shrink(self, count: int, now: float) -> None:
         pool = self.pool
-        candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
+        candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED
+                      and g not in self.channel.admitted]      # (a map still in flight)
         if len(candidates) < count and self.compactor is not None:
             self.stats.compactor_calls += 1
             self.compactor(pool, count - len(candidates))
             # asked again even when it emptied none: its moves may have filled a candidate
-            candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED]
+            candidates = [g for g, _ in pool.releasable() if self.channel.state[g] == MAPPED
+                          and g not in self.channel.admitted]
         chosen = sorted(candidates[:count])
         if not chosen:
             return

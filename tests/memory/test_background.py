@@ -99,3 +99,37 @@ def test_a_map_the_gpu_cannot_back_is_reported_failed_and_a_driver_error_is_rais
                                            "CUDA_ERROR_ILLEGAL_ADDRESS"):
         bg.poll()
     bg.close()
+
+
+class CountedDriver(FakeDriver):
+    """Creates memory for the first ``allowed`` pages, then waits for the gate."""
+
+    def __init__(self, allowed, **kw):
+        super().__init__(**kw)
+        self.allowed = allowed
+        self.gate = threading.Event()
+
+    def create(self, size):
+        if self.allowed <= 0:
+            assert self.gate.wait(5)
+        self.allowed -= 1
+        return super().create(size)
+
+
+def test_a_steps_lead_maps_are_mapped_first_and_waited_for_alone():
+    """The scheduler handed out blocks of granule 2 while its map was in flight (issue 33:
+    admit against maps in flight): the step waits for that lead op only, not for the
+    rest of the batch, which the thread maps afterwards."""
+    driver = CountedDriver(allowed=10**6)
+    mem = memory(driver)
+    bg = BackgroundOps(mem)
+    driver.allowed = 2                  # granule 2 of both regions, then the gate
+    bg.submit(4, (Op.map(2, 1), Op.map(3, 3)), lead=1)
+    assert bg.wait_lead(4, timeout=5)
+    assert mem.arena.is_mapped(2) and not mem.arena.is_mapped(3)
+    assert bg.busy and bg.poll() == []          # the batch is reported only when done
+    driver.gate.set()
+    assert bg.drain(5)
+    assert bg.poll() == [(4, ())]
+    assert all(mem.arena.is_mapped(g) for g in (2, 3, 4, 5))
+    bg.close()

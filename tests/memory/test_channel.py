@@ -169,3 +169,46 @@ class ChannelAgainstWorker(RuleBasedStateMachine):
 ChannelAgainstWorker.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                                    deadline=None)
 TestChannelAgainstWorker = ChannelAgainstWorker.TestCase
+
+
+def test_an_admitted_map_is_allocatable_at_once_goes_first_and_is_waited_for():
+    """Issue 33: the scheduler admits against granules whose map is in flight. Their ops
+    lead the step's batch (the workers map them first) and the wait point names them;
+    the rest of the grow is confirmed first, as any map."""
+    ch = ElasticChannel(320, 32)
+    seen = []
+    ch.listeners.append(lambda run, ok: seen.append((run, ok, set(ch.admitted))))
+    ch.unmap(1, 9)
+    ch.build()
+    ch.map(1, 6)
+    ch.admit([4, 5])
+    assert ch.allocatable(4 * 32) and ch.allocatable(6 * 32 - 1)
+    assert not ch.allocatable(1 * 32) and not ch.allocatable(6 * 32)
+    batch = ch.build()
+    assert batch.ops == (Op.map(4, 2), Op.map(1, 3), Op.map(6, 1))
+    assert ch.wait_point == (batch.seq, 1)
+    with pytest.raises(ChannelError, match="in flight"):
+        ch.unmap(4, 1)                       # never released before the map is confirmed
+    ch.on_report(Report(((batch.seq, ()),), 7, 32))
+    assert [ch.state[g] for g in range(1, 7)] == [MAPPED] * 6
+    assert ch.admitted == set() and ch.wait_point is None
+    assert [(r, ok) for r, ok, _ in seen] == [(range(4, 6), True), (range(1, 4), True),
+                                              (range(6, 7), True)]
+    assert seen[0][2] == {4, 5}              # listeners can tell what was admitted
+
+
+def test_a_failed_map_of_an_admitted_granule_is_an_error_and_only_this_steps_maps_are_admitted():
+    ch = ElasticChannel(320, 32)
+    ch.unmap(1, 4)
+    ch.build()
+    ch.map(1, 2)
+    sent = ch.build()
+    with pytest.raises(ChannelError, match="not a map of this step"):
+        ch.admit([1])                        # already sent: confirmed first
+    with pytest.raises(ChannelError, match="unmapped"):
+        ch.admit([3])
+    ch.map(3, 2)
+    ch.admit([3])
+    batch = ch.build()
+    with pytest.raises(ChannelError, match="already handed out"):
+        ch.on_report(Report(((sent.seq, ()), (batch.seq, ((3, 1),))), 5, 32))

@@ -289,3 +289,17 @@ def test_a_busy_shrink_keeps_a_band_and_an_idle_one_goes_to_the_minimum():
     pool.live[0] = 1
     policy.step()                                       # idle: down to the minimum
     assert ch.count(MAPPED) == 1
+
+
+def test_the_grow_half_alone_returns_what_it_asked_for_and_never_releases():
+    """The connector runs the grow half before the scheduler admits (issue 33): it maps
+    what the held requests need and says which granules; a release waits for the full
+    step at the step's end."""
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0)
+    assert policy.step(grow_only=True) == []
+    assert ch.count(MAPPED) == 6 and not pool.released        # excess, but no release
+    policy.step()
+    assert ch.count(MAPPED) == 1
+    demand[0] = 10
+    grown = policy.step(grow_only=True)
+    assert grown == [1, 2] and ch.count(MAPPING) == 2
