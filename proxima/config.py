@@ -238,6 +238,8 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "retry_s": _number(MAX_DELAY_S, "seconds"),
     "retry_max_s": _number(MAX_DELAY_S, "seconds"),
     "forecast": _BOOL,
+    "grow_ahead": _BOOL,
+    "admit_mapping": _BOOL,
     "eviction": lambda name, value: parse_eviction(value, name),
     "compactor": _must("'module:factory' or null",
                        lambda v: v is None or isinstance(v, str) and ":" in v),

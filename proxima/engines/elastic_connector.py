@@ -44,6 +44,43 @@ only when every worker has reported it are the blocks allocatable, so no forward
 a granule whose map failed or has not finished (:mod:`proxima.memory.background`; with
 ``map_in_background: false`` both happen before step N's forward, which waits).
 
+Growing before the scheduler needs it (issue 33 item 2; ``admit_mapping``, off by
+default, see the last point). vLLM's ``schedule()`` allocates for the running
+requests, then asks :meth:`~ProximaElasticConnector.get_num_new_matched_tokens` for each
+waiting request before it allocates that request's blocks; ``build_connector_meta`` comes
+last. A grow decided there (the rule before) came after the admission, and its blocks were
+allocatable only once the workers' report came back: a request arriving at an engine
+shrunk to its minimum waited at least a step even with instant maps. Now:
+
+* the first ask of a step runs the policy's grow half with the waiting queue's demand
+  (prompt + max_tokens of every held request, in one batch);
+* the scheduler admits against maps in flight (:meth:`proxima.memory.channel.
+  ElasticChannel.admit`), request by request, only the granules a request needs beyond the
+  mapped free and cached blocks (what stock admits against): first maps sent earlier and
+  expected done within about a step, then this step's grow, at most what the workers map
+  in about a step after the maps ahead of it (their map seconds per granule as reported,
+  25 GB/s before one was timed). Their ops lead the step's batch, and a step that hands out
+  such a block carries the wait point: the workers finish those maps before its forward
+  (the step is that much longer; the replay charges it, ``map_wait_steps``). Maps expected
+  done by the next step are admitted at the end of the step too, so the running requests'
+  growth, allocated before any hook, finds them. A larger need waits for the report, as
+  before: one step that waited for the whole grow would hold every request in it.
+* A map of an admitted granule cannot fail quietly (its blocks may be in use): the
+  channel raises, and the engine stops. Admission pauses while the policy is short (a map
+  failed), and a grow asks for no more than the driver says is free where it knows
+  (``free_bytes``), but another process can still take the memory between the two: so
+  ``admit_mapping`` is off by default, for a GPU that only this engine maps on (a per-GPU
+  ledger of the engines' claims, issue 33 item 3, is what can make it safe beside
+  others).
+
+Chosen by the CPU replay's figures (docs/results/replay-elastic/growahead/README.md):
+with instant maps, admission against maps in flight brings chat, multiturn, bursts,
+pressure and the shared-prefix trace to stock's request latency exactly; the grow before
+admission alone (``grow_ahead``) does not help (its maps are still unconfirmed when the
+scheduler admits). With the H200's map time (25 GB/s) a burst that finds the pool at its
+minimum still pays the map: a step whose admitted blocks wait for it is longer for
+every request in it, so admission is bounded to what maps in about a step.
+
 Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
 Proxima's block pool, its free queue becomes granule-aware
 (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
@@ -79,7 +116,7 @@ from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
 from proxima.memory.policy import GrowShrinkPolicy
 from proxima.memory.layout import check_block_major, granule_blocks
-from proxima.memory.ops import OpBatch, Report, merge_reports
+from proxima.memory.ops import MAP, OpBatch, Report, merge_reports
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -87,6 +124,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.proxima")
 
 STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while steps run
+#: Before the workers have timed a map: what admitting against maps in flight assumes a
+#: granule's map and a step take (the H200's measured map rate, issue 33, and the 8B's
+#: step under load; proxima.replay.elastic says where each comes from).
+ASSUMED_MAP_GBPS = 25.0
+ASSUMED_STEP_S = 0.025
 
 
 @dataclass
@@ -97,6 +139,10 @@ class ElasticMetadata(KVConnectorMetadata):
 
     batch: OpBatch | None = None
     compaction: object | None = None
+    # (batch seq, leading ops): maps to apply before this step's forward, the scheduler
+    # having handed out their blocks while they were in flight (None: nothing to wait for)
+    wait: tuple[int, int] | None = None
+    lead: int = 0      # the batch's first ops that map admitted granules (done first)
 
 
 @dataclass
@@ -199,6 +245,17 @@ class ForcedCycler:
         self.out, self.cycles = [], self.cycles + 1
         return True
 
+def _new_blocks(scheduler_output):
+    """``(request id, block ids)`` of the blocks a step hands out (every KV cache group)."""
+    for r in scheduler_output.scheduled_new_reqs:
+        for ids in r.block_ids:
+            yield r.req_id, ids
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid, groups in zip(cached.req_ids, cached.new_block_ids):
+        for ids in groups or ():
+            yield rid, ids
+
+
 class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     """Carries :mod:`proxima.memory.ops` batches to the workers; loads and saves nothing."""
 
@@ -226,6 +283,12 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches: dict | None = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._background = None             # proxima.memory.background.BackgroundOps
+        self._grew_ahead = False            # the grow-ahead ran in this schedule()
+        self._admissible: list[int] = []    # granules it asked for, not yet admitted
+        self._admit_left = 0                # granules this step may still admit in flight
+        self._step_s: deque[float] = deque(maxlen=64)   # policy-clock seconds a step
+        self._step_at: float | None = None
+        self._sent_at: dict[int, tuple[float, int]] = {}   # batch -> (sent at, granules)
         self._short = False
         if role == KVConnectorRole.WORKER:
             parallel = vllm_config.parallel_config
@@ -278,11 +341,16 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
         batch = meta.batch if isinstance(meta, ElasticMetadata) else None
-        if batch is None:
-            return
+        wait = getattr(meta, "wait", None)
         if self._background is not None:
-            self._background.submit(batch.seq, batch.ops, stream=_current_stream(),
-                                    mover=self._move)
+            if batch is not None:
+                self._background.submit(batch.seq, batch.ops, stream=_current_stream(),
+                                        mover=self._move, lead=meta.lead)
+            if wait is not None:
+                # this step hands out blocks whose map is in flight: those maps first
+                self._background.wait_lead(*wait)
+            return
+        if batch is None:
             return
         failed = self._memory.apply(batch.ops, stream=_current_stream(), mover=self._move)
         self._done(batch.seq, failed)
@@ -407,10 +475,95 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return 2 * max(self._step_allocs, default=0)
 
     def _on_map(self, granules: range, ok: bool) -> None:
-        if ok:
-            self.queue.on_mapped(granules)
+        if ok:      # (admitted granules joined the free queue when they were admitted)
+            admitted = self.channel.admitted
+            self.queue.on_mapped([g for g in granules if g not in admitted])
+
+    def _step_policy(self, grow_only: bool = False) -> None:
+        """The policy's step (``grow_only``: its grow half), with the step reserve read
+        now; with ``admit_mapping`` the granules it grows are allocatable at once."""
+        reserve = max(self.options.reserve_blocks, self._step_reserve())
+        if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
+            self.policy.options = dataclasses.replace(self.policy.options,
+                                                      reserve_blocks=reserve)
+        grown = self.policy.step(grow_only=grow_only)
+        if grow_only and self.options.admit_mapping and not self.policy.stats.short:
+            self._admissible = grown         # admitted as the requests need them
+            self._admit_left = self._admit_cap()
+
+    def _admit_cap(self) -> int:
+        """The most granules of this step's grow to admit in flight: what the workers can
+        map within about one step from now, after the maps already in flight (their
+        mapping thread works in order), so that the step waits a step at most. A larger
+        need waits for the map's report, as without admission: a step that waited for
+        more would hold every request in it."""
+        per, step = self._map_s()
+        now = self.clock()
+        free_at = max([now] + [end for _, _, end in self._in_flight()])
+        return max(0, int((now + step - free_at) / per))
+
+    def _map_s(self) -> tuple[float, float]:
+        """(map seconds a granule as the workers report it, :data:`ASSUMED_MAP_GBPS`
+        before one was timed; the median step on the policy's clock, ASSUMED_STEP_S
+        before two steps)."""
+        mapped = self.channel.stats["granules_mapped"]
+        seconds = self.channel.stats["worker_map_seconds"]
+        per = seconds / mapped if mapped and seconds else \
+            self.bytes_per_granule / (ASSUMED_MAP_GBPS * 1e9)
+        step = sorted(self._step_s)[len(self._step_s) // 2] if self._step_s else ASSUMED_STEP_S
+        return per, step
+
+    def _in_flight(self):
+        """``(batch, granules not admitted, expected end)`` of the maps sent and not yet
+        confirmed, oldest first: each batch starts when it was sent or when the one
+        before it ends, and takes its granules' map time."""
+        per, _ = self._map_s()
+        end = 0.0
+        out = []
+        for seq, granules in self.channel.in_flight():
+            sent_at, count = self._sent_at.get(seq, (self.clock(), len(granules)))
+            end = max(end, sent_at) + count * per
+            out.append((seq, granules, end))
+        return out
+
+    def _sent_soon(self):
+        """The maps sent in earlier steps, not yet confirmed, expected done within about a
+        step from now: admitting against them costs a step at most that wait."""
+        _, step = self._map_s()
+        horizon = self.clock() + step
+        for seq, granules, end in self._in_flight():
+            if end > horizon:
+                break
+            yield seq, granules
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        # vLLM 0.26 asks this for each waiting request it considers, before it allocates
+        # the request's blocks: the first ask of a step runs the grow with the waiting
+        # queue's demand (grow_ahead), so the memory is there for this step's admission.
+        if (self.policy is not None and not self._grew_ahead
+                and (self.options.grow_ahead or self.options.admit_mapping)):
+            self._grew_ahead = True
+            self._step_policy(grow_only=True)
+        if self._admit_left > 0:
+            # admit_mapping: the blocks this request may take now beyond the mapped free
+            # and cached ones (what stock admits against) come from maps in flight: those
+            # sent before (whole batches, oldest first) then this step's grow, just enough
+            sched = self._vllm_config.scheduler_config
+            size = self._pool.hash_block_size
+            tokens = min(request.num_tokens - num_computed_tokens, sched.max_num_batched_tokens)
+            short = -(-(num_computed_tokens + tokens) // size) + 1 - self.queue.num_free_blocks
+            if short > 0:
+                G = self.channel.granule_blocks
+                n = min(-(-short // G), self._admit_left)
+                admit = [g for _, gs in self._sent_soon() for g in gs][:n]
+                if len(admit) < n:
+                    k = n - len(admit)
+                    admit += self._admissible[:k]
+                    self._admissible = self._admissible[k:]
+                self._admit_left -= len(admit)
+                if admit:
+                    self.channel.admit(admit)
+                    self.queue.on_mapped(admit)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -449,15 +602,30 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self._step_allocs.append(allocated - self._last_allocated)
             self._last_allocated = allocated
         if self.policy is not None:
-            reserve = max(self.options.reserve_blocks, self._step_reserve())
-            if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
-                self.policy.options = dataclasses.replace(self.policy.options,
-                                                          reserve_blocks=reserve)
-            self.policy.step()
+            self._step_policy()
+            self._grew_ahead = False
+            self._admissible, self._admit_left = [], 0
+            now = self.clock()
+            if self._step_at is not None and now > self._step_at:
+                self._step_s.append(now - self._step_at)
+            self._step_at = now
         if self.cycler is not None:
             self.cycler.margin = self._step_reserve()
             self.cycler.tick(self.steps)
         batch = self.channel.build()
+        if batch is not None and self.policy is not None:
+            granules = sum(op.count for op in batch.ops if op.code == MAP)
+            if granules:
+                self._sent_at[batch.seq] = (self.clock(), granules)
+                while len(self._sent_at) > 64:
+                    self._sent_at.pop(next(iter(self._sent_at)))
+        if self.policy is not None and self.options.admit_mapping and not self.policy.stats.short:
+            # maps that should be done by the next step: allocatable for it (its running
+            # requests' growth is allocated before any connector hook of schedule())
+            soon = [g for _, granules in self._sent_soon() for g in granules]
+            if soon:
+                self.channel.admit(soon)
+                self.queue.on_mapped(soon)
         work = compactor.take_work() if compactor is not None else None
         if self.options.stats_file and time.monotonic() - self._stats_written >= STATS_EVERY_S:
             self.write_stats()            # a stats file follows busy and idle steps alike
@@ -473,7 +641,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             # sleep a little per empty step instead of spinning (new requests wait at most
             # this long; vLLM's own loop sleeps 1 ms here).
             time.sleep(min(self.options.idle_sleep_s, self.policy.due_in() or 0.0))
-        return ElasticMetadata(batch, compaction=work)
+        point = self.channel.wait_point
+        lead = point[1] if batch is not None and point and point[0] == batch.seq else 0
+        return ElasticMetadata(batch, compaction=work, wait=self._wait_point(scheduler_output),
+                               lead=lead)
 
     def _verify(self, scheduler_output) -> None:
         """No block handed out this step may lie in a granule that is not mapped."""
@@ -484,16 +655,26 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         if ch.count(MAPPED) == ch.num_granules:
             return
         G = ch.granule_blocks
-        lists = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
-        cached = scheduler_output.scheduled_cached_reqs
-        lists += [(rid, ids) for rid, ids in zip(cached.req_ids, cached.new_block_ids) if ids]
-        for req_id, groups in lists:
-            for ids in groups:
-                for b in ids:
-                    if state[b // G] != MAPPED:      # ch.allocatable(b), inline
-                        raise ChannelError(
-                            f"request {req_id} was given block {b}, in granule "
-                            f"{ch.granule_of(b)}, which is not mapped")
+        for req_id, ids in _new_blocks(scheduler_output):
+            for b in ids:
+                if state[b // G] != MAPPED:      # ch.allocatable(b), inline
+                    raise ChannelError(
+                        f"request {req_id} was given block {b}, in granule "
+                        f"{ch.granule_of(b)}, which is not mapped")
+
+    def _wait_point(self, scheduler_output) -> tuple[int, int] | None:
+        """What the workers must map before this step's forward (the channel's
+        :attr:`~proxima.memory.channel.ElasticChannel.wait_point`), when a block this step
+        hands out lies in an admitted granule (None: it touches confirmed memory only)."""
+        ch = self.channel
+        wait = ch.wait_point
+        if wait is None:
+            return None
+        admitted, G = ch.admitted, ch.granule_blocks
+        for _, ids in _new_blocks(scheduler_output):
+            if any(b // G in admitted for b in ids):
+                return wait
+        return None
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta

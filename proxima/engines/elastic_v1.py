@@ -99,6 +99,14 @@ class ElasticOptions:
     ``map_in_background``: workers map and unmap on a thread of their own while the
     forward runs (default true, :mod:`proxima.memory.background`); false applies them
     before the step's forward, which waits for them.
+    ``admit_mapping``: the policy's grow also runs inside ``schedule()``, before the
+    first waiting request is admitted, and the scheduler admits against granules whose
+    map is in flight; the workers finish that map before the forward of the step that
+    hands their blocks out (that step waits for it). ``grow_ahead``: the early grow
+    without the admission (measured: it alone does not help). Both off by default: a
+    map that fails after its blocks were handed out stops the engine, so admission is
+    safe only where no other process can take the GPU memory. See
+    :mod:`proxima.engines.elastic_connector` for both, with the replay's figures.
     ``force_cycle_every`` / ``force_cycle_hold`` / ``force_cycle_granules``: a test policy
     that every N steps releases up to ``granules`` granules holding neither live nor cached
     blocks and maps them back ``hold`` steps later (0: off); with ``force_cycle_safe`` only
@@ -121,6 +129,8 @@ class ElasticOptions:
     retry_s: float = _POLICY.retry_s
     retry_max_s: float = _POLICY.retry_max_s
     forecast: bool = _POLICY.forecast
+    grow_ahead: bool = False
+    admit_mapping: bool = False
     eviction: str = "auto"
     compactor: str | None = None
     idle_sleep_s: float = 0.005

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from proxima.memory.channel import WHOLE
 from proxima.memory.ops import MAP, MOVE, UNMAP, Op, validate
 
 
@@ -46,7 +47,7 @@ class BackgroundOps:
         self._queued = 0                   # batches handed to the thread, not yet done
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._reached = -1          # the last batch whose lead ops (or all) are applied
+        self._reached = (-1, 0)     # (batch, ops applied: WHOLE when all) so far
 
     # ------------------------------------------------------------------ caller's thread
     def submit(self, seq: int, ops: Sequence[Op], *, stream: int = 0,
@@ -94,14 +95,15 @@ class BackgroundOps:
             time.sleep(0.001)
         return not self.busy
 
-    def wait_lead(self, seq: int, timeout: float | None = None) -> bool:
-        """Wait until batch ``seq``'s lead ops (and every batch before it) are applied
-        (True); False when ``timeout`` passed or the thread stopped on an error
-        (:meth:`poll` raises it)."""
+    def wait_lead(self, seq: int, ops: int = 1, timeout: float | None = None) -> bool:
+        """Wait until the first ``ops`` ops of batch ``seq`` (its lead ops at most; a
+        larger count: the whole batch) and every batch before it are applied (True);
+        False when ``timeout`` passed or the thread stopped on an error (:meth:`poll`
+        raises it)."""
         end = None if timeout is None else time.monotonic() + timeout
         while self._error is None:
             with self._lock:
-                if self._reached >= seq or self._queued == 0:
+                if self._reached >= (seq, ops) or self._queued == 0:
                     return True
             if end is not None and time.monotonic() >= end:
                 return False
@@ -143,12 +145,12 @@ class BackgroundOps:
                     failed += self.memory.apply(ops[:lead], stream=stream)
                     driver.stream_synchronize(stream)
                     with self._lock:
-                        self._reached = seq
+                        self._reached = (seq, lead)
                 failed += self.memory.apply(ops[lead:], stream=stream)
                 if any(op.code == MAP for op in ops[lead:]):
                     driver.stream_synchronize(stream)     # zero-filled before reported
                 with self._lock:
-                    self._reached = seq
+                    self._reached = (seq, WHOLE)
                     self._done.append((seq, tuple(failed)))
                     self._queued -= 1
         except BaseException as exc:    # noqa: BLE001 - raised again by poll()/submit()

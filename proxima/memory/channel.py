@@ -36,6 +36,7 @@ from typing import Callable
 from proxima.memory.ops import MAP, UNMAP, Op, OpBatch, Report, validate
 
 MAPPED, UNMAPPED, MAPPING = 0, 1, 2
+WHOLE = 1 << 30          # a wait point's op count: the whole batch
 _STATE = {MAPPED: "mapped", UNMAPPED: "unmapped", MAPPING: "mapping"}
 
 
@@ -72,6 +73,7 @@ class ElasticChannel:
         self._wait: tuple[int, int] | None = None   # (batch, leading ops): admitted maps
         self.stats = {"batches": 0, "ops": 0, "granules_unmapped": 0, "granules_mapped": 0,
                       "map_failures": 0, "blocks_moved": 0, "reports": 0,
+                      "granules_admitted": 0,
                       "worker_map_seconds": 0.0, "worker_unmap_seconds": 0.0}
 
     # ------------------------------------------------------------------ geometry
@@ -126,21 +128,35 @@ class ElasticChannel:
         self.state[first:first + count] = bytes([MAPPING]) * count
         self._queue.append(Op.map(first, count))
 
+    def in_flight(self) -> list[tuple[int, list[int]]]:
+        """``(batch seq, granules)`` of the maps sent and not yet confirmed, not admitted,
+        oldest batch first."""
+        return [(seq, [g for r in rngs for g in r if g not in self.admitted])
+                for seq, rngs in sorted(self._waiting.items())]
+
     def admit(self, granules) -> None:
-        """Make ``granules`` (MAPPING, their map asked for in this step and not yet sent)
-        allocatable now. Their map ops move to the front of the step's batch, so the
-        workers can finish them first: :attr:`wait_point`."""
+        """Make ``granules`` (MAPPING: maps asked for in this step, or sent and not yet
+        confirmed) allocatable now. This step's move to the front of its batch, so the
+        workers can finish them first; one sent earlier waits for its whole batch:
+        :attr:`wait_point`."""
         granules = set(granules)
         bad = [g for g in sorted(granules) if self.state[g] != MAPPING]
         queued = {g for op in self._queue if op.code == MAP
                   for g in range(op.first, op.first + op.count)}
-        bad += sorted(granules - queued)
+        sent = {g: seq for seq, rngs in self._waiting.items() for r in rngs for g in r
+                if g in granules}
+        bad += sorted(granules - queued - sent.keys())
         if bad:
             raise ChannelError(f"cannot admit granule {bad[0]}: it is "
-                               f"{_STATE[self.state[bad[0]]]}, not a map of this step")
+                               f"{_STATE[self.state[bad[0]]]}, not a map in flight")
         for g in granules:
             self.state[g] = MAPPED
+        if not self.admitted:
+            self._wait = None
         self.admitted.update(granules)
+        self.stats["granules_admitted"] += len(granules)
+        if sent:
+            self._wait = max(self._wait or (0, 0), (max(sent.values()), WHOLE))
         first, rest = [], []
         for op in self._queue:
             if op.code != MAP:
@@ -154,8 +170,8 @@ class ElasticChannel:
     @property
     def wait_point(self) -> tuple[int, int] | None:
         """``(batch seq, ops)``: the workers must have applied the first ``ops`` ops of
-        that batch (and every batch before it) before a forward that reads an admitted
-        granule not yet confirmed (None: none is unconfirmed)."""
+        that batch (:data:`WHOLE`: all of them) and every batch before it before a forward
+        that reads an admitted granule not yet confirmed (None: none is unconfirmed)."""
         return self._wait if self.admitted else None
 
     def move(self, src: int, dst: int, count: int = 1) -> None:
@@ -190,7 +206,8 @@ class ElasticChannel:
         elif any(op.code == UNMAP for op in ops):
             self._unmapping[batch.seq] = self.workers
         if self._lead:
-            self._wait, self._lead = (batch.seq, self._lead), 0
+            self._wait = max(self._wait or (0, 0), (batch.seq, self._lead))
+            self._lead = 0
         self.stats["batches"] += 1
         self.stats["ops"] += len(ops)
         return batch

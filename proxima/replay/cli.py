@@ -171,6 +171,11 @@ def add_arguments(p) -> None:
                         f"of worker map time per 78 GB burst of 64 MiB granules, issue 33; "
                         f"unmaps at {UNMAP_GBPS_H200:g} GB/s, session 4's VMM test; 0: maps "
                         f"and unmaps done at once)")
+    p.add_argument("--admit-mapping", action="store_true",
+                   help="with --elastic: the scheduler admits against maps in flight (the "
+                        "connector's admit_mapping; the step that hands out their blocks "
+                        "waits for their map, counted in map_wait_steps); off by default: "
+                        "safe only where no other process can take the GPU memory")
     p.add_argument("--gpu-kv", metavar="SIZE",
                    help=f"with --elastic: room the simulated GPU has for this engine's KV (maps "
                         f"beyond it fail, as when another process holds the memory; "
@@ -244,7 +249,9 @@ def _validate(args) -> None:
                         f"{MAX_NUM_BLOCKS:,} (--num-blocks' bound): use at most "
                         f"{MAX_NUM_BLOCKS:,}")
     elastic_flags = [f for f, v in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
-                                    ("--gpu-kv", args.gpu_kv)) if v is not None]
+                                    ("--gpu-kv", args.gpu_kv),
+                                    ("--admit-mapping", args.admit_mapping or None))
+                     if v is not None]
     if elastic_flags and not args.elastic:
         raise UserError(f"{elastic_flags[0]} needs --elastic")
     spec = _elastic_spec(args)       # checked without --elastic too: refused, not ignored
@@ -289,7 +296,8 @@ def _elastic_spec(args):
                          min_bytes=sizes.get("--kv-min", 0), max_bytes=sizes.get("--kv-max"),
                          headroom=headroom, release_delay_s=delay, step_seconds=step,
                          gpu_bytes=sizes.get("--gpu-kv"),
-                         map_gbps=map_gbps)
+                         map_gbps=map_gbps,
+                         extra={"admit_mapping": True} if args.admit_mapping else {})
 
 
 def _engine():

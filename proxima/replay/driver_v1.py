@@ -239,8 +239,9 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     replies = {r.request_id: r.output_token_ids for r in workload.requests if r.output_token_ids}
 
-    def submit(spec):
-        arrived[spec.request_id] = step
+    def submit(spec, at=None):
+        # (at: when it arrived, where an elastic step's map wait moved the clock past it)
+        arrived[spec.request_id] = step if at is None else at
         scheduler.add_request(Request(
             request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
             pooling_params=None, arrival_time=0.0,
@@ -261,7 +262,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 while released and (released[0][0] <= step or not scheduler.has_requests()):
                     due, spec = released.pop(0)
                     step = max(step, due)
-                    submit(spec)
+                    submit(spec, due)
             if workload.concurrency:
                 while next_i < len(pending) and in_flight < workload.concurrency:
                     submit(pending[next_i])
@@ -271,7 +272,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                 if not scheduler.has_requests() and next_i < len(pending):
                     step = max(step, pending[next_i].arrival_step)   # skip idle steps
                 while next_i < len(pending) and pending[next_i].arrival_step <= step:
-                    submit(pending[next_i])
+                    submit(pending[next_i], pending[next_i].arrival_step)
                     next_i += 1
             if scheduler.has_requests():
                 if elastic_run is not None:
@@ -287,6 +288,12 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                     compactor.step()
                     compactor.take_work()
                 sched_seconds += time.perf_counter() - t0
+                if elastic_run is not None:
+                    # the ops go to the worker; a forward that must wait for a map the
+                    # scheduler admitted against starts later (the clock moves on)
+                    for rid in out.num_scheduled_tokens:
+                        first_scheduled.setdefault(rid, step)
+                    step += elastic_run.dispatch(out, step)
                 # What the model runner will return for this step: a token for every
                 # request whose prefill completes in it (vLLM's own flag, set by schedule()).
                 sampling = {rid for rid in out.num_scheduled_tokens

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from proxima.memory.channel import WHOLE
 from proxima.memory.ops import MAP, UNMAP, Report
 
 LAYERS, KV_HEADS, HEAD_SIZE, DTYPE_BYTES = 32, 8, 128, 2
@@ -142,18 +143,25 @@ class ReplayWorker:
             else 0.0
         self.busy_until = 0.0
         self.queued: deque = deque()     # (done at, (seq, failed), mapped after, map s, unmap s)
+        self.lead_at: dict[int, float] = {}   # batch seq -> when its lead maps are done
+        self.done_at: dict[int, float] = {}   # batch seq -> when all of it is done
         self.map_seconds = 0.0           # reported so far, as a worker's Report counts them
         self.unmap_seconds = 0.0
         self.reported_mapped = len(self.mapped)
 
     def submit(self, meta, now: float) -> None:
-        """The ops of one step's metadata, handed to the mapping thread at ``now``."""
+        """The ops of one step's metadata, handed to the mapping thread at ``now``; the
+        time its lead ops (``meta.lead``) are done is kept in :attr:`lead_at`."""
         batch = getattr(meta, "batch", None)
         if batch is None:
             return
+        lead = getattr(meta, "lead", 0)
         failed = []
         mapped = unmapped = 0
-        for op in batch.ops:
+        start = max(now, self.busy_until)
+        for i, op in enumerate(batch.ops):
+            if i == lead and lead:
+                self.lead_at[batch.seq] = start + mapped * self.map_s
             span = range(op.first, op.first + op.count)
             if op.code == UNMAP:
                 unmapped += len(self.mapped.intersection(span))
@@ -171,6 +179,7 @@ class ReplayWorker:
         map_s, unmap_s = (mapped + bool(failed)) * self.map_s, unmapped * self.unmap_s
         done = max(now, self.busy_until) + map_s + unmap_s
         self.busy_until = done
+        self.done_at[batch.seq] = done
         self.queued.append((done, (batch.seq, tuple(failed)), len(self.mapped), map_s, unmap_s))
 
     def __call__(self, meta):
@@ -185,6 +194,8 @@ class ReplayWorker:
         applied = []
         while self.queued and self.queued[0][0] <= end:
             _, entry, self.reported_mapped, map_s, unmap_s = self.queued.popleft()
+            self.lead_at.pop(entry[0], None)
+            self.done_at.pop(entry[0], None)
             applied.append(entry)
             self.map_seconds += map_s
             self.unmap_seconds += unmap_s
@@ -211,6 +222,8 @@ class ElasticRun:
                                "connector or pool")
         self.queue = self.connector.queue
         self.step = 0
+        self.stalls = 0          # steps whose forward waited for a map admitted against
+        self.stall_steps = 0     # the steps those waits added
         self.connector.clock = lambda: self.step * spec.step_seconds
         self.bytes_per_granule = self.connector.bytes_per_granule
         capacity = None if spec.gpu_bytes is None else spec.gpu_bytes // self.bytes_per_granule
@@ -226,14 +239,36 @@ class ElasticRun:
     def before_step(self, step: int) -> None:
         self.step = step
 
+    def dispatch(self, scheduler_output, step: int) -> int:
+        """Hand the ops of the step scheduled at ``step`` to the worker as the step starts;
+        returns the steps its forward waits first: where the scheduler admitted against
+        granules whose map is in flight (the metadata's ``wait``), the worker finishes
+        that map before the forward, and the step lasts that much longer (whole steps,
+        rounded up: it errs against elastic KV) for every request in it."""
+        dt = self.spec.step_seconds
+        meta = scheduler_output.kv_connector_metadata
+        self.worker.submit(meta, step * dt)
+        wait = getattr(meta, "wait", None)
+        done = None
+        if wait is not None:
+            seq, ops = wait
+            done = self.worker.lead_at.get(seq) if ops < WHOLE else None
+            if done is None:
+                done = self.worker.done_at.get(seq)
+        if done is None or done <= step * dt:
+            return 0
+        stall = -int(-((done - step * dt) / dt - 1e-9) // 1)
+        self.stall_steps += stall
+        self.stalls += 1
+        return stall
+
     def worker_output(self, scheduler_output, step: int):
-        """The KVConnectorOutput of the step scheduled at ``step`` on the step clock (what
-        the workers' answer carries): its ops handed to the worker as the step starts, the
-        batches done when it ends reported."""
+        """The KVConnectorOutput of the step whose forward ran at ``step`` on the step
+        clock (what the workers' answer carries; its ops were handed over by
+        :meth:`dispatch`): the batches done when it ends reported."""
         from vllm.v1.outputs import KVConnectorOutput
 
         dt = self.spec.step_seconds
-        self.worker.submit(scheduler_output.kv_connector_metadata, step * dt)
         return KVConnectorOutput(kv_connector_worker_meta=self.worker.report((step + 1) * dt))
 
     def mapped_granules(self) -> int:
@@ -251,4 +286,6 @@ class ElasticRun:
             status["failed_grows_per_minute"] = policy.stats.failed_grow_attempts / minutes
             status["failed_granules_per_minute"] = policy.stats.failed_grows / minutes
         status["simulated_seconds"] = self.step * self.spec.step_seconds
+        status["map_wait_steps"] = self.stall_steps
+        status["map_waits"] = self.stalls
         return {"elastic": status, "bytes_per_granule": self.bytes_per_granule}

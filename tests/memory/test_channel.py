@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ChannelError, ElasticChannel
+from proxima.memory.channel import (MAPPED, MAPPING, UNMAPPED, WHOLE, ChannelError,
+                                    ElasticChannel)
 from proxima.memory.kv import KvMemory
 from proxima.memory.ops import Op, Report
 from tests.memory.fake_driver import MiB, FakeDriver
@@ -197,18 +198,20 @@ def test_an_admitted_map_is_allocatable_at_once_goes_first_and_is_waited_for():
     assert seen[0][2] == {4, 5}              # listeners can tell what was admitted
 
 
-def test_a_failed_map_of_an_admitted_granule_is_an_error_and_only_this_steps_maps_are_admitted():
+def test_a_map_sent_earlier_is_admitted_whole_and_a_failed_admitted_map_is_an_error():
     ch = ElasticChannel(320, 32)
     ch.unmap(1, 4)
     ch.build()
     ch.map(1, 2)
     sent = ch.build()
-    with pytest.raises(ChannelError, match="not a map of this step"):
-        ch.admit([1])                        # already sent: confirmed first
+    assert ch.in_flight() == [(sent.seq, [1, 2])]
+    ch.admit([1])                            # sent already: the workers finish that batch
+    assert ch.wait_point == (sent.seq, WHOLE) and ch.in_flight() == [(sent.seq, [2])]
     with pytest.raises(ChannelError, match="unmapped"):
         ch.admit([3])
     ch.map(3, 2)
     ch.admit([3])
     batch = ch.build()
+    assert ch.wait_point == (batch.seq, 1)         # its lead op, after the whole earlier batch
     with pytest.raises(ChannelError, match="already handed out"):
         ch.on_report(Report(((sent.seq, ()), (batch.seq, ((3, 1),))), 5, 32))

@@ -665,3 +665,31 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     with pytest.raises(SystemExit, match="min_bytes: 'lots' is not a size"):
         register()
     vllm_v1.deactivate()
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_admitting_against_maps_in_flight_never_lets_a_forward_read_an_unmapped_block(depth):
+    """admit_mapping (issue 33 item 2): the scheduler hands out blocks of granules whose
+    map is still on the worker's mapping thread (slowed here); the worker finishes those
+    maps before the forward, which the stand-in checks block by block."""
+    import time as _time
+
+    class SlowWorker(Worker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            create = self.driver.create
+
+            def slow(size):
+                _time.sleep(0.002)
+                return create(size)
+
+            self.driver.create = slow
+
+    scheduler, conn, worker, log, mapped = auto_run(32, depth, background=True,
+                                                    worker_class=SlowWorker,
+                                                    admit_mapping=True)
+    finished = {r for step in log for r in step[4]}
+    assert len(finished) == 48 and worker.checked > 0
+    assert conn.channel.stats["granules_admitted"] > 0
+    assert conn.channel.admitted == set()
+    conn.queue.check()

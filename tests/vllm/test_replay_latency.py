@@ -190,3 +190,39 @@ def test_a_bad_map_rate_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["replay", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@elastic_only
+def test_growing_ahead_admits_a_request_in_the_step_it_arrives_in():
+    """Issue 33 item 2. With instant maps and ``admit_mapping`` the elastic engine admits
+    a request that arrives at a small pool in the step it arrives in, as stock does: the
+    grow runs before the scheduler admits, and the scheduler admits against the map in
+    flight. Without admission (the default; or the grow before it alone) the map is
+    unconfirmed when the scheduler admits, and such a request waits a step. With a map
+    that takes time, the step that hands out the admitted blocks waits for their map,
+    and the replay charges it (``map_wait_steps``).
+    """
+    from proxima.replay import driver_v1
+    from proxima.replay.elastic import ElasticReplay
+    from proxima.workloads import make_workload
+
+    w = make_workload("chat", requests=40)
+    kw = dict(num_blocks=4000, max_num_seqs=256)
+    stock = driver_v1.run_replay(w, proxima=False, **kw).details
+    admit = {"admit_mapping": True}
+    ahead = driver_v1.run_replay(w, proxima=True, elastic=ElasticReplay(extra=admit),
+                                 **kw).details
+    alone = driver_v1.run_replay(w, proxima=True, elastic=ElasticReplay(
+        extra={"grow_ahead": True}), **kw).details
+    after = driver_v1.run_replay(w, proxima=True, elastic=ElasticReplay(), **kw).details
+    assert stock["ttft_p99_steps"] == 1
+    assert ahead["queue_wait_p99_steps"] == 0 and ahead["ttft_p99_steps"] == 1
+    assert after["queue_wait_p99_steps"] == 1 and after["ttft_p99_steps"] == 2
+    # the grow before admission alone: its map is still unconfirmed when admitting
+    assert alone["ttft_p99_steps"] == 2 and "map_wait_steps" in alone["elastic"]
+    assert ahead["elastic"]["map_wait_steps"] == 0 and ahead["elastic"]["bytes_returned"] > 0
+    timed = driver_v1.run_replay(w, proxima=True, elastic=ElasticReplay(map_gbps=0.5,
+                                                                        extra=admit),
+                                 **kw).details
+    assert timed["elastic"]["map_wait_steps"] > 0 and timed["elastic"]["map_waits"] > 0
+    assert timed["ttft_p99_steps"] > 1 and timed["queue_wait_p99_steps"] == 0
