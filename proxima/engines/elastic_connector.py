@@ -500,6 +500,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         per, step = self._map_s()
         now = self.clock()
         free_at = max([now] + [end for _, _, end in self._in_flight()])
+        if per <= 0:                 # maps that take no time (the replay's --map-gbps 0)
+            return self.channel.num_granules
         return max(0, int((now + step - free_at) / per))
 
     def _map_s(self) -> tuple[float, float]:
@@ -508,8 +510,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         before two steps)."""
         mapped = self.channel.stats["granules_mapped"]
         seconds = self.channel.stats["worker_map_seconds"]
-        per = seconds / mapped if mapped and seconds else \
-            self.bytes_per_granule / (ASSUMED_MAP_GBPS * 1e9)
+        per = seconds / mapped if mapped else self.bytes_per_granule / (ASSUMED_MAP_GBPS * 1e9)
         step = sorted(self._step_s)[len(self._step_s) // 2] if self._step_s else ASSUMED_STEP_S
         return per, step
 
