@@ -75,11 +75,15 @@ shrunk to its minimum waited at least a step even with instant maps. Now:
 
 Chosen by the CPU replay's figures (docs/results/replay-elastic/growahead/README.md):
 with instant maps, admission against maps in flight brings chat, multiturn, bursts,
-pressure and the shared-prefix trace to stock's request latency exactly; the grow before
-admission alone (``grow_ahead``) does not help (its maps are still unconfirmed when the
-scheduler admits). With the H200's map time (25 GB/s) a burst that finds the pool at its
-minimum still pays the map: a step whose admitted blocks wait for it is longer for
-every request in it, so admission is bounded to what maps in about a step.
+sharegpt (8,000 blocks), pressure and the shared-prefix trace within 1.02x of stock's
+request latency (all but sharegpt's p50, 1.003x, exactly), preemptions no higher; the grow
+before admission alone (``grow_ahead``) changes no figure (its maps are still unconfirmed
+when the scheduler admits). With the H200's map time (25 GB/s) it does not pay: a step
+that waits for admitted maps is longer for every request in it, a burst needs many steps'
+worth of maps, and requests admitted early run short of confirmed memory for their
+decode growth (sharegpt: 323 preemptions against stock's 286; the trace: TTFT p50 9 steps
+against 6 without admission). Hence off by default, with the failure risk above; what
+parity at that rate needs is faster maps.
 
 Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
 Proxima's block pool, its free queue becomes granule-aware
