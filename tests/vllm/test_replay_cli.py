@@ -151,6 +151,7 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
 @pytest.mark.parametrize("argv, message", [
     (["--elastic", "--eviction", "fifo"], "--eviction: eviction policy 'fifo'"),
     (["--kv-max", "8GiB"], "--kv-max needs --elastic"),
+    (["--admit-mapping"], "--admit-mapping needs --elastic"),
     (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "--kv-max 4GiB is below --kv-min"),
     (["--elastic", "--step-seconds", "0"], "--step-seconds: '0' is out of range"),
     (["--granule-blocks", "0"], "--granule-blocks must be >= 1"),
