@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxima.errors import UserError
+from proxima.serve.serve_flags import flag_value
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -125,13 +126,7 @@ def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
         if norm in RESERVED:
             raise UserError(f"{where}: {norm} cannot be given for one model: {RESERVED[norm]}")
         if norm in ("--port", "--kv-min", "--kv-max"):
-            if eq:
-                value = inline
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                raise UserError(f"{where}: {norm} needs a value")
+            value, i = flag_value(args, i, inline if eq else None, f"{where}: {norm} needs a value")
             if norm == "--port":
                 spec.port = _port(value, f"{where}: --port")
             else:
@@ -306,13 +301,7 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
         flag, eq, inline = token.partition("=")
         if flag in ENDPOINT_FLAGS and token.startswith("--"):
             if ENDPOINT_FLAGS[flag]:
-                if eq:
-                    value = inline
-                elif i + 1 < len(argv):
-                    i += 1
-                    value = argv[i]
-                else:
-                    raise UserError(f"{flag} needs a value")
+                value, i = flag_value(argv, i, inline if eq else None, f"{flag} needs a value")
                 if flag == "--model":
                     cli_models.append(parse_model_option(value))
                 elif flag == "--models":

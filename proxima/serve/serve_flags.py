@@ -56,6 +56,16 @@ def default_executor(args: argparse.Namespace, argv: list[str]) -> str | None:
             "default with --elastic; give --distributed-executor-backend uni for vLLM's own)")
 
 
+def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tuple[str, int]:
+    """The value of the flag at ``argv[i]``: ``inline`` (written ``--flag=VALUE``) or the
+    next token, and the index of the last token it took; UserError ``missing`` if none."""
+    if inline is not None:
+        return inline, i
+    if i + 1 < len(argv):
+        return argv[i + 1], i + 1
+    raise UserError(missing)
+
+
 #: Proxima's own serve options (taken out of the command line): flag -> takes a value
 ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
                  "--elastic-options": True}
@@ -70,14 +80,8 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
         flag, eq, inline = token.partition("=")
         if flag in ELASTIC_FLAGS:
             if ELASTIC_FLAGS[flag]:
-                if eq:
-                    value = inline
-                elif i + 1 < len(argv):
-                    i += 1
-                    value = argv[i]
-                else:
-                    raise UserError(f"{flag} needs a value (e.g. {flag} 8GiB)")
-                given[flag] = value
+                given[flag], i = flag_value(argv, i, inline if eq else None,
+                                            f"{flag} needs a value (e.g. {flag} 8GiB)")
             else:
                 if eq:
                     raise UserError(f"--elastic takes no value, got {token!r}")
