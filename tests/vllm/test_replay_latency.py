@@ -12,7 +12,7 @@ import pytest
 
 from proxima.cli import main
 from proxima.engines import elastic_v1
-from proxima.replay.cli import LATENCY_PARITY, _checks, format_table
+from proxima.replay.table import LATENCY_PARITY, format_table, parity_checks
 from proxima.replay.result import LATENCY_FIELDS
 
 LATENCY = LATENCY_FIELDS
@@ -169,7 +169,7 @@ def _side(**figures):
 ])
 def test_parity_fails_when_request_latency_is_above_1_02x_stocks(proxima, failed):
     results = {"stock": _side(), "proxima": _side(**proxima)}
-    checks = _checks(results)
+    checks = parity_checks(results)
     assert sorted(k for k, v in checks.items() if v is False) == failed
     line = format_table({"results": results, "checks": checks}).splitlines()[-1]
     if failed:
@@ -181,7 +181,7 @@ def test_parity_fails_when_request_latency_is_above_1_02x_stocks(proxima, failed
 def test_a_driver_without_latency_figures_keeps_the_old_checks():
     """The V0 driver measures no request latency: no latency check, none failed."""
     side = {k: v for k, v in _side().items() if k not in LATENCY}
-    checks = _checks({"stock": side, "proxima": side})
+    checks = parity_checks({"stock": side, "proxima": side})
     assert not any("within_1.02x" in k for k in checks)
 
 
