@@ -56,18 +56,3 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def held():
-    """SIGINT and SIGTERM wait (blocked, not lost) while inside, and arrive on the way
-    out: for a few steps that a stop must not cut in half, such as building an asyncio
-    event loop (one cut mid-construction prints a traceback when collected)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -431,18 +431,53 @@ async def _run_all(targets: Sequence[Target], specs: Sequence[RequestSpec], mode
 
 
 def _run(make_coroutine):
-    """``asyncio.run(make_coroutine())``, its event loop built while SIGINT / SIGTERM wait
-    (:func:`proxima.interrupts.held`): Ctrl-C or SIGTERM at any moment stops the bench
-    with one line, never a half-built loop's traceback."""
-    if sys.version_info < (3, 11):              # no asyncio.Runner
-        return asyncio.run(make_coroutine())
+    """``asyncio.run(make_coroutine())`` where SIGINT and SIGTERM never raise inside the
+    event loop's own machinery (a loop cut while it is built, run or closed prints a
+    traceback when collected): while the loop lives, a stop only records itself and cancels
+    the bench's task. It then leaves as ``KeyboardInterrupt`` (SIGINT) or
+    :class:`proxima.interrupts.Terminated` (SIGTERM), raised here once the loop is closed:
+    one line on stderr."""
+    import signal
+    import threading
 
-    def new_loop():
-        with interrupts.held():
-            return asyncio.new_event_loop()
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(make_coroutine())    # signals reach the main thread only
+    signals = (signal.SIGINT, signal.SIGTERM)
+    stopped: list[int] = []
+    running: list = []                          # (loop, task) while the bench's task runs
 
-    with asyncio.Runner(loop_factory=new_loop) as runner:
-        return runner.run(make_coroutine())
+    def on_signal(sig, frame):                  # the main thread, between two bytecodes
+        stopped.append(sig)
+        if running:
+            loop, task = running[0]
+            loop.call_soon_threadsafe(task.cancel)
+
+    async def main():
+        running.append((asyncio.get_running_loop(), asyncio.current_task()))
+        if stopped:                             # a stop before the task could be cancelled
+            raise asyncio.CancelledError
+        return await make_coroutine()
+
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in signals:
+        signal.signal(sig, on_signal)
+    try:
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(main())
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+        finally:
+            running.clear()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+    finally:
+        for sig in signals:
+            signal.signal(sig, previous[sig])
+    raise interrupts.Terminated() if stopped[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
 def check_servers(targets: Sequence[Target], model: str | None) -> str:
