@@ -29,7 +29,22 @@ STATUS = {"policy": "auto", "granule_blocks": 32, "bytes_per_granule": 64 << 20,
           "steps": 12, "events": []}
 
 
-class Answering:
+class _LocalServer:
+    """A real HTTP server on 127.0.0.1 with its own thread (``url``; ``close()`` ends it)."""
+
+    def _serve(self, handler) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class Answering(_LocalServer):
     """A server whose every GET/POST gets ``(status, body, content type)``; it keeps the
     bodies of the POSTs it received."""
 
@@ -53,15 +68,7 @@ class Answering:
                 owner.posted.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self.do_GET()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 @pytest.fixture
@@ -201,7 +208,7 @@ def test_nothing_listening_is_bad_input(capsys):
     assert "cannot reach" in line and "Connection refused" in line, line
 
 
-class Dripping:
+class Dripping(_LocalServer):
     """Answers every request one byte per ``tick`` seconds, at most ``total`` bytes (then it
     has sent a whole, good answer and stops). ``where``: "headers" drips the status line and
     headers, "body" sends the headers at once and drips the body. Records how many bytes it
@@ -240,15 +247,7 @@ class Dripping:
                     owner.sent = sent
                     owner.done.set()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 @pytest.mark.parametrize("where", ["headers", "body"])
