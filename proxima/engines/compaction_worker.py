@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from proxima.engines import activation
+from proxima.engines import activation, patches
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CompactionWork:
     blocks: int
 
 
-_saved: list[tuple[object, str, object]] = []
+PATCHES = "compaction-worker"   # this module's patch set (proxima.engines.patches)
 _worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
 
 
@@ -51,10 +51,13 @@ def install_worker_hook(cls=None) -> None:
         import vllm.v1.worker.gpu.model_runner as model_runner
 
         cls = model_runner.GPUModelRunner
-    if any(owner is cls for owner, _, _ in _saved):
+    if any(a.patch.target is cls for a in patches.applied(PATCHES)):
         return
-    original = cls.update_requests
+    patches.apply(patches.PatchSet(PATCHES, "v1", lambda: [
+        patches.Patch(cls, "update_requests", _wrap_update_requests(cls.update_requests))]))
 
+
+def _wrap_update_requests(original):
     def update_requests(self, scheduler_output) -> None:
         original(self, scheduler_output)
         meta = scheduler_output.kv_connector_metadata
@@ -68,14 +71,11 @@ def install_worker_hook(cls=None) -> None:
 
     update_requests.__wrapped__ = original
     update_requests.__doc__ = original.__doc__
-    _saved.append((cls, "update_requests", original))
-    cls.update_requests = update_requests
+    return update_requests
 
 
 def uninstall_worker_hook() -> None:
-    while _saved:
-        owner, name, value = _saved.pop()
-        setattr(owner, name, value)
+    patches.restore(PATCHES)
 
 
 class _WorkerState:

@@ -19,11 +19,11 @@ the Proxima adapter.
 
 from __future__ import annotations
 
-from proxima.engines import activation
+from proxima.engines import patches
 from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
-_saved: list[tuple[object, str, object]] = []
+PATCHES = "observe"     # the name of this module's patch set (proxima.engines.patches)
 
 
 def snapshot(manager, steps: int, finished: FinishedTally) -> dict:
@@ -76,29 +76,26 @@ def _wrap(name: str, original, observer: _Observer):
 
 
 def is_active() -> bool:
-    return bool(_saved)
+    return patches.is_applied(PATCHES)
 
 
 def activate() -> None:
     """Start observing (idempotent). Engines running or built afterwards are observed.
     Asks the version policy first, as the adapters do (the observer reads vLLM's
     internals too)."""
-    if _saved:
+    if patches.is_applied(PATCHES):
         return
-    import vllm
+    patches.apply(patches.PatchSet(PATCHES, "v1", _patches))
 
-    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
+
+def _patches() -> list:
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
 
     cls = kv_cache_manager.KVCacheManager
     observer = _Observer()
-    for name in ("new_step_starts", "free"):
-        original = cls.__dict__[name]
-        _saved.append((cls, name, original))
-        setattr(cls, name, _wrap(name, original, observer))
+    return [patches.Patch(cls, name, _wrap(name, cls.__dict__[name], observer))
+            for name in ("new_step_starts", "free")]
 
 
 def deactivate() -> None:
-    while _saved:
-        owner, name, value = _saved.pop()
-        setattr(owner, name, value)
+    patches.restore(PATCHES)

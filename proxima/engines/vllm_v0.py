@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
 from proxima.allocator.buddy import BuddyAllocator
-from proxima.engines import activation
+from proxima.engines import activation, patches
 from proxima.engines.contiguity import ids_per_run
 from proxima.engines import status as _status
 from proxima.engines.activation import ActivationError
@@ -613,15 +613,12 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 
 # ------------------------------------------------------------------------- activation
 
-_stock_manager = None   # vLLM's class while Proxima's is installed
+PATCHES = "v0"          # the name of this adapter's patch set (proxima.engines.patches)
+MANAGER = "SelfAttnBlockSpaceManager"   # the attribute of vllm.core.block_manager replaced
 
 
-def _require_supported() -> None:
-    """The version policy (:func:`proxima.engines.activation.require`), then the V0 block
-    manager's presence: ActivationError when either says no."""
-    import vllm as _vllm
-
-    activation.require("v0", _vllm.__version__, activation.installed_version("torch"))
+def _require_block_manager() -> None:
+    """The V0 block manager's presence (after the version gate): ActivationError if not."""
     if _IMPORT_ERROR is not None:
         raise ActivationError(
             f"this vLLM has no V0 block manager that Proxima knows "
@@ -629,9 +626,19 @@ def _require_supported() -> None:
             f"{_IMPORT_ERROR}")
 
 
+def _patches() -> list:
+    _require_block_manager()
+    return [patches.Patch(_block_manager, MANAGER, ProximaBlockSpaceManager)]
+
+
 def is_active() -> bool:
     """Whether Proxima's block manager is installed in vLLM."""
-    return _stock_manager is not None
+    return patches.is_applied(PATCHES)
+
+
+def stock_manager_class() -> type:
+    """vLLM's own block manager class, whether or not Proxima's is installed."""
+    return patches.original(_block_manager, MANAGER)
 
 
 def activate() -> None:
@@ -644,21 +651,15 @@ def activate() -> None:
     the V0 block manager, raises :class:`proxima.engines.activation.ActivationError` and
     changes nothing. Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
     caller's question: the plugin asks it. The same contract as the V1 adapter's."""
-    global _stock_manager
-    if _stock_manager is not None:
+    if patches.is_applied(PATCHES):
         return
-    _require_supported()
-    _stock_manager = _block_manager.SelfAttnBlockSpaceManager
-    _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager
+    patches.apply(patches.PatchSet(PATCHES, "v0", _patches))
     logger.info("Proxima: vLLM %s V0 block manager replaced", vllm.__version__)
 
 
 def deactivate() -> None:
     """Put vLLM's own block manager back (schedulers built earlier keep theirs)."""
-    global _stock_manager
-    if _stock_manager is not None:
-        _block_manager.SelfAttnBlockSpaceManager = _stock_manager
-        _stock_manager = None
+    patches.restore(PATCHES)
 
 
 @contextmanager
@@ -668,11 +669,8 @@ def block_manager_class(proxima: bool) -> Iterator[type]:
     class or vLLM's; afterwards it is what it was. Proxima's is subject to the same checks
     as :func:`activate`."""
     if proxima or _IMPORT_ERROR is not None:
-        _require_supported()
-    saved = _block_manager.SelfAttnBlockSpaceManager
-    stock = _stock_manager or saved
-    _block_manager.SelfAttnBlockSpaceManager = ProximaBlockSpaceManager if proxima else stock
-    try:
-        yield _block_manager.SelfAttnBlockSpaceManager
-    finally:
-        _block_manager.SelfAttnBlockSpaceManager = saved
+        patches.gate("v0")
+        _require_block_manager()
+    cls = ProximaBlockSpaceManager if proxima else stock_manager_class()
+    with patches.swapped(_block_manager, MANAGER, cls):
+        yield cls

@@ -23,10 +23,14 @@ import logging
 
 from proxima.engines import activation
 from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
+from proxima.engines import patches
 from proxima.engines.free_queue import ProximaFreeQueue  # noqa: F401 - vLLM's queue's stand-in
+from proxima.engines.patches import Patch
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
+
+PATCHES = "v1"          # the name of this adapter's patch set (proxima.engines.patches)
 
 
 PREEMPTED_CLASS = 1                 # proxima.allocator.granules.PREEMPTED
@@ -156,7 +160,6 @@ def _block_pool_class():
 
 # ----------------------------------------------------------------------------- patching
 
-_saved: list[tuple[object, str, object]] = []
 ProximaBlockPool = None
 
 
@@ -282,12 +285,6 @@ def _wrap_new_step_starts(original):
     return new_step_starts
 
 
-def _patch(owner, name: str, value) -> None:
-    _saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type)
-                   else getattr(owner, name)))
-    setattr(owner, name, value)
-
-
 def _all_subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub
@@ -296,22 +293,24 @@ def _all_subclasses(cls):
 
 def is_active() -> bool:
     """Whether Proxima is installed in vLLM's V1 classes."""
-    return bool(_saved)
+    return patches.is_applied(PATCHES)
 
 
 def activate() -> None:
     """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it.
 
-    The version policy is asked first (:func:`proxima.engines.activation.require`): an
+    The version policy is asked first (:func:`proxima.engines.patches.gate`): an
     untested vLLM is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (ActivationError,
     nothing patched). Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
     caller's question: the plugin asks it."""
-    global ProximaBlockPool
-    if _saved:
+    if patches.is_applied(PATCHES):
         return
-    import vllm
+    patches.apply(patches.PatchSet(PATCHES, "v1", _patches))
 
-    activation.require("v1", vllm.__version__, activation.installed_version("torch"))
+
+def _patches() -> list:
+    """The V1 patches (built after the version gate)."""
+    global ProximaBlockPool
     import vllm.v1.core.kv_cache_coordinator as coordinator
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
     import vllm.v1.core.sched.scheduler as scheduler
@@ -319,18 +318,19 @@ def activate() -> None:
 
     if ProximaBlockPool is None:
         ProximaBlockPool = _block_pool_class()
-    _patch(coordinator, "BlockPool", ProximaBlockPool)
-    _patch(scheduler.Scheduler, "add_request", _wrap_add_request(scheduler.Scheduler.add_request))
-    _patch(kv_cache_manager.KVCacheManager, "free",
-           _wrap_free(kv_cache_manager.KVCacheManager.free))
-    _patch(kv_cache_manager.KVCacheManager, "new_step_starts",
-           _wrap_new_step_starts(kv_cache_manager.KVCacheManager.new_step_starts))
+    manager = kv_cache_manager.KVCacheManager
+    out = [Patch(coordinator, "BlockPool", ProximaBlockPool),
+           Patch(scheduler.Scheduler, "add_request",
+                 _wrap_add_request(scheduler.Scheduler.add_request)),
+           Patch(manager, "free", _wrap_free(manager.free)),
+           Patch(manager, "new_step_starts", _wrap_new_step_starts(manager.new_step_starts))]
     base = managers.SingleTypeKVCacheManager
     for cls in (base, *_all_subclasses(base)):
         if "allocate_new_blocks" in cls.__dict__:
-            _patch(cls, "allocate_new_blocks",
-                   _wrap_allocate_new_blocks(cls.__dict__["allocate_new_blocks"],
-                                             plain=cls is base and _plain_allocate(cls)))
+            out.append(Patch(cls, "allocate_new_blocks",
+                             _wrap_allocate_new_blocks(cls.__dict__["allocate_new_blocks"],
+                                                       plain=cls is base and _plain_allocate(cls))))
+    return out
 
 
 # The names vLLM 0.26.0's (and 0.33.0's, the same body) SingleTypeKVCacheManager.
@@ -353,6 +353,4 @@ def _plain_allocate(cls) -> bool:
 
 def deactivate() -> None:
     """Undo :func:`activate`: engines built afterwards are stock vLLM again."""
-    while _saved:
-        owner, name, value = _saved.pop()
-        setattr(owner, name, value)
+    patches.restore(PATCHES)

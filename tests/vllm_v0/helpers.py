@@ -52,9 +52,7 @@ def make_manager(proxima: bool, num_gpu_blocks: int, num_cpu_blocks: int = 64,
                  block_size: int = 16, enable_caching: bool = True):
     """A V0 block manager (Proxima's or vLLM's), as the Scheduler builds it."""
     from proxima.engines import vllm_v0
-    cls = vllm_v0.ProximaBlockSpaceManager if proxima else vllm_v0._block_manager.SelfAttnBlockSpaceManager
-    if not proxima and cls is vllm_v0.ProximaBlockSpaceManager:
-        cls = vllm_v0._stock_manager
+    cls = vllm_v0.ProximaBlockSpaceManager if proxima else vllm_v0.stock_manager_class()
     return cls(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                num_cpu_blocks=num_cpu_blocks, watermark=0.01, sliding_window=None,
                enable_caching=enable_caching)
