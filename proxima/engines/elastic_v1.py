@@ -49,7 +49,7 @@ import logging
 from dataclasses import dataclass
 
 from proxima import config
-from proxima.engines import activation
+from proxima.engines import activation, patches
 from proxima.errors import UserError
 from proxima.memory.policy import PolicyOptions
 
@@ -255,19 +255,15 @@ def with_elastic_connector(ktc, extra: dict | None = None):
 
 # ----------------------------------------------------------------------------- patching
 
-_saved: list[tuple[object, str, object]] = []
+PATCHES = "elastic"     # this module's patch set (proxima.engines.patches)
 
 
-_ABSENT = object()
-
-
-def _patch(owner, name: str, value) -> None:
-    _saved.append((owner, name, getattr(owner, name, _ABSENT)))
-    setattr(owner, name, value)
+def _patch(*patch_list: patches.Patch) -> None:
+    patches.apply(patches.PatchSet(PATCHES, "v1", lambda: patch_list))
 
 
 def is_active() -> bool:
-    return bool(_saved)
+    return patches.is_applied(PATCHES)
 
 
 def unsupported_reason() -> str | None:
@@ -301,7 +297,7 @@ def activate() -> None:
     """Route every engine this process configures through Proxima's KV connector (with the
     options of ``PROXIMA_ELASTIC_OPTIONS``), and give the engine core the ``proxima_kv``
     utility method (run-time control: :func:`engine_core_proxima_kv`)."""
-    if any(name == "create_engine_config" for _, name, _ in _saved):
+    if patches.is_applied(PATCHES, "create_engine_config"):
         return
     reason = unsupported_reason()
     if reason:
@@ -325,9 +321,9 @@ def activate() -> None:
         self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config, extra)
         return original(self, *args, **kwargs)
 
-    _patch(EngineArgs, "create_engine_config", create_engine_config)
-    if not hasattr(EngineCore, UTILITY):
-        _patch(EngineCore, UTILITY, engine_core_proxima_kv)
+    _patch(patches.Patch(EngineArgs, "create_engine_config", create_engine_config),
+           *([] if hasattr(EngineCore, UTILITY) else
+             [patches.Patch(EngineCore, UTILITY, engine_core_proxima_kv)]))
     logger.info("Proxima elastic KV memory: engines get the %s (KV mapped by granules)%s",
                 CONNECTOR, f", options {extra}" if extra else "")
 
@@ -361,12 +357,7 @@ def find_connector(connector):
 
 def deactivate() -> None:
     """Undo every patch of this module (configuration and allocation hooks)."""
-    while _saved:
-        owner, name, value = _saved.pop()
-        if value is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
+    patches.restore(PATCHES)
 
 
 # ----------------------------------------------------------------------------- allocation
@@ -394,7 +385,7 @@ def install_allocation_hook(options: ElasticOptions, vllm_config=None,
     _Worker.vllm_config = vllm_config
     _Worker.spare_granules = spare_granules
     if attn_utils._allocate_kv_cache is not _allocate_kv_cache_vmm:
-        _patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm)
+        _patch(patches.Patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm))
 
 
 def kv_regions(kv_cache_config) -> tuple[list[int], dict[str, int]]:
