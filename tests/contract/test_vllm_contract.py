@@ -16,7 +16,9 @@ V1 adapter (proxima/engines/vllm_v1.py) and the stock observer (observe_v1.py) r
                                                    a pool's free_block_queue
   vllm.v1.core.kv_cache_utils.KVCacheBlock         block_id, is_null, the free-list links
   vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager
-                                                   allocate_new_blocks' positional signature,
+                                                   allocate_new_blocks' positional signature
+                                                   and, on the releases of the wrapper's fast
+                                                   path, its nothing-to-do answer;
                                                    req_to_blocks, block_size, block_pool,
                                                    _partial_hit_reqs; every manager class
                                                    vLLM registers exists at activation
@@ -253,6 +255,49 @@ def test_allocate_new_blocks_keeps_its_positional_signature():
 
 
 @v1
+def test_allocate_new_blocks_does_nothing_for_a_request_holding_blocks_enough():
+    """The fast path of Proxima's wrapper (vllm_v1.PLAIN_ALLOCATE_RELEASES) answers such a
+    call itself with a new empty list: vLLM's base method must do just that (no block
+    taken, no list or id record changed) on every release the path is enabled for."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from proxima.engines import vllm_v1
+
+    if VERSION not in vllm_v1.PLAIN_ALLOCATE_RELEASES:
+        pytest.skip(f"the fast path is off on vLLM {VERSION} (not in PLAIN_ALLOCATE_RELEASES)")
+    vllm_v1.deactivate()
+    base = symbol("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager")
+    stock = vars(base)["allocate_new_blocks"]
+    manager_cls = symbol("vllm.v1.core.kv_cache_manager.KVCacheManager")
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    kv = manager_cls(config, max_model_len=4096, scheduler_block_size=32, hash_block_size=32,
+                     enable_caching=False)
+    request = Request(request_id="a", prompt_token_ids=list(range(100, 164)),
+                      pooling_params=None, arrival_time=0.0,
+                      sampling_params=SamplingParams(max_tokens=8))
+    kv.allocate_slots(request, request.num_tokens)
+    group = kv.coordinator.single_type_managers[0]
+    table = list(group.req_to_blocks["a"])
+    new_ids = list(getattr(group, "new_block_ids", []))
+    free = kv.block_pool.get_num_free_blocks()
+    where = f"{base.__module__}.{base.__qualname__}.allocate_new_blocks"
+    for n in (1, 33, 64):
+        got = stock(group, "a", n, n)
+        if got != [] or group.req_to_blocks["a"] != table or \
+                list(getattr(group, "new_block_ids", [])) != new_ids or \
+                kv.block_pool.get_num_free_blocks() != free:
+            broken(where, f"for a request holding {len(table)} blocks of 32 tokens and asking "
+                   f"for {n} it returned {got!r} or changed the request's blocks, the new "
+                   "block ids or the free count; Proxima's fast path returns [] and changes "
+                   "nothing: take this release out of vllm_v1.PLAIN_ALLOCATE_RELEASES")
+
+
+@v1
 def test_every_manager_vllm_registers_exists_at_activation(proxima_v1):
     base = symbol("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager")
     for cls in sorted(_manager_classes(), key=lambda c: c.__qualname__):
@@ -415,6 +460,19 @@ def test_a_changed_allocate_new_blocks_is_named(monkeypatch):
                         raising=False)
     fails_naming(test_allocate_new_blocks_keeps_its_positional_signature,
                  f"{sub.__qualname__}.allocate_new_blocks", "'extra'")
+
+
+@v1
+def test_a_changed_base_allocate_new_blocks_is_named(monkeypatch):
+    base = symbol("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager")
+    stock = vars(base)["allocate_new_blocks"]
+
+    def answers_with_a_placeholder(self, request_id, num_tokens, num_tokens_main_model):
+        return stock(self, request_id, num_tokens, num_tokens_main_model) or [None]
+
+    monkeypatch.setattr(base, "allocate_new_blocks", answers_with_a_placeholder)
+    fails_naming(test_allocate_new_blocks_does_nothing_for_a_request_holding_blocks_enough,
+                 "SingleTypeKVCacheManager.allocate_new_blocks", "PLAIN_ALLOCATE_RELEASES")
 
 
 @v1

@@ -294,10 +294,13 @@ def test_simple_cpu_offload_decides_the_same_on_both_pools(lazy, max_num_batched
 
 # ------------------------------------------------------------------ the hot path
 
-def test_a_request_that_needs_no_block_is_answered_as_vllm_would_without_its_call():
+def test_a_request_that_needs_no_block_is_answered_as_vllm_would_without_its_call(
+        monkeypatch):
     """The scheduler calls allocate_new_blocks for every scheduled request every step;
     Proxima's wrapper answers those that hold blocks enough itself (vLLM's base method
-    would return an empty list and touch nothing), and hands every other call to vLLM."""
+    would return an empty list and touch nothing: tests/contract checks that on each
+    release of vllm_v1.PLAIN_ALLOCATE_RELEASES), and hands every other call to vLLM."""
+    import vllm
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core import single_type_kv_cache_manager as managers
@@ -305,8 +308,16 @@ def test_a_request_that_needs_no_block_is_answered_as_vllm_would_without_its_cal
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    assert vllm_v1._plain_allocate(managers.SingleTypeKVCacheManager)
-    assert not vllm_v1._plain_allocate(managers.MambaManager)     # its own method: called
+    assert vllm.__version__ in vllm_v1.PLAIN_ALLOCATE_RELEASES     # the tested releases
+    base = managers.SingleTypeKVCacheManager
+    stock = base.__dict__["allocate_new_blocks"]
+    reached = []                 # calls that reach vLLM's base method through the wrapper
+
+    def counted(self, *args, **kwargs):
+        reached.append(args[0])
+        return stock(self, *args, **kwargs)
+
+    monkeypatch.setattr(base, "allocate_new_blocks", counted)
     vllm_v1.activate()
     try:
         spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
@@ -324,11 +335,13 @@ def test_a_request_that_needs_no_block_is_answered_as_vllm_would_without_its_cal
         calls = []
         original = pool.get_new_blocks
         pool.get_new_blocks = lambda n: calls.append(n) or original(n)
+        reached.clear()
         for n in (1, 33, 64):
             assert group.allocate_new_blocks("a", n, n) == []
-        assert group.req_to_blocks["a"] == table and calls == []
+        assert group.req_to_blocks["a"] == table and calls == [] and reached == []
         grown = group.allocate_new_blocks("a", 65, 65)             # a third block: vLLM's path
         assert calls == [1] and len(grown) == 1 and group.req_to_blocks["a"] == table + grown
+        assert reached == ["a"]
         # a request vLLM holds no list for yet goes to vLLM too (its defaultdict adds one)
         assert group.allocate_new_blocks("z", 0, 0) == [] and "z" in group.req_to_blocks
     finally:
