@@ -340,7 +340,8 @@ def test_v0_has_no_prefix_cache_reset_for_proxima_to_follow():
                                 path.read_text(errors="replace")))
     if found:
         pytest.fail(f"vLLM {VERSION} changed its V0 engine: reset_prefix_cache is defined in "
-                    f"{', '.join(found)}; Proxima's V0 allocators (proxima/engines/vllm_v0.py)"
+                    f"{', '.join(found)}; Proxima's V0 allocators (proxima/engines/"
+                    f"vllm_v0_allocators.py)"
                     f" were never checked against a reset (a fresh pool, caching off, a "
                     f"second reset, blocks in use: tests/contract/test_reset_prefix_cache.py"
                     f" does it for V1)", pytrace=False)

@@ -24,7 +24,8 @@ V1 adapter (proxima/engines/vllm_v1.py) and the stock observer (observe_v1.py) r
                                                    vLLM registers exists at activation
   vllm.v1.core.sched.scheduler.Scheduler.add_request, AsyncScheduler inheriting it
   vllm.v1.core.kv_cache_manager.KVCacheManager.free / new_step_starts, .coordinator
-V0 adapter (proxima/engines/vllm_v0.py): vllm.core.block_manager.SelfAttnBlockSpaceManager
+V0 adapter (proxima/engines/vllm_v0.py, vllm_v0_allocators.py):
+  vllm.core.block_manager.SelfAttnBlockSpaceManager
   (the name activation replaces) and the signatures of every vLLM method it overrides.
 """
 
@@ -385,11 +386,12 @@ def test_a_live_scheduler_has_what_the_adapter_reads(proxima_v1):
 
 @v0
 def test_v0_block_manager_name_and_overrides(untested_allowed):
-    from proxima.engines import vllm_v0
+    from proxima.engines import vllm_v0, vllm_v0_allocators as allocators
 
     symbol("vllm.core.block_manager.SelfAttnBlockSpaceManager")
-    for cls in (vllm_v0.ProximaNaiveBlockAllocator, vllm_v0.ProximaPrefixCachingBlockAllocator,
-                vllm_v0.ProximaCpuGpuBlockAllocator, vllm_v0.ProximaBlockSpaceManager):
+    for cls in (allocators.ProximaNaiveBlockAllocator,
+                allocators.ProximaPrefixCachingBlockAllocator,
+                allocators.ProximaCpuGpuBlockAllocator, vllm_v0.ProximaBlockSpaceManager):
         check_overrides(cls, cls.__name__)
     stock_init = symbol("vllm.core.block_manager.SelfAttnBlockSpaceManager.__init__")
     if params(vllm_v0.ProximaBlockSpaceManager.__init__) != params(stock_init):
