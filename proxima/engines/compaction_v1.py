@@ -1,8 +1,13 @@
 """KV compaction inside vLLM 0.26 (V1 engine, V2 model runner): the thin part.
 
 The planner (:mod:`proxima.allocator.planner`, pure Python) says which block contents go
-where; this module reads vLLM's state into its view, applies the plan to vLLM's scheduler
-structures, and carries the copies and the block-table changes to the workers.
+where. On the scheduler side, this module decides when and what to plan (the policy, in
+:class:`Compactor`) and builds the compactor of an engine (:func:`scheduler_side`);
+:mod:`~proxima.engines.compaction_apply` reads vLLM's state into the planner's view,
+applies a plan to vLLM's scheduler structures and hands the copies and the block-table
+changes out for the workers; :mod:`~proxima.engines.compaction_placement` places fresh
+allocations; :mod:`~proxima.engines.compaction_options` holds the settings and the
+refusals.
 
 Scheduler side (:class:`Compactor`, one per engine, owned by the elastic KV connector):
 at the end of ``Scheduler.schedule`` (``build_connector_meta``: after the step's
@@ -34,7 +39,6 @@ Mamba layers (their blocks are zeroed before the copy point), pipeline paralleli
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import weakref
 from collections import deque
@@ -42,75 +46,19 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from proxima.allocator.placement import PlacementMaps
-from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
-                                       plan_evacuate, plan_pack, schedule_phases)
+from proxima.allocator.planner import PoolView, plan_evacuate, plan_pack
 from proxima.engines import activation
+from proxima.engines.compaction_apply import PlanApplication
+from proxima.engines.compaction_options import (DEFAULT_BUDGET_BYTES, DEFAULT_CLAIM_BLOCKS,
+                                                DEFAULT_INTERVAL, DEFAULT_MAX_PHASES,
+                                                options_for, scratch_first)
 from proxima.engines.compaction_placement import AllocationPlacement
-from proxima.engines.compaction_worker import CompactionWork
 from proxima.engines.status import percentiles
 
 logger = logging.getLogger("vllm.proxima")
 
-DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copies on an H200
-DEFAULT_INTERVAL = 1                 # auto mode plans every that many steps
-DEFAULT_MAX_PHASES = 8               # mover launches per step
-DEFAULT_CLAIM_BLOCKS = 16           # ids a run keeps free ahead of itself for its growth
 PACK_RETRY = 8                      # auto mode: steps after a pack found nothing, unless freed
 SAMPLES = 4096                       # recent per-step figures kept for percentiles
-
-
-def scratch_first(num_blocks: int, granule_blocks: int) -> int:
-    """The first scratch block id: the pool rounded up to whole granules."""
-    return -(-num_blocks // granule_blocks) * granule_blocks
-
-
-@dataclass(frozen=True)
-class CompactionOptions:
-    """KV compaction's settings: the ``"compaction"`` dict of the elastic connector's
-    ``kv_connector_extra_config`` (same on the scheduler and the workers), over
-    ``PROXIMA_COMPACTION`` for the mode.
-
-    ``mode``: ``"1"`` (on: the policy); ``budget_mib``: block bytes
-    copied per step at most; ``max_phases``: mover launches per step at most;
-    ``interval``: auto mode plans every that many steps; ``scratch_granules``: granules
-    of scratch blocks past the pool (the spares of exchanges, see the planner; 0: only
-    vLLM's null block); ``claim_blocks``: ids a new run keeps free ahead of itself."""
-
-    mode: activation.CompactionMode
-    budget_mib: int = DEFAULT_BUDGET_BYTES >> 20
-    max_phases: int = DEFAULT_MAX_PHASES
-    interval: int = DEFAULT_INTERVAL
-    scratch_granules: int = 1
-    claim_blocks: int = DEFAULT_CLAIM_BLOCKS
-
-    @classmethod
-    def resolve(cls, extra: dict | None = None, environ=None) -> "CompactionOptions | None":
-        """The settings in force (None: compaction is off); a bad value is one
-        :class:`proxima.errors.UserError` naming it."""
-        from proxima.errors import UserError
-
-        extra = dict(extra or {})
-        names = {f for f in cls.__dataclass_fields__ if f != "mode"} | {"mode"}
-        unknown = sorted(set(extra) - names)
-        if unknown:
-            raise UserError(f"compaction: unknown option(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(sorted(names))}")
-        value = extra.pop("mode", None)
-        if value is None:
-            mode = activation.compaction(environ)
-        else:
-            try:
-                mode = activation.compaction_mode(str(value))
-            except ValueError:
-                raise UserError(f"compaction: mode must be 1 (on) or 0 (off), got "
-                                f"{value!r}") from None
-        if mode is None:
-            return None
-        for name, v in extra.items():
-            low = 0 if name == "scratch_granules" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise UserError(f"compaction: {name} must be an integer >= {low}, got {v!r}")
-        return cls(mode, **extra)
 
 
 @dataclass
@@ -124,10 +72,11 @@ class _Sample:
         return percentiles(self.steps)
 
 
-class Compactor(AllocationPlacement):
-    """The scheduler side of KV compaction for one vLLM block pool (see the module doc);
-    where fresh allocations go is :class:`~proxima.engines.compaction_placement.
-    AllocationPlacement`'s part.
+class Compactor(PlanApplication, AllocationPlacement):
+    """The scheduler side of KV compaction for one vLLM block pool (see the module doc):
+    when and what to move. Reading vLLM and applying plans is :class:`~proxima.engines.
+    compaction_apply.PlanApplication`'s part, where fresh allocations go
+    :class:`~proxima.engines.compaction_placement.AllocationPlacement`'s.
 
     ``granule_blocks``: the granule of the reclaimable measure (and of elastic mapping);
     ``bytes_per_block``: one block's bytes over all layers (the budget's unit);
@@ -339,182 +288,10 @@ class Compactor(AllocationPlacement):
             live = self.pool.proxima_expected_tokens
             self._maps.drop_except(live)
 
-    def take_work(self) -> CompactionWork | None:
-        """This step's copies and table changes (None when nothing moved), for the workers."""
-        if self._plan_seconds:
-            self.plan_ms.add(self._plan_seconds * 1000)
-        if not self._relocations:
-            return None
-        relocations, self._relocations = self._relocations, []
-        tables, self._tables = self._tables, {}
-        phases = schedule_phases(relocations)
-        by_row: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-        # a request preempted later in the same schedule() holds no blocks any more (its
-        # row goes on the worker); its moved blocks went back to the pool with it
-        holding = {(mgr.kv_cache_group_id, r) for mgr in self._managers()
-                   for r, blocks in mgr.req_to_blocks.items() if blocks}
-        for (req_id, group, idx), new_id in sorted(tables.items()):
-            if (group, req_id) not in holding:
-                continue
-            cols, ids = by_row.setdefault((req_id, group), ([], []))
-            cols.append(idx)
-            ids.append(new_id)
-        self._seq += 1
-        c = self.counters
-        c["steps_with_moves"] += 1
-        c["phases"] += len(phases)
-        self.blocks_per_step.add(len(relocations))
-        return CompactionWork(self._seq, tuple(tuple(p) for p in phases),
-                              tuple((rid, g, tuple(cols), tuple(ids))
-                                    for (rid, g), (cols, ids) in by_row.items()),
-                              len(relocations))
-
     def on_worker_times(self, times: Iterable[tuple[int, float]]) -> None:
         """GPU milliseconds of each step's compaction as the workers measured them."""
         for _, ms in times:
             self.gpu_ms.add(ms)
-
-    # ------------------------------------------------------------------ reading vLLM
-    def _managers(self):
-        kv = self.kv_manager
-        return kv.coordinator.single_type_managers if kv is not None else ()
-
-    def view(self) -> PoolView:
-        """The pool as the planner sees it now (built once per step, kept up to date as
-        plans are applied). O(num_blocks) in C plus O(blocks held by requests)."""
-        if self._view is not None:
-            return self._view
-        pool = self.pool
-        n = pool.num_gpu_blocks
-        kinds = bytearray([CACHED]) * n          # free blocks outside the buddy: the LRU tier
-        for start, end in pool.free_block_queue.buddy.free_runs():
-            kinds[start:end] = bytes(end - start)
-        for mgr in self._managers():
-            for blocks in mgr.req_to_blocks.values():
-                for block in blocks:                 # the null block: FIXED just below
-                    kinds[block.block_id] = LIVE
-        kinds[pool.null_block.block_id] = FIXED
-        if self.allocatable is not None:
-            G = self.granule_blocks
-            for g in range(-(-n // G)):
-                if not self.allocatable(g):
-                    kinds[g * G:(g + 1) * G] = bytes([FIXED]) * len(range(g * G, min(n, (g + 1) * G)))
-        null = pool.null_block.block_id
-        self._pinned.discard(null)
-        scratch = [null]
-        if self.scratch_blocks:
-            first = self.scratch_first
-            kinds += bytes([FIXED]) * (first + self.scratch_blocks - n)
-            scratch += range(first, first + self.scratch_blocks)
-        self._view = PoolView(kinds, self.granule_blocks, self._pinned, scratch=scratch)
-        return self._view
-
-    # ------------------------------------------------------------------ applying
-    def apply(self, plan: Plan) -> bool:
-        """Apply ``plan`` to vLLM's structures (module doc), by its net effect (each moved
-        content from its first to its last id; a stay in the scratch id leaves no trace),
-        after checking that every block involved is what the view said: a mismatch pins
-        that block, drops the plan (the view is rebuilt next time) and returns False."""
-        if not plan:
-            return True
-        moves = plan.final_positions()                 # original id -> final id
-        holders = self._holders(set(moves))
-        bad = self._mismatch(moves, holders)
-        if bad is not None:
-            self.counters["replans"] += 1
-            self._pinned.add(bad)
-            self._view = None
-            return False
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-        pool = self.pool
-        blocks = pool.blocks
-        queue = pool.free_block_queue
-        kinds = self._view.kinds
-        c = self.counters
-        # Take every moved content off its block: reference counts, owners, and the
-        # prefix-cache entries (parked on stand-in blocks, vLLM's own move_block_hashes).
-        parked = {}
-        cached_moves = []
-        for i, (x, y) in enumerate(moves.items()):
-            src = blocks[x]
-            stand_in = None
-            if src.block_hash is not None or x in pool.cached_block_hashes_by_block:
-                stand_in = KVCacheBlock(block_id=-2 - i)
-                pool.move_block_hashes(src, stand_in)
-            parked[x] = (src.ref_cnt, stand_in)
-            if src.ref_cnt == 0:
-                cached_moves.append((src, blocks[y]))
-        final = set(moves.values())
-        taken = [y for y in final if y not in moves]          # were free, hold content now
-        freed = [x for x in moves if x not in final]          # held content, free now
-        queue.relocate(cached_moves, freed, taken, moves=moves)
-        for x, y in moves.items():
-            ref_cnt, stand_in = parked[x]
-            blocks[x].ref_cnt = 0
-        for x, y in moves.items():
-            ref_cnt, stand_in = parked[x]
-            dst = blocks[y]
-            dst.ref_cnt = ref_cnt
-            if stand_in is not None:
-                pool.move_block_hashes(stand_in, dst)
-            for mgr, req_id, idx in holders.get(x, ()):
-                mgr.req_to_blocks[req_id][idx] = dst
-                self._tables[(req_id, mgr.kv_cache_group_id, idx)] = y
-            c["live_moved" if ref_cnt else "cached_moved"] += 1
-            if ref_cnt > 1:
-                c["shared_moved"] += 1
-        if self._single is not None:            # moved blocks are no longer where they were
-            for x in moves:
-                self._single.pop(x, None)
-                if x < len(self._maps.lone):
-                    self._maps.lone[x] = 0
-        new_kinds = {y: kinds[x] for x, y in moves.items()}
-        for x in freed:
-            kinds[x] = FREE
-        for y, k in new_kinds.items():
-            kinds[y] = k
-        self._relocations += plan.relocations
-        scratch = self._view.scratch
-        c["scratch_used"] += sum(1 for _, d in plan.relocations if d in scratch)
-        c["relocations"] += plan.blocks_moved
-        c["bytes_moved"] += plan.blocks_moved * self.bytes_per_block
-        return True
-
-    def _holders(self, ids: set[int]) -> dict[int, list]:
-        """``{block id: [(manager, request id, position), ...]}`` for the given ids."""
-        out: dict[int, list] = {}
-        for mgr in self._managers():
-            for req_id, blocks in mgr.req_to_blocks.items():
-                for idx, block in enumerate(blocks):
-                    if block.block_id in ids and not block.is_null:
-                        out.setdefault(block.block_id, []).append((mgr, req_id, idx))
-        return out
-
-    def _mismatch(self, moves: dict[int, int], holders: dict[int, list]) -> int | None:
-        """The first block whose real state differs from what the plan assumed, or None:
-        a moved LIVE block must be held exactly by the owners found (its reference count),
-        a moved CACHED block must be in the LRU tier with a hash, a block that receives a
-        content and held none must be a free block of the buddy tier."""
-        blocks = self.pool.blocks
-        queue = self.pool.free_block_queue
-        kinds = self._view.kinds
-        for x in moves:
-            blk = blocks[x]
-            if kinds[x] == LIVE:
-                if blk.ref_cnt < 1 or blk.ref_cnt != len(holders.get(x, ())):
-                    return x
-            elif kinds[x] == CACHED:
-                if blk.ref_cnt or blk.block_hash is None or blk.next_free_block is None:
-                    return x
-            else:
-                return x
-        for y in moves.values():
-            if y not in moves:
-                blk = blocks[y]
-                if blk.ref_cnt or blk.block_hash is not None or not queue.buddy.is_free(y):
-                    return y
-        return None
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
@@ -538,58 +315,10 @@ def compactors() -> list["Compactor"]:
     return list(_compactors)
 
 
-def composed_in_multiconnector(depth: int = 8) -> bool:
-    """Whether vLLM's ``MultiConnector`` is constructing the caller: it hands each child a
-    copy of the config holding only the child's own ``kv_transfer_config``, so the config
-    cannot say; the constructing frame can (looked up a few frames, once per engine)."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if type(frame.f_locals.get("self")).__name__ == "MultiConnector":
-            return True
-    return False
-
-
-def _refusal(vllm_config, composed: bool) -> str | None:
-    """Why this engine cannot compact (None: it can): see the module doc."""
-    ktc = vllm_config.kv_transfer_config
-    if composed or (ktc is not None and ktc.kv_connector == "MultiConnector"):
-        return ("another KV connector is configured beside Proxima's (it may track block "
-                "ids that compaction changes)")
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        return (f"pipeline parallelism (pipeline_parallel_size="
-                f"{parallel.pipeline_parallel_size}) keeps several steps in flight on "
-                "different stages")
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding is configured (its drafter's KV is not covered)"
-    return None
-
-
-def _options(vllm_config, extra, composed: bool) -> "CompactionOptions | None":
-    options = CompactionOptions.resolve(extra)
-    if options is None:
-        return None
-    why = _refusal(vllm_config, composed)
-    if why:
-        from proxima.errors import UserError
-
-        raise UserError(f"{activation.COMPACTION_ENV}: KV compaction cannot run here: {why}; "
-                        f"unset {activation.COMPACTION_ENV}")
-    return options
-
-
-def worker_side(vllm_config, extra, composed: bool = False) -> "CompactionOptions | None":
-    """The settings when this worker applies compaction's work (None: off; checked here)."""
-    return _options(vllm_config, extra, composed)
-
-
 def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
                    composed: bool = False) -> "Compactor | None":
     """The :class:`Compactor` of an elastic engine's scheduler (None when off)."""
-    options = _options(vllm_config, extra, composed)
+    options = options_for(vllm_config, extra, composed)
     if options is None:
         return None
     if kv_cache_config.needs_kv_cache_zeroing:

@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.engines import compaction_v1, compaction_worker, elastic_v1
+from proxima.engines import compaction_options, compaction_v1, compaction_worker, elastic_v1
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
@@ -201,7 +201,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = elastic_v1.ElasticOptions.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
-        self._composed = compaction_v1.composed_in_multiconnector()
+        self._composed = compaction_options.composed_in_multiconnector()
         self.channel: ElasticChannel | None = None
         self.queue = None                   # the pool's granule-aware free queue
         self.policy: GrowShrinkPolicy | None = None
@@ -234,7 +234,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                 "--enable-sleep-mode)")
             # --- KV compaction (issue 14): its scratch granules past the pool, and the
             # worker applies its moves before the forward
-            compaction = compaction_v1.worker_side(vllm_config, self.options.compaction,
+            compaction = compaction_options.worker_side(vllm_config, self.options.compaction,
                                                    self._composed)
             elastic_v1.install_allocation_hook(
                 self.options, vllm_config,

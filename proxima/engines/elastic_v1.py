@@ -107,7 +107,7 @@ class ElasticOptions:
     ``stats_file``: where the scheduler side writes its
     counters (JSON). ``verify``: check every step that no new block lies in an unmapped
     granule.
-    ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_v1.
+    ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_options.
     CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
     ``cache_hold_s``, ``gpu_free_low``: when granules of cached blocks are given back
     (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the

@@ -204,7 +204,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     elif compaction is not None:
         if not proxima:
             raise ValueError("compaction needs Proxima's block pool (proxima=True)")
-        from proxima.engines.compaction_v1 import DEFAULT_BUDGET_BYTES, Compactor
+        from proxima.engines.compaction_options import DEFAULT_BUDGET_BYTES
+        from proxima.engines.compaction_v1 import Compactor
 
         # one granule of scratch blocks past the pool, as an elastic engine has
         compactor = Compactor(

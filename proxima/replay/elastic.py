@@ -111,7 +111,7 @@ def kv_cache_groups(block_size: int):
 def kv_transfer_config(spec: ElasticReplay, granule_blocks: int, block_size: int,
                        compaction: dict | None = None):
     """The elastic connector's config for the replay; ``compaction``: its KV compaction
-    settings (:class:`proxima.engines.compaction_v1.CompactionOptions`), None: off."""
+    settings (:class:`proxima.engines.compaction_options.CompactionOptions`), None: off."""
     from vllm.config import KVTransferConfig
 
     from proxima.engines import elastic_v1

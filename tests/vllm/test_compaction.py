@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from proxima.engines import compaction_v1, compaction_worker, elastic_v1, vllm_v1
-from proxima.engines.compaction_v1 import CompactionOptions
+from proxima.engines.compaction_options import CompactionOptions, scratch_first
 from proxima.engines.compaction_worker import apply_on_worker
 from proxima.engines.elastic_connector import ElasticMetadata
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
@@ -246,7 +246,7 @@ def run(num_blocks, depth=1, workload=None, runner_class=None, **compaction):
         forced.set_mode(compactor, forced_mode)
     total = num_blocks
     if compactor is not None:
-        total = compaction_v1.scratch_first(num_blocks, GRANULE) + compactor.scratch_blocks
+        total = scratch_first(num_blocks, GRANULE) + compactor.scratch_blocks
     runner = (runner_class or ModelRunner)(scheduler, total)
     vllm_v1.activate()
     try:
@@ -332,7 +332,7 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
             return False
 
     conn.step_hook = EvacuateThenRelease()
-    runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
+    runner = ModelRunner(scheduler, scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
     seen_after = []
     real_execute = runner.execute
@@ -367,7 +367,7 @@ def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
                                 max_num_batched_tokens=2048)
     conn = scheduler.connector
     compactor = conn.compactor
-    runner = ModelRunner(scheduler, compaction_v1.scratch_first(800, GRANULE)
+    runner = ModelRunner(scheduler, scratch_first(800, GRANULE)
                          + compactor.scratch_blocks)
 
     real_execute, steps = runner.execute, [0]
@@ -405,7 +405,7 @@ def test_auto_mode_plans_no_pack_while_nothing_could_be_given_back(monkeypatch):
     conn = scheduler.connector
     compactor = conn.compactor
     assert compactor.pack_gate == conn.policy.could_shrink
-    runner = ModelRunner(scheduler, compaction_v1.scratch_first(320, GRANULE)
+    runner = ModelRunner(scheduler, scratch_first(320, GRANULE)
                          + compactor.scratch_blocks)
     full = []
     real_execute = runner.execute
