@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from proxima import __version__
-from proxima.bundle import (SUMS, build_wheel, project_root, verify, write_bundle, write_sums,
-                            write_tar)
+from proxima.bundle import SUMS, verify, write_bundle, write_sums, write_tar
 from proxima.bundle_install import check_machine, requirements, Refused
+from proxima.bundle_wheelhouse import build_wheel, project_root
 from proxima.errors import UserError
 
 
