@@ -254,6 +254,8 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "compactor": _must("'module:factory', {\"factory\": 'module:factory', ...} or null",
                        lambda v: v is None or _factory(v)),
     "idle_sleep_s": _number(MAX_IDLE_SLEEP_S, "seconds"),
+    "idle_release_s": lambda name, value: None if value is None else parse_number(
+        value, name, least=0, most=MAX_DELAY_S, unit="seconds (or null: never)"),
     "granule_bytes": _size(least=1),
     "zero_on_map": _BOOL,
     "initial_granules": _count(1, "granules", nullable=True,
