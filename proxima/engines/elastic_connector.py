@@ -160,7 +160,9 @@ def open_gpu_ledger(options, world_size: int = 1):
 
         ledger = None
         if options.ledger:
-            ledger = Ledger(ledger_path(uuid, options.ledger_dir))
+            ledger = Ledger(ledger_path(uuid, options.ledger_dir),
+                            model=options.ledger_model or "", port=options.ledger_port or 0,
+                            nonkv=options.ledger_nonkv_bytes)
             logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
                         "through %s", ledger.path)
         return ledger, gpu_memory

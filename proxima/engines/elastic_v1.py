@@ -113,6 +113,9 @@ class ElasticOptions:
     (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the
     engines' demand through the GPU's ledger (:mod:`proxima.memory.ledger`; default true);
     ``ledger_dir``: where its file lives (None: ``PROXIMA_LEDGER_DIR``, else ``/dev/shm``).
+    ``ledger_model``, ``ledger_port``, ``ledger_nonkv_bytes``: what the ledger says of this
+    engine besides its KV memory (the model, the port, the bytes it holds besides KV), for
+    ``proxima kv`` and the sizing of engines started later; ``proxima serve`` sets them.
     ``idle_release_s``: an engine idle this long gives back all its KV memory, its
     minimum included, and grows again on its next request (None: never;
     :class:`proxima.memory.policy.PolicyOptions`).
@@ -144,6 +147,9 @@ class ElasticOptions:
     ledger: bool = True
     ledger_dir: str | None = None
     idle_release_s: float | None = _POLICY.idle_release_s
+    ledger_model: str | None = None
+    ledger_port: int | None = None
+    ledger_nonkv_bytes: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":

@@ -97,7 +97,7 @@ class SharedPolicyStep:
         B = p.bytes_per_granule
         try:
             self.ledger.post((ch.count(MAPPED) + ch.count(MAPPING)) * B,
-                             p.min_granules * B, p.unmet_bytes)
+                             p.min_granules * B, p.unmet_bytes, maximum=p.max_granules * B)
         except OSError:
             pass                       # a full or vanished /dev/shm: the engine serves on
 
