@@ -226,6 +226,8 @@ def plan(gpu_total: int, nonkv: int, others=(), *, kv_min: int | None = None,
     least = DEFAULT_KV_MIN if kv_min is None else kv_min
     if kv_min is None and 0 < room < least:
         least = room                       # a small GPU: what there is
+    if kv_min is None and reservation is not None:
+        least = min(least, reservation)    # a given pool smaller than the default minimum
     if room < least or room <= 0:
         beside = f" + {len(others)} other engine(s) {_gib(claim)}" if others else ""
         raise UserError(
@@ -242,6 +244,9 @@ def plan(gpu_total: int, nonkv: int, others=(), *, kv_min: int | None = None,
     pool = max(most, alone) if reservation is None else reservation
     if reservation is not None and kv_max is None:
         most = max(least, min(most, reservation))
+    if reservation is not None and least > reservation:
+        raise UserError(f"--kv-min {_gib(least)} is above the KV pool of {_gib(reservation)} "
+                        f"(--kv-cache-memory-bytes): lower --kv-min or raise the pool")
     if utilization is None:
         utilization = min(0.95, max(0.01, math.ceil(100 * (nonkv + least) / gpu_total) / 100))
     ask = 0

@@ -68,6 +68,11 @@ def test_overrides_are_kept():
     assert plan(T, 18 * GiB, reservation=10 * GiB).kv_max == 10 * GiB
     with pytest.raises(UserError, match="--kv-max .* below --kv-min"):
         plan(T, 18 * GiB, kv_min=4 * GiB, kv_max=2 * GiB)
+    # a given pool below the default minimum (the embedded demo's 256 MiB) bounds both
+    demo = plan(T, 2 * GiB, reservation=256 * MiB, utilization=0.1)
+    assert (demo.kv_min, demo.kv_max, demo.reservation) == (256 * MiB, 256 * MiB, 256 * MiB)
+    with pytest.raises(UserError, match="--kv-min 1.00 GiB is above the KV pool of 0.25 GiB"):
+        plan(T, 2 * GiB, reservation=256 * MiB, kv_min=GiB)
 
 
 def test_a_second_engine_started_while_one_holds_memory_asks_it_to_give_back():
