@@ -27,7 +27,8 @@ from proxima.serve.serve_flags import take_elastic_options
 HELP = f"""\
 usage: proxima serve [MODEL] [vllm serve options ...]
        proxima serve --model 'NAME=PATH [options]' [--model ...] [--models FILE]
-                     [--host H] [--port P] [--compaction] [options for every model]
+                     [--host H] [--port P] [--compaction] [--gpu-memory-bytes SIZE]
+                     [options for every model]
 
 Serve vLLM's OpenAI-compatible API (same routes, same options as `vllm serve`; see
 `vllm serve --help`) with Proxima's block allocator on (PROXIMA_ALLOCATOR=1 is set for the
@@ -81,7 +82,7 @@ or `proxima kv --url URL --max SIZE`; every engine on the GPU: `proxima kv [--wa
 
 Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
 or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
-port) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
+idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
 with backoff when it dies), and one OpenAI endpoint on --host/--port routes by the request's
 "model": /v1/models lists every model, /health is 200 only when every engine is ready,
 /metrics carries every engine's series labelled model="NAME", an unknown model is a 404, a

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set the most KV memory mapped, e.g. 80GiB, or 'none' for the "
                              "pool's size (default: unchanged)")
     parser.add_argument("--json", action="store_true",
-                        help="print the server's answer as JSON")
+                        help="print the server's answer (without --url: the ledgers' records) as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
                         help="seconds the whole request may take (connecting, and the whole answer)")
 
