@@ -228,6 +228,9 @@ class GrowShrinkPolicy:
         self._idle_since: float | None = None  # when the engine last became idle
         self._idle_wait = False               # an idle release is still to come
         self.unmet_bytes = 0                  # what a grow wants and the GPU cannot give
+        #: what the GPU's other engines leave this one (bytes; None: not known), a bound on
+        #: the maximum kept by :class:`proxima.memory.sharing.SharedPolicyStep`
+        self.room_bytes: int | None = None
         self._retry_at = 0.0
         self._reported_short = False
         channel.listeners.append(self._on_map)
@@ -240,10 +243,17 @@ class GrowShrinkPolicy:
 
     @property
     def max_granules(self) -> int:
+        """The most granules mapped: ``max_bytes`` (None: the pool), and at most
+        :attr:`room_bytes` (what the GPU's other engines leave, when known); never below
+        the minimum."""
         ng = self.channel.num_granules
-        if self.options.max_bytes is None:
+        if self.options.max_bytes is None and self.room_bytes is None:
             return ng
-        return max(self.min_granules, min(ng, self.options.max_bytes // self.bytes_per_granule))
+        cap = ng if self.options.max_bytes is None else \
+            self.options.max_bytes // self.bytes_per_granule
+        if self.room_bytes is not None:
+            cap = min(cap, self.room_bytes // self.bytes_per_granule)
+        return max(self.min_granules, min(ng, cap))
 
     def set_limits(self, min_bytes: int | None = None, max_bytes: int | None = None,
                    clear_max: bool = False) -> PolicyOptions:
