@@ -20,7 +20,9 @@ and keeping at least ``min_j`` (their ledger records, :mod:`proxima.memory.ledge
                   with the KV size given, vLLM uses it only for its start-up check that
                   this share of the GPU is free (vllm/v1/worker/utils.py request_memory)
 
-An engine started while another holds memory: when the GPU's free memory is known and
+At run time the same bound on the maximum is kept by each engine from the ledger
+(:class:`proxima.memory.sharing.SharedPolicyStep`), so an engine sized alone makes room for
+one started later. An engine started while another holds memory: when the GPU's free memory is known and
 below ``W + kv_min``, :attr:`Sizing.ask_bytes` is the difference; the others' memory above
 their minimums (``mapped_j - min_j``) is what they could give back when asked through the
 ledger (posted as unmet demand); more than that is refused before anything starts.
