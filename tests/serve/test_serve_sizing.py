@@ -121,6 +121,7 @@ def test_what_the_sequences_could_ever_use_bounds_the_maximum_and_the_reservatio
 
 # ------------------------------------------------------------------ applied to serve's options
 import argparse  # noqa: E402
+import os  # noqa: E402
 import json  # noqa: E402
 
 from proxima.memory.ledger import Ledger, ledger_path, live_records  # noqa: E402
@@ -216,3 +217,38 @@ def test_a_starting_engine_asks_the_others_through_the_ledger_and_takes_its_reco
         autosize.ask_others("GPU-test", 3 * GiB, lambda: next(frees),
                             ledger_dir=str(tmp_path), timeout=1.0, sleep=lambda s: None)
     assert live_records(path) == ()
+
+
+SIZED_BY_VLLMS_PARSER = """
+import json, os, sys
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()     # vLLM's parser needs a platform
+from proxima.serve import autosize, vllm_args
+argv = [sys.argv[1], "--max-model-len", "8192", "--port", "8123", "--served-model-name", "chat"]
+vargs = vllm_args.parse(argv)
+elastic = {}
+facts = {"devices": [{"total_memory": 80 << 30, "uuid": "GPU-parser"}]}
+s = autosize.apply(vargs, argv, elastic, facts)
+print(json.dumps([vargs.kv_cache_memory_bytes, vargs.gpu_memory_utilization, elastic]))
+"""
+
+
+def test_the_options_of_vllms_own_parser_are_sized(tmp_path):
+    """vLLM's real parser (under its CPU platform, in a child: the platform is global): the
+    attributes the sizing reads and sets are vLLM's."""
+    import subprocess
+    import sys
+
+    model = model_dir(tmp_path)
+    done = subprocess.run([sys.executable, "-c", SIZED_BY_VLLMS_PARSER, model],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PROXIMA_ALLOCATOR": "1", "PROXIMA_ELASTIC": "1",
+                               "PROXIMA_LEDGER_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    reserved, util, elastic = json.loads(done.stdout.strip().splitlines()[-1])
+    nonkv = sizing.nonkv_estimate(sizing.weights_estimate(LLAMA_8B))
+    assert reserved == T - nonkv and util == 0.23      # 1024 sequences of 8192 use more
+    assert elastic == {"min_bytes": DEFAULT_KV_MIN, "max_bytes": T - nonkv,
+                       "ledger_model": "chat", "ledger_port": 8123,
+                       "ledger_nonkv_bytes": nonkv}
