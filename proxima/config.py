@@ -249,11 +249,18 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "ledger": _BOOL,
     "ledger_dir": _must("a directory or null",
                         lambda v: v is None or isinstance(v, str) and bool(v.strip())),
+    "ledger_model": _must("a model name (at most 200 characters) or null",
+                          lambda v: v is None or isinstance(v, str) and len(v) <= 200),
+    "ledger_port": _must("a port from 1 to 65535 or null", lambda v: v is None or (
+        type(v) is int and 1 <= v <= 65535)),
+    "ledger_nonkv_bytes": _size(),
     "forecast": _BOOL,
     "eviction": lambda name, value: parse_eviction(value, name),
     "compactor": _must("'module:factory', {\"factory\": 'module:factory', ...} or null",
                        lambda v: v is None or _factory(v)),
     "idle_sleep_s": _number(MAX_IDLE_SLEEP_S, "seconds"),
+    "idle_release_s": lambda name, value: None if value is None else parse_number(
+        value, name, least=0, most=MAX_DELAY_S, unit="seconds (or null: never)"),
     "granule_bytes": _size(least=1),
     "zero_on_map": _BOOL,
     "initial_granules": _count(1, "granules", nullable=True,

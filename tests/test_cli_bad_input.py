@@ -190,7 +190,14 @@ ROWS = [
     Row("bundle-verify-missing", ["bundle", "--verify", "{tmp}/nobundle"], ["no SHA256SUMS"]),
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
-    Row("kv-no-url", ["kv"], ["give --url URL"]),
+    Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
+    Row("kv-min-without-url", ["kv", "--min", "1GiB"],
+        ["--min/--max set one engine's bounds: give its --url"]),
+    Row("kv-watch-zero", ["kv", "--watch", "0"], ["--watch: '0' is out of range"]),
+    Row("kv-watch-set", ["kv", "--url", "{closed}", "--watch", "--max", "1GiB"],
+        ["--watch shows the status again and again: it cannot set --min/--max"]),
+    Row("kv-ledger-dir-missing", ["kv", "--ledger-dir", "{tmp}/nowhere"],
+        ["--ledger-dir", "is not a directory"]),
     Row("kv-bad-url", ["kv", "--url", "notaurl"], ["--url must look like http://HOST:PORT"]),
     Row("kv-bad-size", ["kv", "--url", "{closed}", "--max", "lots"], ["--max: 'lots' is not a size"]),
     Row("kv-max-below-min", ["kv", "--url", "{closed}", "--min", "8GiB", "--max", "1GiB"],
@@ -210,6 +217,21 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["--kv-max: 'lots' is not a size"]),
+    # ---- issue 36: sizing and fit, before the GPU is probed ------------------------------
+    Row("serve-gpu-bytes-without-elastic", ["serve", TINY, "--gpu-memory-bytes", "80GiB"],
+        ["--gpu-memory-bytes sizes elastic engines: add --elastic"]),
+    Row("serve-gpu-bytes-bad", ["serve", TINY, "--elastic", "--gpu-memory-bytes", "80G"],
+        ["--gpu-memory-bytes: '80G' is not a size: the unit 'G' is ambiguous"]),
+    Row("serve-model-does-not-fit", ["serve", TINY, "--elastic", "--gpu-memory-bytes", "1GiB"],
+        ["does not fit on the GPU even at its minimum", "= 2.50 GiB > the GPU's 1.00 GiB"]),
+    Row("serve-models-do-not-fit", ["serve", "--model", f"a={TINY}", "--model",
+                                    f"b={TINY} --kv-min 1GiB", "--gpu-memory-bytes", "4GiB"],
+        ["the models do not fit on one GPU even at their minimums: a 2.50 GiB + b 3.00 GiB = "
+         "5.51 GiB > --gpu-memory-bytes's 4.00 GiB"]),
+    Row("serve-idle-release-bad", ["serve", TINY, "--elastic", "--idle-release", "-5"],
+        ["--idle-release: '-5' is out of range"]),
+    Row("serve-models-idle-release-bad", ["serve", "--model", f"b={TINY} --idle-release soon"],
+        ["model 'b': --idle-release: 'soon' is not a number"]),
     # ---- issue 37: proxima kv, selfcheck, serve ---------------------------------------------
     # The server's fault is exit 1, the user's exit 2; either way one line on stderr and
     # nothing on stdout ({url:answers}/NAME is a server whose GET/POST NAME/proxima/kv and

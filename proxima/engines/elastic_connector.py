@@ -31,7 +31,7 @@ What configuring a connector changes in vLLM 0.26 (read from its source, checked
   object; the engine keeps stepping (empty steps) while ops wait to be delivered or
   confirmed (``has_pending_push_work``); vLLM logs that the connector API is experimental.
 * refused here: data parallelism (idle ranks run dummy batches through stale block
-  tables), sleep mode (its allocator owns the KV memory), vLLM's V1 model runner.
+  tables), sleep mode (docs/results/sleep-mode/NOTES.md), vLLM's V1 model runner.
 
 Order of events for one granule: the scheduler side makes its blocks unallocatable and
 sends ``UNMAP`` with step N; the worker hands it to its mapping thread at step N's
@@ -160,7 +160,9 @@ def open_gpu_ledger(options, world_size: int = 1):
 
         ledger = None
         if options.ledger:
-            ledger = Ledger(ledger_path(uuid, options.ledger_dir))
+            ledger = Ledger(ledger_path(uuid, options.ledger_dir),
+                            model=options.ledger_model or "", port=options.ledger_port or 0,
+                            nonkv=options.ledger_nonkv_bytes)
             logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
                         "through %s", ledger.path)
         return ledger, gpu_memory
@@ -229,9 +231,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                 "ranks read stale block ids; unset PROXIMA_ELASTIC")
             model = vllm_config.model_config
             if model is not None and model.enable_sleep_mode:
-                raise UserError("elastic KV memory and vLLM's sleep mode both manage the KV "
-                                "memory; use one of them (unset PROXIMA_ELASTIC or "
-                                "--enable-sleep-mode)")
+                raise UserError("vLLM's sleep mode is not supported with elastic KV memory "
+                                "(its sleep would not give back Proxima's KV, and a wake is not "
+                                "coordinated with the GPU's other engines: "
+                                "docs/results/sleep-mode/NOTES.md); use --idle-release, or "
+                                "drop --enable-sleep-mode")
             # --- KV compaction (issue 14): its scratch granules past the pool, and the
             # worker applies its moves before the forward
             compaction = compaction_options.worker_side(vllm_config, self.options.compaction,

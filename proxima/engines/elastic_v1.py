@@ -113,6 +113,12 @@ class ElasticOptions:
     (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the
     engines' demand through the GPU's ledger (:mod:`proxima.memory.ledger`; default true);
     ``ledger_dir``: where its file lives (None: ``PROXIMA_LEDGER_DIR``, else ``/dev/shm``).
+    ``ledger_model``, ``ledger_port``, ``ledger_nonkv_bytes``: what the ledger says of this
+    engine besides its KV memory (the model, the port, the bytes it holds besides KV), for
+    ``proxima kv`` and the sizing of engines started later; ``proxima serve`` sets them.
+    ``idle_release_s``: an engine idle this long gives back all its KV memory, its
+    minimum included, and grows again on its next request (None: never;
+    :class:`proxima.memory.policy.PolicyOptions`).
     """
 
     policy: str = "auto"
@@ -140,6 +146,10 @@ class ElasticOptions:
     gpu_free_low: float = _POLICY.gpu_free_low
     ledger: bool = True
     ledger_dir: str | None = None
+    idle_release_s: float | None = _POLICY.idle_release_s
+    ledger_model: str | None = None
+    ledger_port: int | None = None
+    ledger_nonkv_bytes: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":
@@ -167,7 +177,9 @@ class ElasticOptions:
                              retry_s=float(self.retry_s), retry_max_s=float(self.retry_max_s),
                              forecast=self.forecast,
                              band=float(self.band), cache_hold_s=float(self.cache_hold_s),
-                             gpu_free_low=float(self.gpu_free_low))
+                             gpu_free_low=float(self.gpu_free_low),
+                             idle_release_s=None if self.idle_release_s is None
+                             else float(self.idle_release_s))
 
 
 def warmup_blocks(vllm_config, kv_cache_config) -> int:

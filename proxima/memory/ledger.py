@@ -88,6 +88,54 @@ def process_start(pid: int) -> int | None:
     return None
 
 
+def load_records(path: str | os.PathLike) -> dict[str, Record]:
+    """Every record in the ledger file at ``path`` (live or not), by key; a missing,
+    unreadable or damaged file reads as empty, a malformed record is skipped."""
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read() or b"{}")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return {}          # not ours or damaged: the next write replaces it whole
+    out = {}
+    entries = raw.get("engines", []) if isinstance(raw, dict) else []
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            rec = Record(**{k: entry[k] for k in ("pid", "start", "mapped", "min",
+                                                  "unmet", "updated")},
+                         name=str(entry.get("name", "")),
+                         **{k: entry.get(k, 0) for k in ("max", "nonkv", "port")},
+                         model=str(entry.get("model", "")))
+        except (KeyError, TypeError, AttributeError):
+            continue
+        if all(type(getattr(rec, k)) is int and getattr(rec, k) >= 0
+               for k in ("pid", "start", "mapped", "min", "unmet", "max", "nonkv", "port")):
+            out[rec.key] = rec
+    return out
+
+
+def live_records(path: str | os.PathLike) -> tuple[Record, ...]:
+    """The live records of the ledger at ``path`` (a dead process's dropped): what every
+    engine on that GPU holds, read without a handle of one's own (``proxima kv``, the
+    sizing of an engine about to start)."""
+    return tuple(r for r in load_records(path).values() if r.alive())
+
+
+def ledger_files(directory: str | os.PathLike | None = None) -> list[tuple[str, Path]]:
+    """``(gpu key, path)`` of every GPU ledger in ``directory`` (None: as
+    :func:`ledger_path`), sorted by key."""
+    base = Path(directory if directory is not None
+                else os.environ.get(DIR_ENV) or DEFAULT_DIR)
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    prefix, suffix = "proxima-ledger-", ".json"
+    return [(name[len(prefix):-len(suffix)], base / name) for name in names
+            if name.startswith(prefix) and name.endswith(suffix)]
+
+
 @dataclass(frozen=True)
 class Record:
     """One engine's claim, in bytes of this GPU's memory."""
@@ -99,6 +147,10 @@ class Record:
     unmet: int = 0             # memory it wants and could not map (0: none)
     updated: float = 0.0       # time.time() of the last post
     name: str = ""             # tells apart engines of one process (a two-engine replay)
+    max: int = 0               # its maximum (0: not said)
+    nonkv: int = 0             # what it holds besides KV: weights, activations (0: not said)
+    model: str = ""            # the model it serves, and its port, where said (proxima kv)
+    port: int = 0
 
     @property
     def key(self) -> str:
@@ -140,10 +192,14 @@ class Ledger:
         path: the ledger file (:func:`ledger_path`); its directory must exist.
         pid: the process the record speaks for (default: this one).
         name: tells apart several engines of one process (default: none).
+        model, port, nonkv: what the record says of the engine besides its KV memory: the
+            model it serves, its port, the bytes it holds besides KV (weights,
+            activations), for ``proxima kv`` and the sizing of engines started later
+            (``proxima.serve.sizing``); empty or 0 where not known.
     """
 
     def __init__(self, path: str | os.PathLike, pid: int | None = None,
-                 name: str = "") -> None:
+                 name: str = "", *, model: str = "", port: int = 0, nonkv: int = 0) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise LedgerError(f"the ledger's directory {self.path.parent} does not exist: "
@@ -154,6 +210,10 @@ class Ledger:
             raise LedgerError(f"process {self.pid} does not exist")
         self.start = start
         self.name = str(name)
+        for label, value in (("port", port), ("nonkv", nonkv)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{label} must be an integer >= 0, got {value!r}")
+        self.model, self.port, self.nonkv = str(model), port, nonkv
         self.key = f"{self.pid}:{self.start}:{self.name}"
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self._posted: tuple | None = None
@@ -161,27 +221,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ reading
     def _load(self) -> dict[str, Record]:
-        """Every record in the file (live or not); an unreadable file reads as empty."""
-        try:
-            with open(self.path, "rb") as f:
-                raw = json.loads(f.read() or b"{}")
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError):
-            return {}          # not ours or damaged: the next write replaces it whole
-        out = {}
-        entries = raw.get("engines", []) if isinstance(raw, dict) else []
-        for entry in entries if isinstance(entries, list) else []:
-            try:
-                rec = Record(**{k: entry[k] for k in ("pid", "start", "mapped", "min",
-                                                      "unmet", "updated")},
-                             name=str(entry.get("name", "")))
-            except (KeyError, TypeError):
-                continue
-            if all(type(getattr(rec, k)) is int and getattr(rec, k) >= 0
-                   for k in ("pid", "start", "mapped", "min", "unmet")):
-                out[rec.key] = rec
-        return out
+        return load_records(self.path)
 
     def read(self) -> LedgerView:
         """The live records (dead processes' dropped), without taking the lock: the file
@@ -235,17 +275,19 @@ class Ledger:
                     except OSError:
                         pass
 
-    def post(self, mapped: int, minimum: int = 0, unmet: int = 0, force: bool = False) -> bool:
-        """This engine's record (bytes); written only when it changed (or ``force``).
-        Returns whether the file was written."""
-        for name, value in (("mapped", mapped), ("minimum", minimum), ("unmet", unmet)):
+    def post(self, mapped: int, minimum: int = 0, unmet: int = 0, force: bool = False,
+             maximum: int = 0) -> bool:
+        """This engine's record (bytes; ``maximum`` 0: not said); written only when it
+        changed (or ``force``). Returns whether the file was written."""
+        for name, value in (("mapped", mapped), ("minimum", minimum), ("unmet", unmet),
+                            ("maximum", maximum)):
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        state = (mapped, minimum, unmet)
+        state = (mapped, minimum, unmet, maximum)
         if state == self._posted and not force:
             return False
         self._update(Record(self.pid, self.start, mapped, minimum, unmet, time.time(),
-                            self.name))
+                            self.name, maximum, self.nonkv, self.model, self.port))
         self._posted = state
         return True
 

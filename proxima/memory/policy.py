@@ -70,6 +70,12 @@ nothing more is wanted); the connector writes it to the ledger, the others read 
 their next step. The policy itself reads and writes nothing: its inputs are arguments of
 :meth:`GrowShrinkPolicy.step`.
 
+**An idle model steps aside** (``idle_release_s``, None: never): once the engine has held
+no live block and no request for ``idle_release_s``, its minimum is 0 (granule 0, the null
+block, only) and nothing is wanted free, so every other granule goes at once, cached ones
+included; the next request makes it busy again and the minimum is back, grown at that
+step. The engine keeps stepping (:attr:`pending`) until then.
+
 ``min_bytes`` and ``max_bytes`` can be changed at run time (:meth:`set_limits`); a new
 minimum above the mapped size grows at the next step, a new maximum below it shrinks
 (after the delay, like any shrink, but without waiting for excess).
@@ -136,6 +142,7 @@ class PolicyOptions:
     band: float = 0.05
     cache_hold_s: float = 60.0
     gpu_free_low: float = 0.05
+    idle_release_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_bytes", "reserve_blocks"):
@@ -152,6 +159,12 @@ class PolicyOptions:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             ELASTIC_OPTIONS[name](name, value)     # finite, in its bounds (ConfigError)
+        if self.idle_release_s is not None:
+            if not isinstance(self.idle_release_s, (int, float)) or \
+                    isinstance(self.idle_release_s, bool):
+                raise ValueError(f"idle_release_s must be a number or None, got "
+                                 f"{self.idle_release_s!r}")
+            ELASTIC_OPTIONS["idle_release_s"]("idle_release_s", self.idle_release_s)
 
 
 @dataclass
@@ -212,7 +225,12 @@ class GrowShrinkPolicy:
         self._free_at_fail: int | None = None    # what the driver said when the last failed
         self._excess_since: float | None = None
         self._due_at: float | None = None     # when the waiting release may act next
+        self._idle_since: float | None = None  # when the engine last became idle
+        self._idle_wait = False               # an idle release is still to come
         self.unmet_bytes = 0                  # what a grow wants and the GPU cannot give
+        #: what the GPU's other engines leave this one (bytes; None: not known), a bound on
+        #: the maximum kept by :class:`proxima.memory.sharing.SharedPolicyStep`
+        self.room_bytes: int | None = None
         self._retry_at = 0.0
         self._reported_short = False
         channel.listeners.append(self._on_map)
@@ -225,10 +243,17 @@ class GrowShrinkPolicy:
 
     @property
     def max_granules(self) -> int:
+        """The most granules mapped: ``max_bytes`` (None: the pool), and at most
+        :attr:`room_bytes` (what the GPU's other engines leave, when known); never below
+        the minimum."""
         ng = self.channel.num_granules
-        if self.options.max_bytes is None:
+        if self.options.max_bytes is None and self.room_bytes is None:
             return ng
-        return max(self.min_granules, min(ng, self.options.max_bytes // self.bytes_per_granule))
+        cap = ng if self.options.max_bytes is None else \
+            self.options.max_bytes // self.bytes_per_granule
+        if self.room_bytes is not None:
+            cap = min(cap, self.room_bytes // self.bytes_per_granule)
+        return max(self.min_granules, min(ng, cap))
 
     def set_limits(self, min_bytes: int | None = None, max_bytes: int | None = None,
                    clear_max: bool = False) -> PolicyOptions:
@@ -281,8 +306,9 @@ class GrowShrinkPolicy:
         pending = ch.count(MAPPING)
         busy = self._busy()
         free = self.spare_blocks(busy)
-        wanted = self.wanted_free()
-        floor = self.min_granules
+        idle_out = self._idle_out(now, busy, mapped + pending)
+        wanted = 0 if idle_out else self.wanted_free()
+        floor = 1 if idle_out else self.min_granules
         cap = self.max_granules
         band = self.band_granules(mapped + pending)
         # grow: below wanted free memory (then by a band more), or below the minimum
@@ -328,6 +354,8 @@ class GrowShrinkPolicy:
             # blocks included, never below wanted or the minimum (excess says so)
             asked = -(-others_unmet_bytes // self.bytes_per_granule)
             count, cached_ok = min(excess, max(asked, over)), True
+        elif idle_out:
+            count, cached_ok = excess, True       # idle long enough: everything goes now
         elif waited < o.release_delay_s:
             self._due_at = self._excess_since + o.release_delay_s
             return
@@ -349,6 +377,20 @@ class GrowShrinkPolicy:
                                self._excess_since + max(o.cache_hold_s, o.release_delay_s))
             if done < count:
                 self.stats.kept_cached += 1
+
+    def _idle_out(self, now: float, busy: bool, mapped: int) -> bool:
+        """Whether the idle release is on now: ``idle_release_s`` set and the engine idle
+        that long. Records when it became idle, and whether a release is still to come
+        (:attr:`pending` keeps the engine stepping for it)."""
+        after = self.options.idle_release_s
+        if busy or after is None:
+            self._idle_since, self._idle_wait = None, False
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        out = now - self._idle_since >= after
+        self._idle_wait = not out and mapped > 1
+        return out
 
     def retry_now(self) -> None:
         """Memory was freed (another engine gave some back): a grow waiting for
@@ -377,17 +419,20 @@ class GrowShrinkPolicy:
 
     @property
     def pending(self) -> bool:
-        """A release is waiting for its delay (the engine must keep stepping to do it)."""
-        return self._excess_since is not None
+        """A release is waiting for its delay, or an idle engine for its idle release
+        (the engine must keep stepping to do it)."""
+        return self._excess_since is not None or self._idle_wait
 
     def due_in(self) -> float | None:
         """Seconds until the waiting release is due (None: none is waiting)."""
-        if self._excess_since is None:
-            return None
-        due = self._due_at
-        if due is None:
-            due = self._excess_since + self.options.release_delay_s
-        return max(0.0, due - self.clock())
+        dues = []
+        if self._excess_since is not None:
+            due = self._due_at
+            dues.append(self._excess_since + self.options.release_delay_s if due is None
+                        else due)
+        if self._idle_wait:
+            dues.append(self._idle_since + self.options.idle_release_s)
+        return max(0.0, min(dues) - self.clock()) if dues else None
 
     # ------------------------------------------------------------------ actions
     def _grow(self, count: int, now: float) -> None:

@@ -10,6 +10,13 @@ this is the glue between them. Pure Python.
 An engine whose grow failed reads the ledger too, and tries again at once when the others'
 mapped memory went down (one gave some back) instead of after ``retry_s``.
 
+An engine whose ledger record says what it holds besides KV (``nonkv``: ``proxima serve``'s
+sizing sets it) bounds its maximum, every ``gpu_every_s``, by what the others leave: the
+GPU's memory less its own non-KV memory less every other engine's non-KV memory and minimum
+(:attr:`GrowShrinkPolicy.room_bytes`). So an engine started first, whose maximum was the
+whole GPU, stops growing into what an engine started later must always keep, and gives back
+what it holds above that bound without live blocks (as for a lowered maximum).
+
 Cost: the ledger is read and the driver asked only while the policy has memory in excess
 (:attr:`GrowShrinkPolicy.pending`: only then can it give anything) or waits for memory,
 the driver at most every ``gpu_every_s``; the record is written only when it changes (a grow, a shrink, a
@@ -46,6 +53,8 @@ class SharedPolicyStep:
         self._others_mapped: int | None = None    # the others' mapped bytes while short
         self._gpu: tuple[int, int] | None = None
         self._gpu_at: float | None = None
+        self.nonkv = getattr(ledger, "nonkv", 0) if ledger is not None else 0
+        self._room_at: float | None = None
         self.post()
 
     def _gpu_figures(self) -> tuple[int | None, int | None]:
@@ -66,8 +75,24 @@ class SharedPolicyStep:
         except OSError:
             return None
 
+    def _bound(self) -> None:
+        """:attr:`GrowShrinkPolicy.room_bytes` from the ledger and the GPU's size, every
+        ``gpu_every_s`` (only for an engine whose record says its non-KV memory)."""
+        now = self.policy.clock()
+        if self._room_at is not None and now - self._room_at < self.gpu_every_s:
+            return
+        self._room_at = now
+        _, total = self._gpu_figures()
+        view = self._read()
+        if total is None or view is None:
+            return
+        claims = sum(r.nonkv + r.min for r in view.others)
+        self.policy.room_bytes = max(0, total - self.nonkv - claims)
+
     def step(self) -> None:
         policy = self.policy
+        if self.nonkv and self.ledger is not None and self.gpu_memory is not None:
+            self._bound()
         others, free, total = 0, None, None
         if policy.pending:             # memory in excess: is someone waiting for it?
             if self.ledger is not None:
@@ -97,7 +122,7 @@ class SharedPolicyStep:
         B = p.bytes_per_granule
         try:
             self.ledger.post((ch.count(MAPPED) + ch.count(MAPPING)) * B,
-                             p.min_granules * B, p.unmet_bytes)
+                             p.min_granules * B, p.unmet_bytes, maximum=p.max_granules * B)
         except OSError:
             pass                       # a full or vanished /dev/shm: the engine serves on
 

@@ -27,7 +27,8 @@ from proxima.serve.serve_flags import take_elastic_options
 HELP = f"""\
 usage: proxima serve [MODEL] [vllm serve options ...]
        proxima serve --model 'NAME=PATH [options]' [--model ...] [--models FILE]
-                     [--host H] [--port P] [--compaction] [options for every model]
+                     [--host H] [--port P] [--compaction] [--gpu-memory-bytes SIZE]
+                     [options for every model]
 
 Serve vLLM's OpenAI-compatible API (same routes, same options as `vllm serve`; see
 `vllm serve --help`) with Proxima's block allocator on (PROXIMA_ALLOCATOR=1 is set for the
@@ -48,34 +49,50 @@ memory only as the load needs it, and unused memory is given back (another engin
 the GPU can take it). Proxima's options, taken out before vLLM sees the command line:
   --elastic               switch it on (sets PROXIMA_ELASTIC=1)
   --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic)
-  --kv-min SIZE           least KV memory kept mapped (default 0: granule 0 only)
-  --kv-max SIZE           most KV memory mapped (default: the pool, i.e.
-                          --kv-cache-memory-bytes or what gpu_memory_utilization gives)
+  --kv-min SIZE           least KV memory kept mapped (default 512MiB, less on a GPU
+                          that has no more room)
+  --kv-max SIZE           most KV memory mapped (default: the GPU's memory less this
+                          model's weights and activations and the other engines' (on
+                          the GPU's ledger) weights and minimums; at most what
+                          --max-num-seqs sequences of --max-model-len tokens could use)
+  --idle-release SECONDS  after this long with no request, give back ALL the KV memory
+                          (the minimum too), regrown on the next request (default: never)
+  --gpu-memory-bytes SIZE size for a GPU of this many bytes (default: the GPU's memory):
+                          leave the rest to other processes, or plan a fit on any machine
   --elastic-options K=V,...  any other option of proxima.engines.elastic_v1.ElasticOptions
                           (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...;
                           finite numbers: headroom, band 0 to 100; release_delay_s, retry_s
                           0 to 86400 seconds; idle_sleep_s 0 to 1)
+No sizing flag is needed: with --elastic the KV pool is reserved (virtual addresses) at
+what the GPU could hold beside the weights (weights estimated from config.json as parameters
+x dtype bytes, plus 2 GiB and 5% for activations and CUDA graphs), and
+--gpu-memory-utilization is set to the share the engine needs at start-up (vLLM checks that
+it is free); one log line says the sizes chosen ("elastic sizing: ..."). When the GPU's
+free memory is short at start, the other Proxima engines on it are asked through the
+ledger to give back what they hold above their minimums (up to 60 s). Given
+--kv-cache-memory-bytes / --gpu-memory-utilization / --kv-min / --kv-max are kept.
 On one GPU, --elastic runs vLLM's mp executor unless --distributed-executor-backend is
 given: with vLLM's default there (uni) the model's worker runs on the scheduler's thread and
 elastic mode's bookkeeping lengthens every step (0.95-0.97x of stock under a steady load on
 an H200; 0.997x with mp).
 SIZE: bytes, or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB
 (powers of 1000), any case (gib = GiB); a bare K, M, G, T is refused (write GiB or GB); from 0
-to 1024TiB (e.g. 8GiB, 512MiB). Give the maximum as
---kv-cache-memory-bytes and a low --gpu-memory-utilization (vLLM checks at start-up that
-this much is free): e.g. two engines on one GPU, each allowed more than half of it. Read or
-change the bounds at run time: GET/POST /proxima/kv, or `proxima kv --url URL --max SIZE`.
+to 1024TiB (e.g. 8GiB, 512MiB). Read or change the bounds at run time: GET/POST /proxima/kv,
+or `proxima kv --url URL --max SIZE`; every engine on the GPU: `proxima kv [--watch]`.
 
 Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
 or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
-port) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
+idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
 with backoff when it dies), and one OpenAI endpoint on --host/--port routes by the request's
 "model": /v1/models lists every model, /health is 200 only when every engine is ready,
 /metrics carries every engine's series labelled model="NAME", an unknown model is a 404, a
 model whose engine is (re)starting a 503; /engines/NAME/... reaches one engine (e.g.
 proxima kv --url http://HOST:PORT/engines/NAME). Options outside --model go to every engine.
-Give each engine its sizing (--kv-cache-memory-bytes, --gpu-memory-utilization) so that all
-fit on the GPU together. See docs/operations.md, "Several models behind one endpoint".
+Each engine is sized as above, counting the engines started before it (they start one
+after another); models that cannot fit together even at their minimums (weights from each
+config.json, plus activations and --kv-min) are refused before any starts (with
+--gpu-memory-bytes, before the GPU is probed). Per model: idle_release in the file, or
+--idle-release inside --model. See docs/operations.md, "Several models behind one endpoint".
 
 Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the
 same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
@@ -111,8 +128,13 @@ def run(args: argparse.Namespace) -> int:
         return multi.run(argv)
     log = logs.setup()
 
+    from proxima.serve import autosize
+
     argv, compaction = serve_flags.take_compaction(argv)
+    argv, gpu_bytes = autosize.take_gpu_bytes(argv)
     argv, elastic = take_elastic_options(argv)
+    if gpu_bytes is not None and elastic is None:
+        raise UserError(f"{autosize.GPU_BYTES_FLAG} sizes elastic engines: add --elastic")
     serve_flags.apply_compaction(compaction, elastic is not None)
     if elastic is not None:
         import json
@@ -131,11 +153,15 @@ def run(args: argparse.Namespace) -> int:
     scanned = validate.scan(argv)
     validate.validate_options(scanned.model, scanned.block_size, scanned.host, scanned.port,
                               scanned.uds)
+    if gpu_bytes is not None:
+        autosize.check_alone(scanned.model, argv, elastic, gpu_bytes)
 
+    from proxima.serve import gpuprobe
     from proxima.serve.preflight import run_preflight
 
     log.info("pre-flight: probing the GPU in a child process")
-    checks = run_preflight()
+    facts = gpuprobe.probe()
+    checks = run_preflight(facts)
     preflight_time = time.time()
     for check in checks:
         log.info("self-check %s", check.line())
@@ -178,6 +204,15 @@ def run(args: argparse.Namespace) -> int:
     demo = vllm_args.apply_demo_defaults(vargs, argv)
     validate.validate_options(None if demo else vargs.model, vargs.block_size, vargs.host,
                               vargs.port, getattr(vargs, "uds", None))  # vLLM 0.6: no --uds
+    if elastic is not None:
+        import json
+
+        from proxima.engines import activation
+
+        sized = autosize.apply(vargs, argv, elastic, facts, gpu_bytes, demo)
+        if sized is not None:
+            log.info(sized.line())
+        os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
     if demo:
         log.warning("no MODEL given: serving the embedded demo model as %r: a tiny Llama with "
                     "RANDOM weights (load_format=dummy); its output is noise. Pass a MODEL to "

@@ -75,8 +75,14 @@ def gather() -> dict:
     devices = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": props.name, "capability": [props.major, props.minor],
-                        "total_memory": int(props.total_memory)})
+        device = {"index": i, "name": props.name, "capability": [props.major, props.minor],
+                  "total_memory": int(props.total_memory)}
+        try:    # the ledger's key (NVML's spelling) and what is free now, for the sizing
+            device["uuid"] = "GPU-" + str(props.uuid).removeprefix("GPU-")
+            device["free_memory"] = int(torch.cuda.mem_get_info(i)[0])
+        except Exception:       # noqa: BLE001 - older torch: the sizing does without
+            pass
+        devices.append(device)
     facts["devices"] = devices
     try:
         x = torch.arange(1024, device="cuda", dtype=torch.float32)

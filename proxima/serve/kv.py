@@ -1,5 +1,7 @@
 """``proxima kv --url URL [--min SIZE] [--max SIZE|none] [--json]``: a running server's
-elastic KV memory -- read it, or set its bounds.
+elastic KV memory -- read it, or set its bounds. ``proxima kv [--watch [SECONDS]]`` without
+``--url``: every Proxima engine on this machine's GPUs, from the GPU ledgers
+(:mod:`proxima.serve.kvtop`).
 
 Talks to ``GET/POST URL/proxima/kv`` of ``proxima serve --elastic``. Without ``--min`` /
 ``--max`` it reads; with either it sets (the engine acts at its next step boundary: a
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from proxima.errors import UserError
 from proxima.serve.remote import (ServerFailure, check_timeout, error_message, json_body,
@@ -42,14 +46,24 @@ COUNTERS = (("grows", "grows"), ("shrinks", "shrinks"), ("failed_grows", "failed
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from proxima.config import MAX_BYTES, SIZE_FORMS, size_text
 
-    parser.description = ("Read a running proxima serve's elastic KV memory (mapped, used and "
+    parser.description = ("Without --url: every Proxima engine on this machine's GPUs (pid, "
+                          "model, port, KV mapped, min/max, non-KV, unmet demand) from the "
+                          "per-GPU ledgers, like kvtop. With --url: read a running proxima "
+                          "serve's elastic KV memory (mapped, used and "
                           f"reclaimable bytes, bounds, counters), or set its bounds. SIZE: "
                           f"{SIZE_FORMS} (a bare G is refused: write GiB or GB); e.g. "
                           f"8GiB, 512MiB, 20GB; from 0 to "
                           f"{size_text(MAX_BYTES)}.")
     parser.epilog = EXIT_STATUS
     parser.add_argument("--url",
-                        help="the proxima serve to talk to, e.g. http://127.0.0.1:8000 (required)")
+                        help="the proxima serve to talk to, e.g. http://127.0.0.1:8000 "
+                             "(default: none: every engine in the GPU ledgers)")
+    parser.add_argument("--watch", nargs="?", const=2.0, default=None, metavar="SECONDS",
+                        help="show again every SECONDS (2 when given without a value) until "
+                             "Ctrl-C (exit 130) (default: once)")
+    parser.add_argument("--ledger-dir", metavar="DIR",
+                        help="where the GPU ledgers are (default: PROXIMA_LEDGER_DIR, else "
+                             "/dev/shm)")
     parser.add_argument("--min", dest="min_bytes", metavar="SIZE",
                         help="set the least KV memory kept mapped, e.g. 4GiB (units: KiB "
                              "MiB GiB TiB, KB MB GB TB; default: unchanged)")
@@ -57,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set the most KV memory mapped, e.g. 80GiB, or 'none' for the "
                              "pool's size (default: unchanged)")
     parser.add_argument("--json", action="store_true",
-                        help="print the server's answer as JSON")
+                        help="print the server's answer (without --url: the ledgers' records) as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
                         help="seconds the whole request may take (connecting, and the whole answer)")
 
@@ -135,10 +149,42 @@ def _shown(value) -> str:
     return kind if value is None else f"{kind} {one_line(json.dumps(value), 40)}"
 
 
+def _watch(value) -> float | None:
+    if value is None:
+        return None
+    from proxima.config import parse_number
+
+    return float(parse_number(value, "--watch", least=0.1, most=3600, unit="seconds"))
+
+
 def run(args: argparse.Namespace) -> int:
+    watch = _watch(args.watch)
+    if args.url is None:
+        if args.min_bytes is not None or args.max_bytes is not None:
+            raise UserError("--min/--max set one engine's bounds: give its --url (every "
+                            "engine's is in the table of `proxima kv`)")
+        if args.ledger_dir is not None and not os.path.isdir(args.ledger_dir):
+            raise UserError(f"--ledger-dir {args.ledger_dir!r} is not a directory")
+        from proxima.serve import kvtop
+
+        return kvtop.run(args.ledger_dir, args.json, watch)
+    if args.ledger_dir is not None:
+        raise UserError("--ledger-dir reads the GPU ledgers: drop --url, or drop --ledger-dir")
+    if watch is not None and (args.min_bytes is not None or args.max_bytes is not None):
+        raise UserError("--watch shows the status again and again: it cannot set --min/--max "
+                        "(set them once without --watch)")
     target = _url(args.url)
     body = _request(args)
     timeout = check_timeout(args.timeout)
+    while watch is not None:
+        code = _show(target, body, timeout, args.json)
+        if code:
+            return code
+        time.sleep(watch)
+    return _show(target, body, timeout, args.json)
+
+
+def _show(target: str, body: dict, timeout: float, as_json: bool) -> int:
     try:
         answer = request(target, timeout, payload=body or None)
         if answer.status != 200:
@@ -148,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     except ServerFailure as exc:
         print(f"proxima kv: error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
+    if as_json:
         print(json.dumps(data, indent=2))
     else:
         print(format_status(data))

@@ -266,8 +266,9 @@ def engine_command(spec: multi_config.ModelSpec, port: int, plan: multi_config.M
     """The single-model ``proxima serve`` of one model: local, elastic, named."""
     return [sys.executable, "-m", "proxima.cli", "serve", spec.path, "--host", ENGINE_HOST,
             "--port", str(port), "--served-model-name", spec.name, "--elastic",
-            *(["--compaction"] if plan.compaction else []), *plan.common, *spec.args,
-            *spec.elastic_args()]
+            *(["--compaction"] if plan.compaction else []),
+            *(["--gpu-memory-bytes", str(plan.gpu_bytes)] if plan.gpu_bytes else []),
+            *plan.common, *spec.args, *spec.elastic_args()]
 
 
 def engine_env() -> dict:
@@ -291,6 +292,8 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
             raise UserError(f"model {spec.name!r}: {exc}") from None
     # every engine runs elastic: the switches are checked as they will be there
     validate.validate_environment({**os.environ, "PROXIMA_ELASTIC": "1"})
+    if plan.gpu_bytes is not None:      # a GPU of a given size: the fit needs no GPU
+        check_fit(plan)
     host = plan.host or "0.0.0.0"
     port = plan.port if plan.port is not None else validate.DEFAULT_PORT
     validate.check_port(host, port)
@@ -327,17 +330,39 @@ def api_keys(plan: multi_config.MultiPlan, environ=os.environ) -> set[str]:
     return keys
 
 
+def check_fit(plan: multi_config.MultiPlan, facts: dict | None = None) -> int | None:
+    """The models fit on one GPU at their minimums (weights from each config.json, plus
+    activations and --kv-min), beside the engines already on its ledger: on
+    ``--gpu-memory-bytes`` when given (before the GPU is probed), else on the probed GPU
+    (``facts``). Returns the bytes needed (None: the GPU's size is not known yet)."""
+    from proxima.serve import autosize
+
+    total, _, uuid = autosize.gpu_facts(facts or {})
+    if plan.gpu_bytes is not None:
+        total, source = plan.gpu_bytes, "--gpu-memory-bytes"
+    else:
+        source = "the GPU"
+    if not total:
+        return None
+    others = autosize.ledger_others(uuid) if plan.gpu_bytes is None else []
+    return autosize.check_models_fit(
+        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models],
+        total, others, source)
+
+
 def check_engines_options(plan: multi_config.MultiPlan) -> None:
-    """The GPU pre-flight once, and each model's options through vLLM's own parser (as the
-    single-model serve does), so a bad option is refused before any engine starts."""
-    from proxima.serve import vllm_args
+    """The GPU pre-flight once, the models' fit on the GPU, and each model's options through
+    vLLM's own parser (as the single-model serve does), so bad input is refused before any
+    engine starts."""
+    from proxima.serve import gpuprobe, vllm_args
     from proxima.serve.preflight import run_preflight
 
     # as for one elastic model: vLLM loads Proxima's plugin when its parser is built, and the
     # plugin checks the switches (PROXIMA_COMPACTION=1 needs PROXIMA_ELASTIC=1)
     os.environ["PROXIMA_ALLOCATOR"] = "1"
     os.environ["PROXIMA_ELASTIC"] = "1"
-    checks = run_preflight()
+    facts = gpuprobe.probe()
+    checks = run_preflight(facts)
     for check in checks:
         log.info("self-check %s", check.line())
     first = next((c for c in checks if c.failed), None)
@@ -350,6 +375,10 @@ def check_engines_options(plan: multi_config.MultiPlan) -> None:
                 except UserError as exc:
                     raise UserError(f"{label}: {exc}") from None
         raise UserError(f"self-check failed, not serving: {first.line()}")
+    if plan.gpu_bytes is None:
+        need = check_fit(plan, facts)
+        if need is not None:
+            log.info("the models fit: %.2f GiB at their minimums", need / 2**30)
     for label, argv in _option_sets(plan):
         try:
             vargs = vllm_args.parse(argv)

@@ -9,15 +9,17 @@ Command line (every ``--model`` value is ONE argument: quote it)::
 
 ``NAME=PATH`` names the model (the ``model`` clients send) and where it is (a directory
 with config.json, or a Hugging Face id); the tokens after it are that model's own ``vllm
-serve`` options, plus Proxima's ``--kv-min``/``--kv-max``/``--elastic-options`` and the
-engine's local ``--port``. Options outside ``--model`` (other than ``--host``, ``--port``,
-``--models``, ``--compaction``) are given to every engine.
+serve`` options, plus Proxima's ``--kv-min``/``--kv-max``/``--idle-release``/
+``--elastic-options`` and the engine's local ``--port``. Options outside ``--model`` (other
+than ``--host``, ``--port``, ``--models``, ``--compaction``, ``--gpu-memory-bytes``) are given
+to every engine.
 
 Models file (``--models FILE``; TOML, or JSON when the name ends in ``.json``)::
 
     host = "0.0.0.0"          # the endpoint (optional; the command line wins)
     port = 8000
     compaction = false
+    gpu_memory_bytes = "80GiB"            # size for a GPU of this many bytes (optional)
     args = ["--enforce-eager"]            # for every model (optional)
 
     [[models]]
@@ -26,6 +28,7 @@ Models file (``--models FILE``; TOML, or JSON when the name ends in ``.json``)::
     args = ["--max-model-len", "4096"]    # or one string: "--max-model-len 4096"
     kv_min = "2GiB"
     kv_max = "20GiB"
+    idle_release = 300                    # --idle-release SECONDS (optional)
     port = 8101                           # the engine's local port (optional)
 
 Every check raises :class:`~proxima.errors.UserError` with one line.
@@ -45,8 +48,8 @@ from proxima.serve.serve_flags import flag_value
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
-TOP_KEYS = ("host", "port", "compaction", "args", "models")
-MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port")
+TOP_KEYS = ("host", "port", "compaction", "args", "models", "gpu_memory_bytes")
+MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port", "idle_release")
 #: per-model options that the multi-model layout sets itself
 RESERVED = {
     "--host": "every engine listens on 127.0.0.1; --host belongs to the endpoint (outside --model)",
@@ -55,10 +58,11 @@ RESERVED = {
     "--model": "the PATH in NAME=PATH is the model",
     "--models": "--models belongs to the endpoint (outside --model)",
     "--compaction": "--compaction applies to every engine: give it outside --model",
+    "--gpu-memory-bytes": "the GPU's size applies to every engine: give it outside --model",
 }
 #: options of the endpoint (outside --model): flag -> takes a value
 ENDPOINT_FLAGS = {"--host": True, "--port": True, "--models": True, "--model": True,
-                  "--compaction": False, "--elastic": False}
+                  "--compaction": False, "--elastic": False, "--gpu-memory-bytes": True}
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ModelSpec:
     args: list[str] = field(default_factory=list)   # the model's own vllm serve options
     kv_min: str | None = None
     kv_max: str | None = None
+    idle_release: str | None = None                 # --idle-release SECONDS
     port: int | None = None                         # the engine's local port (None: pick one)
     origin: str = ""                                # where it was given, for error lines
 
@@ -77,6 +82,8 @@ class ModelSpec:
             out += ["--kv-min", str(self.kv_min)]
         if self.kv_max is not None:
             out += ["--kv-max", str(self.kv_max)]
+        if self.idle_release is not None:
+            out += ["--idle-release", str(self.idle_release)]
         return out
 
 
@@ -87,6 +94,7 @@ class MultiPlan:
     port: int | None = None
     compaction: bool = False
     common: list[str] = field(default_factory=list)   # vllm serve options for every engine
+    gpu_bytes: int | None = None                      # --gpu-memory-bytes (None: the GPU's)
 
 
 def wants_multi(argv: list[str]) -> bool:
@@ -125,7 +133,7 @@ def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
         norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
         if norm in RESERVED:
             raise UserError(f"{where}: {norm} cannot be given for one model: {RESERVED[norm]}")
-        if norm in ("--port", "--kv-min", "--kv-max"):
+        if norm in ("--port", "--kv-min", "--kv-max", "--idle-release"):
             value, i = flag_value(args, i, inline if eq else None, f"{where}: {norm} needs a value")
             if norm == "--port":
                 spec.port = _port(value, f"{where}: --port")
@@ -251,11 +259,17 @@ def load_models_file(path: str) -> MultiPlan:
         if not isinstance(data["compaction"], bool):
             raise UserError(f"{where}: compaction must be true or false, got {data['compaction']!r}")
         plan.compaction = data["compaction"]
+    if "gpu_memory_bytes" in data:
+        from proxima.config import parse_size
+
+        plan.gpu_bytes = parse_size(_size_value(data["gpu_memory_bytes"],
+                                                f"{where}: gpu_memory_bytes"),
+                                    f"{where}: gpu_memory_bytes", least=1)
     if "args" in data:
         plan.common = _args(data["args"], f"{where}: args")
         for token in plan.common:
             norm = "--" + token.partition("=")[0][2:].replace("_", "-")
-            if norm in RESERVED or norm in ("--port", "--kv-min", "--kv-max"):
+            if norm in RESERVED or norm in ("--port", "--kv-min", "--kv-max", "--idle-release"):
                 raise UserError(f"{where}: args: {norm} cannot be given for every model here "
                                 f"(per model: the [[models]] table; the endpoint: host/port)")
     models = data.get("models")
@@ -281,6 +295,11 @@ def load_models_file(path: str) -> MultiPlan:
         for key in ("kv_min", "kv_max"):
             if key in entry:
                 setattr(spec, key, _size_value(entry[key], f"{at}.{key}"))
+        if "idle_release" in entry:
+            value = entry["idle_release"]
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise UserError(f"{at}.idle_release: must be seconds (a number), got {value!r}")
+            spec.idle_release = str(value)
         if "args" in entry:
             _split_model_args(_args(entry["args"], f"{at}.args"), spec, f"{at}.args")
         plan.models.append(spec)
@@ -294,6 +313,7 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
     files: list[str] = []
     host = port = None
     compaction = False
+    gpu_bytes = None
     common: list[str] = []
     i = 0
     while i < len(argv):
@@ -308,6 +328,10 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
                     files.append(value)
                 elif flag == "--host":
                     host = value
+                elif flag == "--gpu-memory-bytes":
+                    from proxima.config import parse_size
+
+                    gpu_bytes = parse_size(value, flag, least=1)
                 else:
                     port = _port(value, "--port")
             elif eq:
@@ -331,6 +355,7 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
     plan.host = host if host is not None else plan.host
     plan.port = port if port is not None else plan.port
     plan.compaction = compaction or plan.compaction
+    plan.gpu_bytes = gpu_bytes if gpu_bytes is not None else plan.gpu_bytes
     plan.common = plan.common + common
     return plan
 

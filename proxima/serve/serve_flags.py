@@ -68,7 +68,7 @@ def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tup
 
 #: Proxima's own serve options (taken out of the command line): flag -> takes a value
 ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
-                 "--elastic-options": True}
+                 "--elastic-options": True, "--idle-release": True}
 
 
 def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
@@ -104,5 +104,8 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
         if flag in given:
             config.parse_size(given[flag], flag)
             options[key] = given[flag]
+    if "--idle-release" in given:
+        options["idle_release_s"] = config.ELASTIC_OPTIONS["idle_release_s"](
+            "--idle-release", given["--idle-release"])
     config.elastic_options(options, "proxima serve --elastic")
     return rest, options

@@ -359,3 +359,58 @@ def test_a_failed_grow_is_unmet_demand_until_a_map_succeeds():
     confirm(ch)
     policy.step()
     assert policy.unmet_bytes == 0
+
+
+# ------------------------------------------------------------------ idle models step aside
+def test_an_idle_engine_gives_back_all_its_kv_after_idle_release_and_regrows_on_a_request():
+    ch, pool, policy, now, demand = setup(mapped=8, min_bytes=4 * B, release_delay_s=10.0,
+                                          cache_hold_s=60.0, idle_release_s=30.0)
+    for g in (1, 2, 3):
+        pool.cached[g] = G                                  # a warm cache, nobody asking
+    policy.step()
+    now[0] = 10.0
+    policy.step()                                           # the empty granules above the min
+    assert ch.count(MAPPED) == 4 and policy.stats.evicted_cached == 0
+    assert policy.pending and policy.due_in() == pytest.approx(20.0)   # the idle release
+    now[0] = 29.0
+    policy.step()
+    assert ch.count(MAPPED) == 4                            # not idle long enough yet
+    now[0] = 30.0
+    policy.step()                                           # idle 30 s: the minimum goes too
+    assert ch.count(MAPPED) == 1 and policy.stats.evicted_cached == 3 * G
+    assert not policy.pending                               # nothing left: it may stop
+    demand[0] = 2                                           # the next request
+    policy.step()
+    confirm(ch)
+    assert ch.count(MAPPED) >= 4                            # the minimum is back at once
+
+
+def test_without_idle_release_an_idle_engine_keeps_its_minimum():
+    ch, pool, policy, now, demand = setup(mapped=8, min_bytes=4 * B, release_delay_s=10.0,
+                                          cache_hold_s=10.0)
+    for t in (0.0, 10.0, 100.0, 1000.0):
+        now[0] = t
+        policy.step()
+    assert ch.count(MAPPED) == 4 and not policy.pending
+
+
+def test_a_request_restarts_the_idle_clock():
+    ch, pool, policy, now, demand = setup(mapped=4, min_bytes=4 * B, idle_release_s=30.0)
+    policy.step()
+    now[0] = 20.0
+    demand[0] = 1
+    policy.step()                                           # busy at 20 s
+    demand[0] = 0
+    now[0] = 40.0
+    policy.step()                                           # idle since 40 s, not 0 s
+    assert ch.count(MAPPED) == 4
+    now[0] = 70.0
+    policy.step()
+    assert ch.count(MAPPED) == 1
+
+
+def test_idle_release_is_checked_like_every_option():
+    with pytest.raises(ValueError, match="idle_release_s"):
+        PolicyOptions(idle_release_s=-1)
+    with pytest.raises(ValueError, match="idle_release_s"):
+        PolicyOptions(idle_release_s=True)

@@ -133,3 +133,41 @@ def test_a_killed_engines_demand_is_not_served(tmp_path):
     run([a], now, 10)
     assert a.policy.stats.evicted_cached == before  # ...and asks for nothing
     assert a.policy.stats.yields == 1
+
+
+def test_an_engine_started_first_makes_room_for_one_started_later(tmp_path):
+    """Engines whose records say their non-KV memory (proxima serve's sizing): the first,
+    alone, may grow to the whole GPU; once a second registers, the first's maximum is the
+    GPU less both engines' non-KV memory and the second's minimum, and what it held above
+    that without live blocks goes back."""
+    now = [0.0]
+    gpu = Gpu(capacity=32)
+    path = tmp_path / "proxima-ledger-0.json"
+
+    def engine(name, nonkv, mapped, **options):
+        e = Engine.__new__(Engine)
+        e.ch = ElasticChannel(32 * G, G)
+        e.pool = Pool(e.ch, mapped)
+        e.demand = [0]
+        e.policy = GrowShrinkPolicy(e.pool, e.ch, B, PolicyOptions(
+            release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0, **options),
+            clock=lambda: now[0], forecast=lambda: e.demand[0])
+        e.gpu = gpu
+        gpu.deliver(e.ch)
+        e.shared = SharedPolicyStep(e.policy, Ledger(path, name=name, nonkv=nonkv * B),
+                                    gpu_memory=gpu.free_total)
+        return e
+
+    a = engine("a", nonkv=4, mapped=1)
+    a.demand[0] = 26 * G                         # a burst: a grows to what the GPU leaves it
+    run([a], now, 20)
+    assert a.policy.room_bytes == (32 - 4) * B and a.mapped == 27
+    a.demand[0] = 0                              # idle, but its cache is warm
+    for g in range(1, 27):
+        a.pool.cached[g] = G
+    b = engine("b", nonkv=6, mapped=1, min_bytes=4 * B)
+    run([a, b], now, 40)                          # 2 s: the bound, then a release delay
+    assert a.policy.room_bytes == (32 - 4 - 6 - 4) * B
+    assert a.policy.max_granules == 18 and a.mapped <= 18
+    assert a.mapped + 4 + b.mapped + 6 <= gpu.capacity    # b keeps its minimum and weights
+    assert b.policy.room_bytes == (32 - 6 - 4 - 1) * B    # a's minimum: the null granule

@@ -212,3 +212,41 @@ def test_elastic_on_one_gpu_runs_the_mp_executor_unless_one_was_chosen(serve_arg
     line = serve_flags.default_executor(args, argv)
     assert (line is not None) == (backend == "mp" and "--distributed" not in " ".join(argv))
     assert args.distributed_executor_backend == backend
+
+
+def test_idle_release_and_the_gpus_size_from_the_file_and_the_command_line(tmp_path,
+                                                                           monkeypatch):
+    file = tmp_path / "models.toml"
+    file.write_text(f'gpu_memory_bytes = "80GiB"\n[[models]]\nname = "chat"\npath = "{TINY}"\n'
+                    f'idle_release = 300\n')
+    plan = parse_command_line(["--models", str(file),
+                               "--model", f"small={TINY} --idle-release 60"])
+    chat, small = plan.models
+    assert (chat.idle_release, small.idle_release, plan.gpu_bytes) == ("300", "60", 80 << 30)
+    assert parse_command_line(["--models", str(file), "--gpu-memory-bytes", "141GB"]
+                              ).gpu_bytes == 141 * 10**9           # the command line wins
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    _, _, _, engines = multi.prepare(["--models", str(file), "--port", str(_free())])
+    command = engines[0].command
+    assert command[command.index("--idle-release") + 1] == "300"
+    assert command[command.index("--gpu-memory-bytes") + 1] == str(80 << 30)
+
+
+def test_the_fit_counts_every_model_and_the_engines_already_on_the_gpu(tmp_path, monkeypatch):
+    from proxima.memory.ledger import Ledger, ledger_path
+
+    plan = parse_command_line(["--model", f"a={TINY}", "--model", f"b={TINY} --kv-min 1GiB"])
+    assert multi.check_fit(plan) is None                   # no GPU size known yet
+    facts = {"devices": [{"total_memory": 8 << 30, "uuid": "GPU-fit"}]}
+    need = multi.check_fit(plan, facts)
+    assert 5.5 * 2**30 < need < 5.6 * 2**30                # 2 x ~2 GiB + 0.5 GiB + 1 GiB
+    monkeypatch.setenv("PROXIMA_LEDGER_DIR", str(tmp_path))
+    other = Ledger(ledger_path("GPU-fit"), model="big", nonkv=2 << 30)
+    other.post(1 << 30, 1 << 30)                           # an engine already there: 3 GiB
+    try:
+        with pytest.raises(UserError, match=r"a 2.50 GiB \+ b 3.00 GiB \+ 1 engine\(s\) "
+                                            r"already on it 3.00 GiB = 8.51 GiB > the GPU's "
+                                            r"8.00 GiB"):
+            multi.check_fit(plan, facts)
+    finally:
+        other.close()
