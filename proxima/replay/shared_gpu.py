@@ -104,6 +104,7 @@ class EngineStats:
     preemptions: int = 0
     busy_steps: int = 0
     steps: int = 0
+    scheduled_tokens: int = 0       # tokens computed: prefill chunks (recomputes too), decodes
     last_finish_tick: int = 0
     prefix_hits: int = 0
     prefix_queries: int = 0
@@ -205,6 +206,7 @@ class Engine:
             s.first_token.setdefault(rid, tick + 1)
         s.steps += 1
         s.busy_steps += out.total_num_scheduled_tokens > 0
+        s.scheduled_tokens += out.total_num_scheduled_tokens
         runner = _runner_output(out, sampling, requests, {})
         if self.memory is not None:
             runner.kv_connector_output = self.memory.worker_output(out, tick)
@@ -378,8 +380,9 @@ def _run(engines: list[Engine], gpu: Gpu | None, now: list, elastic: bool, gpu_b
             active.reverse()            # neither engine always steps (reads the ledger) first
         for e in active:
             e.step(tick)
+            if elastic:
+                gpu.sample()            # what the workers hold, maps in flight included
         if elastic:
-            gpu.sample()
             row = (tick + 1, *(e.memory.mapped_bytes() for e in engines))
             if row[1:] != memory[-1][1:]:
                 memory.append(row)

@@ -19,6 +19,12 @@ time to finish, prefix hits, memory per engine over time. The comparison line:
 
 A failed check is exit status 1 (the table, --json and --plot are still written).
 
+``prefix_hit_rate`` is vLLM's own figure, per lookup: a request waiting for memory is
+looked up again at every step it is tried, so two sides whose requests wait differently
+weigh their requests differently. ``scheduled_tokens`` (prefill chunks, recomputed ones
+included, and decodes) is the work each side did: the same outputs on both, so a lost
+prefix hit or a preemption's recompute shows as more of it.
+
 The steady load is sized from the GPU: each engine keeps as many requests in flight as its
 static half holds at their mean full length (prompt + output), so it is the load the
 static split is made for.
@@ -176,6 +182,7 @@ def side_report(result, step_seconds: float) -> dict:
             "requests": e.requests, "completed": e.completed, "preemptions": e.preemptions,
             **_latency(queue, ttft), "finish_steps": e.last_finish_tick,
             "busy_steps": e.busy_steps, "steps": e.steps,
+            "scheduled_tokens": e.scheduled_tokens,
             "prefix_hit_rate": e.prefix_hits / e.prefix_queries if e.prefix_queries else 0.0,
             "mean_mapped_bytes": _mean_mapped(result.memory, i, result.finish_ticks),
             "peak_mapped_bytes": max(row[i] for row in result.memory),
@@ -188,6 +195,7 @@ def side_report(result, step_seconds: float) -> dict:
              **_latency(queue_all, ttft_all), "finish_steps": result.finish_ticks,
              "finish_seconds": result.finish_ticks * step_seconds,
              "prefix_hit_rate": hits / queries if queries else 0.0,
+             "scheduled_tokens": sum(e.scheduled_tokens for e in result.engines),
              "peak_mapped_bytes": result.peak_mapped_bytes}
     return {"engines": engines, "total": total, "steps": result.ticks,
             "idle_cut": result.idle_cut, "memory_timeline": [list(r) for r in result.memory]}
@@ -234,6 +242,7 @@ def format_table(report: dict) -> str:
             row(f"  {name}", static["engines"][name][key], elastic["engines"][name][key])
     row("finish_seconds", s["finish_seconds"], e["finish_seconds"], lambda v: f"{v:.1f}")
     row("prefix_hit_rate", s["prefix_hit_rate"], e["prefix_hit_rate"], lambda v: f"{v:.4f}")
+    row("scheduled_tokens", s["scheduled_tokens"], e["scheduled_tokens"])
     for key in ("mean_mapped_bytes", "peak_mapped_bytes"):
         for name in static["engines"]:
             row(f"{key.removesuffix('_bytes')}_GiB {name}", static["engines"][name][key],
