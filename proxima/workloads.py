@@ -164,6 +164,70 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0,
     return Workload(name, specs, concurrency)
 
 
+# ---------------------------------------------------------------- two engines, one GPU
+#: workloads of ``proxima replay --engines 2`` (:mod:`proxima.replay.shared_gpu`): a pair
+#: of request lists, one per engine, of the same prefill-heavy mix -- issue 33's GPU burst
+#: shape (prompts of 2-6k tokens, outputs of 256-768) halved: prompts U[1024, 3072] tokens
+#: (one of each engine's 4 shared 256-token system prompts, then the question), outputs
+#: U[128, 384] -- in two shapes:
+#:   alternating-bursts  one engine busy while the other idles, then the other: 2 x 3
+#:                       bursts (A, B, A, B, A, B), TWO_BURST_GAP_STEPS apart, each of
+#:                       requests / 6 arriving within 50 steps
+#:   steady              both engines busy all the time, the same requests: a closed loop
+#:                       of ``in_flight`` requests on each (the caller sizes it)
+TWO_ENGINE_WORKLOADS = ("alternating-bursts", "steady")
+TWO_ENGINE_REQUESTS = 288
+TWO_BURST_ROUNDS, TWO_BURST_GAP_STEPS, TWO_PREFIX_TOKENS = 3, 1200, 256
+TWO_PROMPT, TWO_OUTPUT = (1024, 3072), (128, 384)
+
+
+@dataclass(frozen=True)
+class TwoEngineWorkload:
+    name: str
+    engines: tuple[Workload, Workload]
+
+
+def make_two_engine_workload(name: str, requests: int | None = None, seed: int = 0,
+                             max_model_len: int = 8192,
+                             in_flight: int | None = None) -> TwoEngineWorkload:
+    """One of :data:`TWO_ENGINE_WORKLOADS`: ``requests`` in all (default
+    :data:`TWO_ENGINE_REQUESTS`), half on each engine; ``in_flight``: steady's closed loop
+    on each engine (required there)."""
+    if name not in TWO_ENGINE_WORKLOADS:
+        raise UserError(f"unknown two-engine workload {name!r}: choose one of "
+                        f"{', '.join(TWO_ENGINE_WORKLOADS)}")
+    check_sizes(requests, max_model_len)
+    n = requests or TWO_ENGINE_REQUESTS
+    need = TWO_PROMPT[1] + TWO_OUTPUT[1]
+    if max_model_len < need:
+        raise UserError(f"--max-model-len {max_model_len} is too short for the {name} "
+                        f"workload (its requests take up to {TWO_PROMPT[1]} prompt + "
+                        f"{TWO_OUTPUT[1]} output tokens): use at least {need}")
+    if n < 2:
+        raise UserError(f"--requests {n} leaves an engine without requests: use at least 2")
+    if name == "steady" and (in_flight is None or in_flight < 1):
+        raise ValueError(f"steady needs in_flight >= 1, got {in_flight!r}")
+    rng = random.Random(f"two-engines:{seed}")
+    bursts = 2 * TWO_BURST_ROUNDS
+    per_burst = -(-n // bursts)
+    specs: tuple[list, list] = ([], [])
+    for e, tag in enumerate("AB"):
+        prefixes = [_tokens(rng, TWO_PREFIX_TOKENS) for _ in range(4)]
+        count = n // 2 + (n % 2 if e == 0 else 0)
+        for i in range(count):
+            prompt = prefixes[rng.randrange(4)] + _tokens(
+                rng, rng.randint(*TWO_PROMPT) - TWO_PREFIX_TOKENS)
+            out = rng.randint(*TWO_OUTPUT)
+            burst = 2 * (i // per_burst) + e              # A: 0, 2, 4; B: 1, 3, 5
+            jitter = rng.randint(0, 50)                   # drawn for both: same requests
+            arrival = burst * TWO_BURST_GAP_STEPS + jitter if name == "alternating-bursts" \
+                else 0
+            specs[e].append(RequestSpec(f"{tag}-{i}", prompt, out, arrival_step=arrival))
+    concurrency = in_flight if name == "steady" else None
+    return TwoEngineWorkload(name, tuple(Workload(f"{name}:{tag}", s, concurrency)
+                                         for tag, s in zip("AB", specs)))
+
+
 TRACE_KEYS = ("prompt_len", "output_len", "prefix_id", "prefix_len", "arrival_step")
 # How a trace file is read: a line is a small object (~100 bytes), so these bounds only
 # stop hostile or mistaken files (a 1 GB line, /dev/zero, [[[[...]]]], a 5,000-digit number)

@@ -33,8 +33,8 @@ from proxima.ioutil import check_distinct_paths, check_output_path, logs_to_stde
 from proxima.replay.elastic import MAP_GBPS_H200, UNMAP_GBPS_H200
 from proxima.replay.result import ReplayResult, combine
 from proxima.replay.table import format_table, parity_checks
-from proxima.workloads import MAX_REQUESTS, WORKLOADS, check_sizes, load_trace, \
-    make_workload
+from proxima.workloads import MAX_REQUESTS, TWO_ENGINE_REQUESTS, TWO_ENGINE_WORKLOADS, \
+    WORKLOADS, check_sizes, load_trace, make_workload
 
 DEFAULT_NUM_BLOCKS = 55735            # stock vLLM 0.26, Llama-3.1-8B, one H200, util 0.9
 PRESSURE_NUM_BLOCKS = 1920            # 30,720 tokens: the GPU baseline's pressure run
@@ -91,10 +91,18 @@ then the parity checks (same completed count, no more preemptions than stock, pr
 rate within 0.005, no block leaked; V1: request latency, the p50 and p99 of queue wait and
 of TTFT each at most 1.02x stock's) and the scheduler time ratio.
 
+--engines 2: one table of both sides, the static split and elastic, each figure in total
+and per engine (A, B); latency in steps of the shared clock; finish_steps: the step the
+last request finished; mean and peak mapped KV per engine. Then the comparison line:
+alternating-bursts, elastic must beat the static split (TTFT p99 lower, finished no
+later); steady, it must tie (queue wait and TTFT p50 and p99, and finish_steps, each at
+most 1.02x); both, the same completions, no block leaked, never more KV mapped than
+--gpu-kv.
+
 exit status:
   0    done, every parity check passed
   1    done, but a parity check FAILED: the table, --json and --plot are still written,
-       and stderr names the failed checks
+       and stderr names the failed checks (--engines 2: a comparison check)
   2    bad input (one line, nothing run or written)
   130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): the repeats already
        finished are kept (their table printed, --json and --plot written, "partial":
@@ -104,14 +112,17 @@ exit status:
 def add_arguments(p) -> None:
     p.epilog = COLUMNS
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", choices=WORKLOADS, default="chat",
-                     help="generated workload")
+    src.add_argument("--workload", choices=WORKLOADS + TWO_ENGINE_WORKLOADS,
+                     help="generated workload (default: chat; with --engines 2: "
+                          f"alternating-bursts; {' and '.join(TWO_ENGINE_WORKLOADS)} need "
+                          f"--engines 2)")
     src.add_argument("--trace", metavar="FILE",
                      help="JSONL trace, one request per line: prompt_len, output_len[, prefix_id, "
                           "prefix_len, arrival_step] (default: none, use --workload)")
     p.add_argument("--requests", type=int, metavar="N",
                    help=f"number of requests; with --trace its first N (default per workload: "
-                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500, bursts 800; at most "
+                        f"chat 100, sharegpt 1000, multiturn 400, pressure 500, bursts 800; "
+                        f"--engines 2: {TWO_ENGINE_REQUESTS} over both engines; at most "
                         f"{MAX_REQUESTS:,})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the generated prompts")
     p.add_argument("--num-blocks", type=int, metavar="B",
@@ -135,6 +146,12 @@ def add_arguments(p) -> None:
                    help="block ids per granule, the unit KV memory is mapped and given back "
                         "in: the reclaimable rows count granules without a live block "
                         "(32 = 2 MiB of a Llama-3.1-8B layer's KV, 64 KiB pages; V1 only)")
+    p.add_argument("--engines", type=int, default=1, metavar="N",
+                   help="1: one engine, stock vs Proxima; 2: two engines sharing one simulated "
+                        "GPU of --gpu-kv, each with vLLM's real scheduler, Proxima's elastic "
+                        "connector and policy and the GPU's ledger, against a static split "
+                        "(two stock engines, half the GPU's KV each); the elastic flags apply "
+                        "to each engine (V1 only)")
     p.add_argument("--elastic", action="store_true",
                    help="run Proxima's side in elastic KV mode (V1 only): the pool places by "
                         "granule and, with --elastic-policy auto, memory grows and shrinks "
@@ -151,6 +168,9 @@ def add_arguments(p) -> None:
                    help=f"with --elastic: least KV memory kept mapped, e.g. 4GiB ({SIZE_UNITS}; "
                         f"the replay's KV is shaped like Llama-3.1-8B's: 2 MiB per block; "
                         f"default: 0)")
+    p.add_argument("--kv-initial", metavar="SIZE",
+                   help=f"with --elastic: KV memory mapped at start-up, what is not wanted "
+                        f"going back after --release-delay ({SIZE_UNITS}; default: --kv-min)")
     p.add_argument("--kv-max", metavar="SIZE",
                    help=f"with --elastic: most KV memory mapped ({SIZE_UNITS}; default: the "
                         f"pool)")
@@ -174,7 +194,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-kv", metavar="SIZE",
                    help=f"with --elastic: room the simulated GPU has for this engine's KV (maps "
                         f"beyond it fail, as when another process holds the memory; "
-                        f"{SIZE_UNITS}; default: the pool)")
+                        f"{SIZE_UNITS}; default: the pool); with --engines 2: the GPU's KV "
+                        f"room the two engines share (default 16GiB)")
     p.add_argument("--compaction", metavar="MODE",
                    help="Proxima's runs with KV compaction planned after every schedule() "
                         "(copies counted, not made): 1 (the policy; V1 only; default: off)")
@@ -197,6 +218,9 @@ def add_arguments(p) -> None:
 
 def _validate(args) -> None:
     """Everything that can be checked before any work: numbers, bounds, output paths."""
+    from proxima.replay import two_engines
+
+    two_engines.check_choice(args)
     for name in ("requests", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "repeat"):
         value = getattr(args, name)
@@ -243,11 +267,14 @@ def _validate(args) -> None:
                         f"{MAX_NUM_BLOCKS:,} (--num-blocks' bound): use at most "
                         f"{MAX_NUM_BLOCKS:,}")
     elastic_flags = [f for f, v in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
+                                    ("--kv-initial", args.kv_initial),
                                     ("--gpu-kv", args.gpu_kv)) if v is not None]
-    if elastic_flags and not args.elastic:
+    if elastic_flags and not args.elastic and args.engines == 1:
         raise UserError(f"{elastic_flags[0]} needs --elastic")
     spec = _elastic_spec(args)       # checked without --elastic too: refused, not ignored
-    args.elastic_spec = spec if args.elastic else None
+    args.elastic_spec = spec if args.elastic or args.engines == 2 else None
+    if args.engines == 2:
+        two_engines.validate(args, spec, MAX_NUM_BLOCKS)
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot", suffix=".png")
     if args.plot:
@@ -268,6 +295,7 @@ def _elastic_spec(args):
     config.parse_eviction(args.eviction, "--eviction")
     sizes = {flag: config.parse_size(value, flag)
              for flag, value in (("--kv-min", args.kv_min), ("--kv-max", args.kv_max),
+                                 ("--kv-initial", args.kv_initial),
                                  ("--gpu-kv", args.gpu_kv)) if value is not None}
     headroom = config.parse_number(args.headroom, "--headroom", most=MAX_SHARE,
                                    unit="a share of the live blocks")
@@ -284,11 +312,19 @@ def _elastic_spec(args):
                                    unit="GB/s (0: at once)")
     if "--kv-max" in sizes and sizes["--kv-max"] < sizes.get("--kv-min", 0):
         raise UserError(f"--kv-max {args.kv_max} is below --kv-min {args.kv_min}")
+    extra = {}
+    if "--kv-initial" in sizes:
+        initial = sizes["--kv-initial"]
+        if initial < sizes.get("--kv-min", 0):
+            raise UserError(f"--kv-initial {args.kv_initial} is below --kv-min {args.kv_min}")
+        if "--kv-max" in sizes and initial > sizes["--kv-max"]:
+            raise UserError(f"--kv-initial {args.kv_initial} is above --kv-max {args.kv_max}")
+        extra["initial_bytes"] = initial
     return ElasticReplay(policy=args.elastic_policy, eviction=args.eviction,
                          min_bytes=sizes.get("--kv-min", 0), max_bytes=sizes.get("--kv-max"),
                          headroom=headroom, release_delay_s=delay, step_seconds=step,
                          gpu_bytes=sizes.get("--gpu-kv"),
-                         map_gbps=map_gbps)
+                         map_gbps=map_gbps, extra=extra)
 
 
 def _engine():
@@ -323,6 +359,11 @@ def _engine():
 
 def run(args) -> int:
     _validate(args)
+    if args.engines == 2:
+        from proxima.replay import two_engines
+
+        driver, version = _engine()
+        return two_engines.run(args, driver, version, _progress)
     if args.trace:
         workload = load_trace(args.trace, seed=args.seed, max_model_len=args.max_model_len,
                               limit=args.requests)

@@ -1,0 +1,110 @@
+"""Two engines on one simulated GPU (issue 33, item 5): `proxima replay --engines 2`, vLLM
+0.26's real schedulers, Proxima's real elastic connector and policy with a real ledger
+file, against a static split of two stock engines with half the GPU's KV each.
+
+Small sizes: a GPU of 4 GiB of Llama-3.1-8B KV (2,048 blocks, 64 granules of 64 MiB),
+48 requests, 64 running at most (vLLM's warm-up then maps 3 granules per engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxima.cli import main
+from proxima.engines import elastic_v1
+
+if elastic_v1.unsupported_reason():
+    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+
+GiB = 1 << 30
+GRANULE = 64 << 20
+GPU = 4 * GiB
+SMALL = ["--gpu-kv", "4GiB", "--requests", "48", "--max-num-seqs", "64"]
+
+
+def replay(path, *argv) -> tuple[int, dict]:
+    out = path / "two.json"
+    code = main(["replay", "--engines", "2", "--no-progress", "--json", str(out), *SMALL,
+                 *argv])
+    return code, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def alternating(tmp_path_factory):
+    path = tmp_path_factory.mktemp("two")
+    plot = []
+    try:
+        import matplotlib  # noqa: F401
+
+        plot = ["--plot", str(path / "two.png")]
+    except ImportError:
+        pass
+    code, report = replay(path, "--workload", "alternating-bursts", *plot)
+    return code, report, path / "two.png" if plot else None
+
+
+def test_elastic_beats_the_static_split_on_alternating_bursts(alternating, capsys):
+    code, report, _ = alternating
+    s, e = report["results"]["static"]["total"], report["results"]["elastic"]["total"]
+    assert e["completed"] == s["completed"] == 48
+    for side in ("static", "elastic"):
+        assert [x["completed"] for x in report["results"][side]["engines"].values()] == [24, 24]
+    # the busy engine borrows the idle one's memory: its last requests do not queue
+    assert e["ttft_p99_steps"] < s["ttft_p99_steps"]
+    assert e["queue_wait_p99_steps"] < s["queue_wait_p99_steps"]
+    assert e["finish_steps"] <= s["finish_steps"]
+    assert e["preemptions"] <= s["preemptions"]
+    assert code == 0 and all(report["checks"].values()), report["checks"]
+
+
+def test_the_engines_never_hold_more_than_the_gpu_and_each_borrows_beyond_its_half(
+        alternating):
+    _, report, _ = alternating
+    elastic = report["results"]["elastic"]
+    rows = elastic["memory_timeline"]
+    assert all(a + b <= GPU for _, a, b in rows)          # confirmed maps, every change
+    assert elastic["total"]["peak_mapped_bytes"] <= GPU    # the workers' (maps in flight too)
+    for name, engine in elastic["engines"].items():
+        assert engine["peak_mapped_bytes"] > GPU // 2, name
+        assert engine["elastic"]["failed_grow_attempts"] >= 1    # the GPU was full...
+        assert engine["elastic"]["yields"] >= 1, name            # ...and each gave way
+    static = report["results"]["static"]
+    assert static["memory_timeline"] == [[0, GPU // 2, GPU // 2]]
+
+
+def test_the_idle_engine_goes_back_to_its_minimum_during_the_others_burst(alternating):
+    """B's first burst arrives at step 1,200 (within 50 steps): A, idle since its own
+    burst, gives B what B asks for at once (the ledger) and the rest within a release
+    delay (10 s: 400 steps), down to its one granule (the null block's)."""
+    _, report, _ = alternating
+    rows = report["results"]["elastic"]["memory_timeline"]
+    at_min = [step for step, a, _ in rows if 1200 <= step < 2400 and a <= GRANULE]
+    assert at_min and at_min[0] <= 1200 + 50 + 400 + 50
+    # and, the load over, both end at their minimum
+    for engine in report["results"]["elastic"]["engines"].values():
+        assert engine["final_mapped_bytes"] == GRANULE
+        assert engine["elastic"]["bytes_returned"] > 0
+
+
+def test_the_plot_is_written(alternating):
+    _, _, plot = alternating
+    if plot is None:
+        pytest.skip("matplotlib is not installed")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_elastic_ties_on_a_steady_load_started_at_the_static_split(tmp_path, capsys):
+    """Both engines busy all the time, each with as many requests as its half holds:
+    started with half the GPU mapped each (--kv-initial), elastic schedules as the static
+    split does."""
+    code, report = replay(tmp_path, "--workload", "steady", "--kv-initial", "2GiB")
+    s, e = report["results"]["static"]["total"], report["results"]["elastic"]["total"]
+    assert report["settings"]["in_flight_per_engine"] == 1024 // 144
+    assert e["completed"] == s["completed"] == 48
+    for key in ("queue_wait_p50_steps", "queue_wait_p99_steps", "ttft_p50_steps",
+                "ttft_p99_steps", "finish_steps"):
+        assert e[key] <= 1.02 * s[key], key
+    assert code == 0 and all(report["checks"].values()), report["checks"]
+    assert "comparison (elastic must tie (within 1.02x) the static split): passed" in \
+        capsys.readouterr().out
