@@ -1,5 +1,6 @@
 """Proxima's allocator core: pure Python, imports neither torch nor vllm."""
 
-from proxima.allocator.buddy import AllocationError, BuddyAllocator, InvariantError, count_runs
+from proxima.allocator.errors import AllocationError, InvariantError
+from proxima.allocator.runs import RunAllocator, count_runs
 
-__all__ = ["AllocationError", "BuddyAllocator", "InvariantError", "count_runs"]
+__all__ = ["AllocationError", "InvariantError", "RunAllocator", "count_runs"]

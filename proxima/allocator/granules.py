@@ -48,7 +48,7 @@ from heapq import merge
 from itertools import islice
 from typing import Iterable, Iterator
 
-from proxima.allocator.buddy import InvariantError
+from proxima.allocator.errors import InvariantError
 
 LIVE, CACHED, FREE, UNMAPPED = "live", "cached", "free", "unmapped"
 FOREVER = 1 << 62                     # the end of a reserved id: never

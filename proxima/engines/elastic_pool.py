@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from proxima.allocator import BuddyAllocator
 from proxima.allocator.granules import (CLASSES, FINISHED, EvictionPolicy, GranuleIndex,
                                         ReuseHorizon)
 from proxima.engines.free_queue import ProximaFreeQueue, _clock

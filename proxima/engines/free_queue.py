@@ -2,10 +2,11 @@
 
 The free ids live in two tiers, the same two vLLM keeps in one list:
 
-* the buddy allocator holds every free id that may be handed out now: blocks that were
-  never cached or lost their hash (stock: ``prepend_n``, evicted first), plus cached
-  blocks demoted from the LRU tier when the buddy alone is too small (they keep their
-  hash until handed out, as in stock, where ``get_new_blocks`` evicts them);
+* the run allocator (the *buddy tier*, ``queue.buddy``) holds every free id that may be
+  handed out now: blocks that were never cached or lost their hash (stock:
+  ``prepend_n``, evicted first), plus cached blocks demoted from the LRU tier when the
+  buddy alone is too small (they keep their hash until handed out, as in stock, where
+  ``get_new_blocks`` evicts them);
 * the LRU tier holds free blocks that carry a prefix-cache hash (stock: ``append_n``),
   least recently used first. They are demoted to the buddy, LRU first, only when the
   buddy cannot serve a request: exactly the blocks stock vLLM would evict.
@@ -24,7 +25,7 @@ import time
 from bisect import bisect_right
 from typing import Iterator
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import RunAllocator
 
 _clock = time.perf_counter
 
@@ -99,7 +100,7 @@ class _LruTier:
 
 
 class ProximaFreeQueue:
-    """Drop-in for vLLM's ``FreeKVCacheBlockQueue``, backed by the buddy allocator.
+    """Drop-in for vLLM's ``FreeKVCacheBlockQueue``, backed by the run allocator.
 
     Eviction order (what ``popleft_n`` hands out first, and what ``iter_blocks_after``
     and ``get_all_free_blocks`` walk): the buddy tier, then the LRU tier, oldest first.
@@ -124,7 +125,7 @@ class ProximaFreeQueue:
         self._blocks = blocks
         for block in blocks:                # the links mean "in the LRU tier" here
             block.prev_free_block = block.next_free_block = None
-        self.buddy = BuddyAllocator(len(blocks), reserved=reserved)
+        self.buddy = RunAllocator(len(blocks), reserved=reserved)
         self._lru = _LruTier()              # cached free blocks, least recently used first
         self.after: int | None = None
         self.room: int | None = None

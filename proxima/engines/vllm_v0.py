@@ -13,7 +13,7 @@ Where Proxima sits (the data flow of docs/architecture.md, V0 edition)::
               -> CpuGpuBlockAllocator -> GPU: ProximaNaiveBlockAllocator or
                                               ProximaPrefixCachingBlockAllocator
                                          CPU (swap space): vLLM's own allocator
-              -> proxima.allocator.BuddyAllocator (block ids only)
+              -> proxima.allocator.RunAllocator (block ids only)
 
 V0 already hands every allocation the sequence's previous block (``prev_block``), so
 growing in place needs no new plumbing: ``after=prev_block.block_id``. What V0 does not
@@ -53,7 +53,7 @@ import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
-from proxima.allocator.buddy import BuddyAllocator
+from proxima.allocator import RunAllocator
 from proxima.engines import activation
 from proxima.engines.contiguity import ids_per_run
 from proxima.engines import status as _status
@@ -140,7 +140,7 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             block_pool = BlockPool(block_size, create_block, self, num_blocks * 4)
         self._block_pool = block_pool
         self._base = base
-        self.buddy = BuddyAllocator(num_blocks)
+        self.buddy = RunAllocator(num_blocks)
         self.room_hint: Optional[int] = None
         # When no room_hint is set: called (only when ids are handed out) for the room of
         # the sequence being served; the block manager installs it (decode growth).
@@ -331,7 +331,7 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
         self._cow_tracker = CopyOnWriteTracker(refcounter=self._refcounter.as_readonly())
 
     @property
-    def buddy(self) -> BuddyAllocator:
+    def buddy(self) -> RunAllocator:
         return self._hashless_allocator.buddy
 
     @property

@@ -199,7 +199,7 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
             room = -(-total // self.block_size) - have + partial_hit
             queue.room = room if room > 0 else 0
         # Room for everyone twice over: spread runs out (they may outgrow their room);
-        # otherwise pack them (see BuddyAllocator.allocate).
+        # otherwise pack them (see RunAllocator.allocate).
         queue.spread = 2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks
         try:
             new_blocks = original(self, request_id, num_tokens, *args, **kwargs)

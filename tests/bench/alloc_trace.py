@@ -13,7 +13,7 @@ hands blocks without a hash to ``prepend_n`` in that order). Three replays:
 
 * ``replay_vllm``: vLLM 0.26's ``FreeKVCacheBlockQueue`` (``popleft_n``, ``prepend_n``,
   ``remove``) over ``KVCacheBlock`` objects;
-* ``replay_proxima``: ``proxima.allocator.BuddyAllocator`` on ids (``allocate`` with the
+* ``replay_proxima``: ``proxima.allocator.RunAllocator`` on ids (``allocate`` with the
   growth hint the V1 adapter computes, ``free`` of the reversed ids, ``take``);
 * ``replay_proxima_queue``: Proxima's drop-in ``ProximaFreeQueue`` over the same
   ``KVCacheBlock`` objects, hints set as ``_wrap_allocate_new_blocks`` sets them.
@@ -69,9 +69,9 @@ def make_trace(num_requests: int = 2000, in_flight: int = 256, seed: int = 0):
 
 
 def setup_proxima(num_blocks: int):
-    from proxima.allocator import BuddyAllocator
+    from proxima.allocator import RunAllocator
 
-    return BuddyAllocator(num_blocks, reserved=(0,))
+    return RunAllocator(num_blocks, reserved=(0,))
 
 
 def replay_proxima(ops, a) -> Tally:

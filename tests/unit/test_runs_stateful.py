@@ -1,4 +1,4 @@
-"""Hypothesis stateful test: BuddyAllocator against a set of free ids.
+"""Hypothesis stateful test: RunAllocator against a set of free ids.
 
 Random interleavings of allocate (with and without ``after``, ``room`` and ``spread``),
 allocate_all, take, free of whole or partial allocations in any order, and bad frees,
@@ -14,13 +14,13 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxima.allocator import AllocationError, BuddyAllocator
+from proxima.allocator import AllocationError, RunAllocator
 from tests.unit.reference import (ClaimModel, canonical_blocks, free_runs, held_blocks,
                                   maximal_aligned_chunks)
 
 
-class CountingAllocator(BuddyAllocator):
-    """BuddyAllocator counting the ranges its frees give back (nothing else changes)."""
+class CountingAllocator(RunAllocator):
+    """RunAllocator counting the ranges its frees give back (nothing else changes)."""
 
     __slots__ = ("ranges_given_back",)
 
