@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from proxima.allocator.granules import (CLASSES, FINISHED, EvictionPolicy, GranuleIndex,
-                                        ReuseHorizon)
+from proxima.allocator.eviction import EvictionPolicy, ReuseHorizon
+from proxima.allocator.granules import CLASSES, FINISHED, GranuleIndex
 from proxima.engines.free_queue import ProximaFreeQueue, _clock
 
 

@@ -86,7 +86,7 @@ def _block_pool_class():
             (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`) with ``mapped``
             granules backed (None: all). Only on a fresh pool (nothing handed out but the
             null block); returns the new queue."""
-            from proxima.allocator.granules import EvictionPolicy
+            from proxima.allocator.eviction import EvictionPolicy
             from proxima.engines.elastic_pool import GranuleFreeQueue
 
             queue = self.free_block_queue

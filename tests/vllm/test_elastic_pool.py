@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxima.allocator.granules import EvictionPolicy
+from proxima.allocator.eviction import EvictionPolicy
 from proxima.engines.elastic_pool import GranuleFreeQueue
 
 
