@@ -3,14 +3,15 @@ contiguous runs as it can.
 
 :class:`RunAllocator` is an extent allocator: it keeps the free ids as maximal runs filed
 by the order of their length (:class:`~proxima.allocator.free_runs.FreeRuns`, Linux's
-``free_area`` holding runs instead of aligned blocks), and hands out ids, never memory
-(the caller maps them to its blocks).
+``free_area`` holding runs instead of aligned blocks), hands out ids, never memory (the
+caller maps them to its blocks), and takes what its caller knows about the next ids as
+an explicit :class:`~proxima.allocator.hint.AllocationHint`.
 
 Placement (:meth:`RunAllocator.allocate`):
 
-1. ``after=x`` and ``x+1 .. x+n`` free: those ids (the caller's run grows in place;
+1. ``hint.after=x`` and ``x+1 .. x+n`` free: those ids (the caller's run grows in place;
    the hot path, inline in :meth:`RunAllocator.allocate`).
-2. A new run of ``n`` ids with ``want = max(n, room)`` ids of space behind its
+2. A new run of ``n`` ids with ``want = max(n, hint.room)`` ids of space behind its
    start, placed by the passes of :mod:`proxima.allocator.run_placement` (spread, pack
    after a claim, smallest fit) and claiming the ids past it.
 3. No single run holds ``n`` ids: whole runs, longest first, then the remainder by
@@ -35,6 +36,7 @@ from typing import Iterable
 
 from proxima.allocator.errors import AllocationError
 from proxima.allocator.free_runs import ALLOCATED, FREE, RESERVED, FreeRuns
+from proxima.allocator.hint import AllocationHint
 from proxima.allocator.run_placement import gather, place
 
 _INTS = {int}
@@ -53,25 +55,28 @@ class RunAllocator(FreeRuns):
 
     # --------------------------------------------------------------- operations
 
-    def allocate(self, n: int, after: int | None = None, room: int | None = None,
-                 spread: bool = False) -> list[int]:
+    def allocate(self, n: int, hint: AllocationHint | None = None) -> list[int]:
         """Hand out ``n`` distinct free ids, as few contiguous runs as possible.
 
         Args:
             n: number of ids, an int ``0 <= n <= num_free``.
-            after: ``None`` or the caller's last id (an ALLOCATED id): if ``after+1 ..
-                after+n`` are all free, exactly those are returned (the caller's run
-                grows in place).
-            room: ``None`` or an int ``>= 0``: the ids the caller expects to need in all
-                from here (values below ``n`` count as ``n``). A new run is placed where
-                that many stay free behind its start, if such a place exists, and
-                claims the ids past the run (see :mod:`~proxima.allocator.free_runs`). Only a preference,
-                never a reservation.
-            spread: True or False: the pool has ample space for everyone's room:
-                share free space out buddy-style (split the largest slack) so that runs
-                can outgrow their stated room. False packs new runs right after their
-                neighbours' claims, which keeps the most space whole when the pool is
-                getting full. Read only with ``room``.
+            hint: None or an :class:`~proxima.allocator.hint.AllocationHint`; this reads
+                ``after``, ``room`` and ``spread`` (``end`` is the elastic queue's):
+
+                * ``after``: ``None`` or the caller's last id (an ALLOCATED id): if
+                  ``after+1 .. after+n`` are all free, exactly those are returned (the
+                  caller's run grows in place).
+                * ``room``: ``None`` or an int ``>= 0``: the ids the caller expects to
+                  need in all from here (values below ``n`` count as ``n``). A new run
+                  is placed where that many stay free behind its start, if such a place
+                  exists, and claims the ids past the run (see
+                  :mod:`~proxima.allocator.free_runs`). Only a preference, never a
+                  reservation.
+                * ``spread``: True or False: the pool has ample space for everyone's
+                  room: share free space out buddy-style (split the largest slack) so
+                  that runs can outgrow their stated room. False packs new runs right
+                  after their neighbours' claims, which keeps the most space whole when
+                  the pool is getting full. Read only with ``room``.
 
         Returns:
             the ids in order: ascending within each run, runs in the order taken.
@@ -79,6 +84,14 @@ class RunAllocator(FreeRuns):
         Raises:
             AllocationError: a bad argument, or ``n`` above ``num_free``; nothing changed.
         """
+        if hint is None:
+            after = room = None
+            spread = False
+        elif type(hint) is AllocationHint:
+            after, room, spread = hint.after, hint.room, hint.spread
+        else:
+            raise AllocationError(f"hint must be None or an AllocationHint, got "
+                                  f"{short_repr(hint)}")
         if (type(n) is not int or n < 1
                 or (room is not None and (type(room) is not int or room < 0))
                 or (spread is not False and spread is not True)):

@@ -53,7 +53,7 @@ import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
-from proxima.allocator import RunAllocator
+from proxima.allocator import AllocationHint, RunAllocator
 from proxima.engines import activation
 from proxima.engines.contiguity import ids_per_run
 from proxima.engines import status as _status
@@ -205,16 +205,16 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             while behind < want and is_free(last + 1 + behind):
                 behind += 1
             if behind == want:
-                return self._reserve(buddy.allocate(want, last), n)
+                return self._reserve(buddy.allocate(want, AllocationHint(last)), n)
         if want > n and buddy.largest_free_run >= want:
             # Rather one new run with all the room than a short piece in place. While
             # most of the pool is free, spread runs out (buddy split of the largest
             # slack) so a run can outgrow its room later (a conversation's next turn).
             spread = 2 * (buddy.num_blocks - buddy.num_free) <= buddy.num_blocks
-            return self._reserve(buddy.allocate(want, None, want, spread), n)
+            return self._reserve(buddy.allocate(want, AllocationHint(None, want, spread)), n)
         if behind >= n:
-            return self._reserve(buddy.allocate(behind, last), n)
-        return buddy.allocate(n, last, room)
+            return self._reserve(buddy.allocate(behind, AllocationHint(last)), n)
+        return buddy.allocate(n, AllocationHint(last, room))
 
     def _reserve(self, ids: List[int], n: int) -> List[int]:
         """Hand out ``ids[:n]``; keep the rest (consecutive) as the run's room."""

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from proxima.allocator import AllocationError, RunAllocator
+from proxima.allocator import AllocationError, AllocationHint, RunAllocator
 from tests.unit.reference import free_runs, held_blocks, maximal_aligned_chunks
 
 
@@ -82,10 +82,10 @@ def test_grows_in_place_when_the_next_ids_are_free():
     a = RunAllocator(1000, reserved=[0])
     ids = a.allocate(5)
     for step in range(20):
-        more = a.allocate(1, after=ids[-1])
+        more = a.allocate(1, AllocationHint(after=ids[-1]))
         assert more == [ids[-1] + 1]
         ids += more
-    chunk = a.allocate(7, after=ids[-1])
+    chunk = a.allocate(7, AllocationHint(after=ids[-1]))
     assert chunk == list(range(ids[-1] + 1, ids[-1] + 8))
     a.check()
 
@@ -94,7 +94,7 @@ def test_does_not_grow_in_place_when_an_id_is_taken():
     a = RunAllocator(64)
     ids = a.allocate(4)
     a.take(ids[-1] + 3)                      # blocks the third id after the run
-    more = a.allocate(3, after=ids[-1])
+    more = a.allocate(3, AllocationHint(after=ids[-1]))
     assert more != list(range(ids[-1] + 1, ids[-1] + 4))
     assert not set(more) & set(ids) and ids[-1] + 3 not in more
     a.check()
@@ -116,17 +116,18 @@ def test_room_prefers_a_run_where_the_request_can_grow():
     a = RunAllocator(64)
     keep = set(range(2, 5)) | set(range(30, 40))                      # runs of 3 and 10
     take_all_but(a, keep)
-    ids = a.allocate(2, room=8)
+    ids = a.allocate(2, AllocationHint(room=8))
     assert set(ids) <= set(range(30, 40))
-    more = a.allocate(6, after=ids[-1])
+    more = a.allocate(6, AllocationHint(after=ids[-1]))
     assert more == list(range(ids[-1] + 1, ids[-1] + 7))
 
 
 def test_new_runs_are_spread_so_that_each_can_grow():
     a = RunAllocator(4096, reserved=[0])
-    runs = [a.allocate(2, room=16) for _ in range(32)]
+    runs = [a.allocate(2, AllocationHint(room=16)) for _ in range(32)]
     for ids in runs:                         # every request can grow to its room in place
-        assert a.allocate(14, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 15))
+        grown = a.allocate(14, AllocationHint(after=ids[-1]))
+        assert grown == list(range(ids[-1] + 1, ids[-1] + 15))
     a.check()
 
 
@@ -234,18 +235,19 @@ def test_a_million_blocks_build_and_import_neither_torch_nor_vllm():
 
 def test_spread_shares_free_space_so_runs_can_outgrow_their_room():
     a = RunAllocator(4096, reserved=[0])
-    runs = [a.allocate(4, room=8, spread=True) for _ in range(16)]
+    runs = [a.allocate(4, AllocationHint(room=8, spread=True)) for _ in range(16)]
     for ids in runs:                         # each can grow 8x its stated room in place
-        assert a.allocate(60, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 61))
+        grown = a.allocate(60, AllocationHint(after=ids[-1]))
+        assert grown == list(range(ids[-1] + 1, ids[-1] + 61))
     a.check()
 
 
 def test_packing_keeps_the_rest_of_the_pool_whole():
     a = RunAllocator(4096, reserved=[0])
-    runs = [a.allocate(4, room=8, spread=False) for _ in range(16)]
+    runs = [a.allocate(4, AllocationHint(room=8, spread=False)) for _ in range(16)]
     assert a.largest_free_run >= 4096 - 1 - 16 * 8     # runs sit back to back by room
     for ids in runs:                         # and each still grows to its stated room
-        assert a.allocate(4, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 5))
+        assert a.allocate(4, AllocationHint(after=ids[-1])) == list(range(ids[-1] + 1, ids[-1] + 5))
     a.check()
 
 
@@ -273,10 +275,10 @@ def test_count_runs_counts_the_pieces_of_a_block_table():
 
 def test_a_claim_is_set_by_a_new_run_with_room_and_read_by_the_next_placement():
     a = RunAllocator(64)
-    first = a.allocate(4, room=10)
+    first = a.allocate(4, AllocationHint(room=10))
     assert first == [0, 1, 2, 3]
     assert a.claims() == {4: 10}                 # the free run [4, 64) is claimed to 10
-    second = a.allocate(4, room=4)
+    second = a.allocate(4, AllocationHint(room=4))
     assert second == [10, 11, 12, 13]            # packed right after the claim
     assert a.claims() == {4: 10}
     a.check()
@@ -284,18 +286,18 @@ def test_a_claim_is_set_by_a_new_run_with_room_and_read_by_the_next_placement():
 
 def test_a_claim_stays_while_its_owner_grows_and_ends_when_the_run_is_used_up():
     a = RunAllocator(64)
-    run = a.allocate(4, room=10)
-    a.allocate(4, room=4)                        # [10, 14): the claimed run is [4, 10)
-    run += a.allocate(3, after=run[-1])
+    run = a.allocate(4, AllocationHint(room=10))
+    a.allocate(4, AllocationHint(room=4))        # [10, 14): the claimed run is [4, 10)
+    run += a.allocate(3, AllocationHint(after=run[-1]))
     assert a.claims() == {7: 10}
-    run += a.allocate(3, after=run[-1])          # [4, 10) used up: the claim is gone
+    run += a.allocate(3, AllocationHint(after=run[-1]))  # [4, 10) used up: the claim is gone
     assert run == list(range(10)) and a.claims() == {}
     a.check()
 
 
 def test_freeing_the_owner_ends_its_claim_and_a_take_keeps_it_on_the_left():
     a = RunAllocator(64)
-    run = a.allocate(4, room=12)
+    run = a.allocate(4, AllocationHint(room=12))
     a.take(8)                                    # cuts the claimed run [4, 64)
     assert a.claims() == {4: 8}                  # left part [4, 8) keeps it; [9, 64) none
     a.free(run)
@@ -306,19 +308,19 @@ def test_freeing_the_owner_ends_its_claim_and_a_take_keeps_it_on_the_left():
 def test_with_the_same_free_ids_the_claims_explain_a_different_placement():
     """Claims are state beyond the free set, listed by claims() and checked by check()."""
     a, b = RunAllocator(64), RunAllocator(64)
-    a.allocate(4, room=20)
+    a.allocate(4, AllocationHint(room=20))
     b.allocate(4)
     assert [i for i in range(64) if a.is_free(i)] == [i for i in range(64) if b.is_free(i)]
     assert a.claims() == {4: 20} and b.claims() == {}
-    assert a.allocate(8, room=8) == list(range(20, 28))
-    assert b.allocate(8, room=8) == list(range(4, 12))
+    assert a.allocate(8, AllocationHint(room=8)) == list(range(20, 28))
+    assert b.allocate(8, AllocationHint(room=8)) == list(range(4, 12))
 
 
 # ------------------------------------------------------------------ frees, views
 
 def test_a_reversed_table_is_one_range_and_merges_whole():
     a = RunAllocator(1000, reserved=[0])
-    ids = a.allocate(300, room=300)
+    ids = a.allocate(300, AllocationHint(room=300))
     a.free(ids[::-1])                            # vLLM's order: tail first
     assert a.num_free_runs == 1 and a.largest_free_run == 999
     a.check()
@@ -333,3 +335,12 @@ def test_free_ids_from_and_the_buddy_view():
     assert list(a.free_blocks()) == [(6, 1), (8, 0), (10, 1), (12, 2), (16, 2)]
     assert a.free_blocks_by_order() == [1, 2, 2, 0, 0]
     assert a.free_runs() == [(6, 9), (10, 20)]
+
+
+def test_a_hint_continues_after_the_ids_handed_out():
+    hint = AllocationHint(after=4, room=10, spread=True, end=7)
+    assert hint.continued(9, 5) == AllocationHint(after=9, room=5, spread=True, end=7)
+    assert hint.continued(20, 12).room == 0                 # room never goes below 0
+    assert AllocationHint(room=3).continued(2, 3) == AllocationHint(after=2, room=0)
+    plain = AllocationHint(end=5)                            # no run to continue
+    assert plain.continued(9, 1) is plain

@@ -13,7 +13,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from proxima.allocator import AllocationError, RunAllocator
+from proxima.allocator import AllocationError, AllocationHint, RunAllocator
 from proxima.allocator.free_runs import ALLOCATED, FREE, RESERVED
 
 try:
@@ -47,11 +47,11 @@ def pools(draw):
         kind = draw(st.sampled_from(["alloc", "grow", "free", "take"]))
         if kind == "alloc" and a.num_free:
             k = draw(st.integers(1, a.num_free))
-            held.append(a.allocate(k, room=draw(st.one_of(st.none(), st.integers(0, 40))),
-                                   spread=draw(st.booleans())))
+            room = draw(st.one_of(st.none(), st.integers(0, 40)))
+            held.append(a.allocate(k, AllocationHint(room=room, spread=draw(st.booleans()))))
         elif kind == "grow" and held and a.num_free:
             run = draw(st.sampled_from(held))
-            run += a.allocate(1, after=run[-1], room=draw(st.integers(0, 20)))
+            run += a.allocate(1, AllocationHint(after=run[-1], room=draw(st.integers(0, 20))))
         elif kind == "free" and held:
             a.free(held.pop(draw(st.integers(0, len(held) - 1))))
         elif kind == "take" and a.num_free:
@@ -104,7 +104,7 @@ def test_allocate_refuses_a_bad_after(pool, data):
     if bad is None:                               # None is the default: a valid after
         return
     n = data.draw(st.integers(0, max(0, a.num_free)))
-    refused(a, lambda p: p.allocate(n, after=bad), bad)
+    refused(a, lambda p: p.allocate(n, AllocationHint(after=bad)), bad)
 
 
 @SETTINGS
@@ -115,10 +115,21 @@ def test_allocate_refuses_a_bad_room_or_spread(pool, data):
     n = data.draw(st.integers(0, a.num_free))
     if data.draw(st.booleans()):
         bad = data.draw(st.sampled_from([v for v in NOT_INTS if v is not None] + [-1, -7]))
-        refused(a, lambda p: p.allocate(n, after=after, room=bad), bad)
+        refused(a, lambda p: p.allocate(n, AllocationHint(after=after, room=bad)), bad)
     else:
         bad = data.draw(st.sampled_from([0, 1, "yes", None, 2.0, *NUMPY_INTS]))
-        refused(a, lambda p: p.allocate(n, after=after, room=4, spread=bad), bad)
+        refused(a, lambda p: p.allocate(n, AllocationHint(after=after, room=4, spread=bad)),
+                bad)
+
+
+@SETTINGS
+@given(pool=pools(), data=st.data())
+def test_allocate_refuses_a_hint_that_is_not_an_allocation_hint(pool, data):
+    a, held = pool
+    n = data.draw(st.integers(0, a.num_free))
+    bad = data.draw(st.sampled_from([v for v in NOT_INTS if v is not None]
+                                    + [(None, 4, False, 0), {"room": 4}]))
+    refused(a, lambda p: p.allocate(n, bad), bad)
 
 
 # ------------------------------------------------------------------ free, take, queries
@@ -224,8 +235,8 @@ def test_valid_edge_arguments_are_accepted(pool, data):
     either way, after == each held run's last id."""
     a, held = pool
     after = data.draw(st.sampled_from([None] + [run[-1] for run in held]))
-    assert a.allocate(0, after=after, room=0, spread=True) == []
+    assert a.allocate(0, AllocationHint(after=after, room=0, spread=True)) == []
     n = a.num_free
-    ids = a.allocate(n, after=after, room=0, spread=data.draw(st.booleans()))
+    ids = a.allocate(n, AllocationHint(after=after, room=0, spread=data.draw(st.booleans())))
     assert len(set(ids)) == n and a.num_free == 0
     a.check()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from proxima.allocator import InvariantError, RunAllocator
+from proxima.allocator import AllocationHint, InvariantError, RunAllocator
 from proxima.allocator.free_runs import ALLOCATED, FREE
 from proxima.engines.status import invariants_verdict
 
@@ -16,10 +16,10 @@ from proxima.engines.status import invariants_verdict
 def busy_pool() -> RunAllocator:
     """Runs, claims and a reserved id: every structure has something in it."""
     a = RunAllocator(200, reserved=(0,))
-    runs = [a.allocate(5, room=20) for _ in range(6)]
+    runs = [a.allocate(5, AllocationHint(room=20)) for _ in range(6)]
     a.free(runs[2])
     a.take(150)
-    a.allocate(3, after=runs[0][-1])
+    a.allocate(3, AllocationHint(after=runs[0][-1]))
     a.check()
     assert a.claims() and a.num_free_runs > 2
     return a
