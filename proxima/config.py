@@ -27,7 +27,7 @@ compared exactly, never through a float that overflows: ``1e400`` or a number of
 digits is out of range, one line, not a traceback.
 
 This module imports nothing of vLLM or torch (and nothing of Proxima but its errors; the
-eviction check asks :mod:`proxima.allocator.granules` when it runs).
+eviction check asks :mod:`proxima.allocator.eviction` when it runs).
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ def parse_count(value, name: str = "", *, least: int = 0, most: int = MAX_COUNT,
 
 
 def parse_eviction(value, name: str = "eviction") -> str:
-    """An eviction policy (:meth:`proxima.allocator.granules.EvictionPolicy.parse`), as
+    """An eviction policy (:meth:`proxima.allocator.eviction.EvictionPolicy.parse`), as
     given."""
-    from proxima.allocator.granules import EvictionPolicy
+    from proxima.allocator.eviction import EvictionPolicy
 
     try:
         EvictionPolicy.parse(value)

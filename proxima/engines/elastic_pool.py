@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from proxima.allocator import BuddyAllocator
-from proxima.allocator.granules import (CLASSES, FINISHED, EvictionPolicy, GranuleIndex,
-                                        ReuseHorizon)
+from proxima.allocator.eviction import EvictionPolicy, ReuseHorizon
+from proxima.allocator.granules import CLASSES, FINISHED, GranuleIndex
 from proxima.engines.free_queue import ProximaFreeQueue, _clock
 
 
@@ -47,8 +46,9 @@ class GranuleFreeQueue(ProximaFreeQueue):
             ``BlockPool._maybe_evict_cached_block``), for the blocks a release evicts;
             None leaves hashes alone.
 
-    The owner sets ``end_for`` (the step the request being served is expected to finish
-    at) before each allocation and calls :meth:`tick` once per scheduler step.
+    The owner sets ``hint`` before each allocation (its ``end``: the step the request
+    being served is expected to finish at; a pop without a hint places as the last hinted
+    one did) and calls :meth:`tick` once per scheduler step.
     """
 
     classes_preempted = True        # the manager's free wrapper marks a preemption's blocks
@@ -69,7 +69,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
                       for _ in range(CLASSES)]
         self.free_class = FINISHED      # set by the free wrapper around a preemption
         self.evict = evict
-        self.end_for = 0                # set by the manager wrapper before an allocation
+        self.last_end = 0               # the end of the last hint (for pops without one)
         self.now = 0
         self.allocated_total = 0        # blocks handed out since the start (popleft_n)
         self.early_evictions = 0        # cached blocks taken out of LRU order (the window)
@@ -119,8 +119,12 @@ class GranuleFreeQueue(ProximaFreeQueue):
             raise ValueError(f"Cannot get {n} free blocks: {self.num_free_blocks} are free in "
                              f"mapped memory")
         buddy, gi = self.buddy, self.granules
-        after, room = self.after, self.room
-        end = self.end_for
+        hint = self.hint
+        if hint is None:
+            after, end = None, self.last_end
+        else:
+            after, end = hint.after, hint.end
+            self.last_end = end
         G = gi.granule_blocks
         if self._revived:
             gi.set_end(self._revived, end)
@@ -152,10 +156,8 @@ class GranuleFreeQueue(ProximaFreeQueue):
             self._take_cached(victims, end)
             self.demoted += need
             ids += victims
-        if after is not None or room is not None:
-            self.after = ids[-1]
-            if room is not None:
-                self.room = room - n if room > n else 0
+        if hint is not None:                        # the run continues in the next pop
+            self.hint = hint.continued(ids[-1], n)
         free = buddy.num_free
         if free < self._walk_low:
             self._walk_low = free

@@ -86,7 +86,7 @@ class ElasticOptions:
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
     vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
-    ``eviction``: :meth:`proxima.allocator.granules.EvictionPolicy.parse` (``auto``,
+    ``eviction``: :meth:`proxima.allocator.eviction.EvictionPolicy.parse` (``auto``,
     ``lru``, ``age:N``, ``window:W``). ``compactor``: a hook, ``module:factory`` or
     ``{"factory": "module:factory", ...keyword arguments}``, called as ``factory(queue,
     channel, **kwargs)`` once the pool places by granule (policy ``auto`` or ``fixed``). A
@@ -165,7 +165,7 @@ class ElasticOptions:
         return dict(activation.read(activation.ELASTIC_OPTIONS_ENV, environ))
 
     def eviction_policy(self):
-        from proxima.allocator.granules import EvictionPolicy
+        from proxima.allocator.eviction import EvictionPolicy
 
         return EvictionPolicy.parse(self.eviction)
 

@@ -2,10 +2,11 @@
 
 The free ids live in two tiers, the same two vLLM keeps in one list:
 
-* the buddy allocator holds every free id that may be handed out now: blocks that were
-  never cached or lost their hash (stock: ``prepend_n``, evicted first), plus cached
-  blocks demoted from the LRU tier when the buddy alone is too small (they keep their
-  hash until handed out, as in stock, where ``get_new_blocks`` evicts them);
+* the run allocator (the *buddy tier*, ``queue.buddy``) holds every free id that may be
+  handed out now: blocks that were never cached or lost their hash (stock:
+  ``prepend_n``, evicted first), plus cached blocks demoted from the LRU tier when the
+  buddy alone is too small (they keep their hash until handed out, as in stock, where
+  ``get_new_blocks`` evicts them);
 * the LRU tier holds free blocks that carry a prefix-cache hash (stock: ``append_n``),
   least recently used first. They are demoted to the buddy, LRU first, only when the
   buddy cannot serve a request: exactly the blocks stock vLLM would evict.
@@ -24,7 +25,7 @@ import time
 from bisect import bisect_right
 from typing import Iterator
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import AllocationHint, RunAllocator
 
 _clock = time.perf_counter
 
@@ -99,7 +100,7 @@ class _LruTier:
 
 
 class ProximaFreeQueue:
-    """Drop-in for vLLM's ``FreeKVCacheBlockQueue``, backed by the buddy allocator.
+    """Drop-in for vLLM's ``FreeKVCacheBlockQueue``, backed by the run allocator.
 
     Eviction order (what ``popleft_n`` hands out first, and what ``iter_blocks_after``
     and ``get_all_free_blocks`` walk): the buddy tier, then the LRU tier, oldest first.
@@ -107,12 +108,15 @@ class ProximaFreeQueue:
     cached blocks (``append_n``); within the hash-less part stock keeps the most
     recently freed first, the buddy keeps no order (walked by ascending id).
 
-    ``after``/``room``/``spread`` are the growth hint, set by the manager wrapper around
-    one ``allocate_new_blocks`` and read by :meth:`popleft_n` (vLLM's own
-    ``BlockPool.get_new_blocks`` calls it unchanged). While a hint is set, each
-    ``popleft_n`` moves ``after`` to the last block it handed out and takes what it
-    handed out off ``room``, so the calls of one ``allocate_new_blocks`` (vLLM's
-    copy-on-write block for a partial prefix hit, then the new blocks) form one run.
+    ``hint`` (an :class:`~proxima.allocator.hint.AllocationHint` or None) is the one
+    place a hint waits for the next pops: vLLM's own ``BlockPool.get_new_blocks`` calls
+    ``popleft_n(n)`` with no room for another argument, so the manager wrapper sets
+    ``queue.hint`` around one ``allocate_new_blocks`` and clears it after; :meth:`popleft_n`
+    passes it to the allocator and replaces it by its continuation
+    (:meth:`~proxima.allocator.hint.AllocationHint.continued`: ``after`` is the last block
+    handed out, ``room`` less what was handed out), so the calls of one
+    ``allocate_new_blocks`` (vLLM's copy-on-write block for a partial prefix hit, then the
+    new blocks) form one run.
     """
 
     #: the manager wrapper sets the growth hint on this queue (vLLM's own queue: no)
@@ -124,12 +128,9 @@ class ProximaFreeQueue:
         self._blocks = blocks
         for block in blocks:                # the links mean "in the LRU tier" here
             block.prev_free_block = block.next_free_block = None
-        self.buddy = BuddyAllocator(len(blocks), reserved=reserved)
+        self.buddy = RunAllocator(len(blocks), reserved=reserved)
         self._lru = _LruTier()              # cached free blocks, least recently used first
-        self.after: int | None = None
-        self.room: int | None = None
-        self.spread = False
-        self.end_for = 0                    # read by the elastic queue only
+        self.hint: AllocationHint | None = None      # for the next pops (class doc)
         self.alloc_seconds = 0.0
         self.demoted = 0
         # The cursor walker's state (iter_blocks_after): the block it holds, stock's
@@ -155,26 +156,23 @@ class ProximaFreeQueue:
             return []
         t0 = _clock()
         buddy = self.buddy
-        after = self.after
-        room = self.room
+        hint = self.hint
         if n > buddy.num_free:
             # Everything free goes, plus exactly the blocks stock would evict now: the
             # least recently used cached ones. No placement choice is left, so they go
             # straight out (sorted, starting after the caller's last block).
             victims = self._pop_lru(n - buddy.num_free)     # checks there are enough first
             ids = sorted(buddy.allocate_all() + victims)
-            if after is not None:
-                i = bisect_right(ids, after)
+            if hint is not None and hint.after is not None:
+                i = bisect_right(ids, hint.after)
                 ids = ids[i:] + ids[:i]
         else:
-            ids = buddy.allocate(n, after, room, self.spread)
+            ids = buddy.allocate(n, hint)
         free = buddy.num_free
         if free < self._walk_low:
             self._walk_low = free                   # stock's hash-less stack ran this low
-        if after is not None or room is not None:   # a hint is set: the run continues
-            self.after = ids[-1]
-            if room is not None:
-                self.room = room - n if room > n else 0
+        if hint is not None:                        # the run continues in the next pop
+            self.hint = hint.continued(ids[-1], n)
         self.num_free_blocks -= n
         blocks = self._blocks
         out = [blocks[ids[0]]] if n == 1 else list(map(blocks.__getitem__, ids))

@@ -10,7 +10,7 @@ Layout::
 
     {"active": true, "pid": 1234, "engine": "vllm-v1", "vllm_version": "0.26.0",
      "num_blocks": 55735, "block_size": 16, "time": 1764470000.0,
-     "allocator": {<BuddyAllocator.stats()>}, "num_evictable": 12,
+     "allocator": {<RunAllocator.stats()>}, "num_evictable": 12,
      "running_blocks_per_run": [1.0, 3.5, ...], "alloc_seconds_total": 0.12, "steps": 420,
      "finished_blocks_per_run": {"count": 880, "mean": 12.0}, "invariants_ok": true}
 
@@ -70,7 +70,7 @@ def write_status(payload: dict, path: Path | None = None, wait: bool = True) -> 
 
 
 def invariants_verdict(buddy) -> dict:
-    """``{"invariants_ok": ...}`` for the live pool (``BuddyAllocator.check``, O(N), which
+    """``{"invariants_ok": ...}`` for the live pool (``RunAllocator.check``, O(N), which
     raises ``InvariantError``, also under ``python -O``), with the first broken invariant
     when there is one: what the self-check reads."""
     try:

@@ -14,7 +14,7 @@ Where Proxima sits (the data flow of docs/architecture.md, V0 edition)::
                                               ProximaPrefixCachingBlockAllocator
                                               (proxima.engines.vllm_v0_allocators)
                                          CPU (swap space): vLLM's own allocator
-              -> proxima.allocator.BuddyAllocator (block ids only)
+              -> proxima.allocator.RunAllocator (block ids only)
 
 V0 already hands every allocation the sequence's previous block (``prev_block``), so
 growing in place needs no new plumbing: ``after=prev_block.block_id``. What V0 does not

@@ -1,7 +1,7 @@
 """Proxima's GPU block allocators for vLLM 0.6.x's V0 block manager (the card stack).
 
 The ids vLLM's ``BlockAllocator`` interface hands out, picked by
-:class:`proxima.allocator.BuddyAllocator` instead of a free deque (see
+:class:`proxima.allocator.RunAllocator` instead of a free deque (see
 :mod:`proxima.engines.vllm_v0` for where they sit and what stays vLLM's):
 
 * :class:`ProximaNaiveBlockAllocator`: ``NaiveBlockAllocator`` over the buddy, with the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from proxima.allocator.buddy import BuddyAllocator
+from proxima.allocator import AllocationHint, RunAllocator
 
 try:
     from vllm.core.block.common import CopyOnWriteTracker, RefCounter
@@ -89,7 +89,7 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             block_pool = BlockPool(block_size, create_block, self, num_blocks * 4)
         self._block_pool = block_pool
         self._base = base
-        self.buddy = BuddyAllocator(num_blocks)
+        self.buddy = RunAllocator(num_blocks)
         self.room_hint: Optional[int] = None
         # When no room_hint is set: called (only when ids are handed out) for the room of
         # the sequence being served; the block manager installs it (decode growth).
@@ -154,16 +154,16 @@ class ProximaNaiveBlockAllocator(NaiveBlockAllocator):
             while behind < want and is_free(last + 1 + behind):
                 behind += 1
             if behind == want:
-                return self._reserve(buddy.allocate(want, last), n)
+                return self._reserve(buddy.allocate(want, AllocationHint(last)), n)
         if want > n and buddy.largest_free_run >= want:
             # Rather one new run with all the room than a short piece in place. While
             # most of the pool is free, spread runs out (buddy split of the largest
             # slack) so a run can outgrow its room later (a conversation's next turn).
             spread = 2 * (buddy.num_blocks - buddy.num_free) <= buddy.num_blocks
-            return self._reserve(buddy.allocate(want, None, want, spread), n)
+            return self._reserve(buddy.allocate(want, AllocationHint(None, want, spread)), n)
         if behind >= n:
-            return self._reserve(buddy.allocate(behind, last), n)
-        return buddy.allocate(n, last, room)
+            return self._reserve(buddy.allocate(behind, AllocationHint(last)), n)
+        return buddy.allocate(n, AllocationHint(last, room))
 
     def _reserve(self, ids: List[int], n: int) -> List[int]:
         """Hand out ``ids[:n]``; keep the rest (consecutive) as the run's room."""
@@ -280,7 +280,7 @@ class ProximaPrefixCachingBlockAllocator(PrefixCachingBlockAllocator):
         self._cow_tracker = CopyOnWriteTracker(refcounter=self._refcounter.as_readonly())
 
     @property
-    def buddy(self) -> BuddyAllocator:
+    def buddy(self) -> RunAllocator:
         return self._hashless_allocator.buddy
 
     @property

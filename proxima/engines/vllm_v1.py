@@ -9,8 +9,9 @@ What changes when active, and nothing else:
   eviction, KV events, metrics -- is vLLM's own code, run unchanged.
 * Each ``SingleTypeKVCacheManager.allocate_new_blocks`` (the one place that knows which
   request a block is for) tells the queue "continue after this request's last block" and
-  how many blocks the request may still need, so prefill chunks and decode steps extend
-  the request's run in place.
+  how many blocks the request may still need (one :class:`~proxima.allocator.hint.
+  AllocationHint`, ``queue.hint``), so prefill chunks and decode steps extend the
+  request's run in place.
 
 The pool chooses its queue when it is built (:class:`ProximaFreeQueue`, or the elastic
 pool's granule-aware one): the wrappers below ask the queue what it does
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 
+from proxima.allocator import AllocationHint
 from proxima.engines import activation
 from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
 from proxima.engines import patches
@@ -90,7 +92,7 @@ def _block_pool_class():
             (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`) with ``mapped``
             granules backed (None: all). Only on a fresh pool (nothing handed out but the
             null block); returns the new queue."""
-            from proxima.allocator.granules import EvictionPolicy
+            from proxima.allocator.eviction import EvictionPolicy
             from proxima.engines.elastic_pool import GranuleFreeQueue
 
             queue = self.free_block_queue
@@ -188,26 +190,28 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
         if not getattr(queue, "takes_hints", False):      # a stock queue: no hints
             return original(self, request_id, num_tokens, *args, **kwargs)
         last = req_blocks[-1] if req_blocks else None
-        queue.after = None if last is None or last.is_null else last.block_id
         total = pool.proxima_expected_tokens.get(request_id)
-        # The step this request is expected to finish at (elastic placement groups
-        # blocks that end together): now + the tokens it may still generate.
-        queue.end_for = pool.proxima_steps + (total - num_tokens if total and
-                                              total > num_tokens else 0)
         if total is None:
-            queue.room = None
+            room = None
         else:
             # Blocks it may still need; with a partial prefix hit vLLM first takes a
             # copy-on-write block for the shared last one, so the run holds one more.
             room = -(-total // self.block_size) - have + partial_hit
-            queue.room = room if room > 0 else 0
-        # Room for everyone twice over: spread runs out (they may outgrow their room);
-        # otherwise pack them (see BuddyAllocator.allocate).
-        queue.spread = 2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks
+            room = room if room > 0 else 0
+        # The one place a hint is set: vLLM's get_new_blocks pops with popleft_n(n) alone,
+        # so the queue holds it for the pops of this call. after: the request's last block;
+        # spread: room for everyone twice over, so runs spread out (they may outgrow their
+        # room), else pack (RunAllocator.allocate); end: the step this request is expected
+        # to finish at, now + the tokens it may still generate (elastic placement groups
+        # blocks that end together).
+        queue.hint = AllocationHint(
+            None if last is None or last.is_null else last.block_id, room,
+            2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks,
+            pool.proxima_steps + (total - num_tokens if total and total > num_tokens else 0))
         try:
             new_blocks = original(self, request_id, num_tokens, *args, **kwargs)
         finally:
-            queue.after = queue.room = None
+            queue.hint = None
             if pool.proxima_status.path is not None and self not in pool.proxima_managers:
                 pool.proxima_managers.append(self)      # the status reads their tables
         compaction = pool.proxima_compaction

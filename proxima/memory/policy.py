@@ -13,7 +13,7 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   what they hold) and ``reserve_blocks`` what one step may allocate. *Free* counts the free
   and cached blocks of mapped granules -- what vLLM's scheduler admits against -- less,
   while the engine is busy, the cached blocks young enough to be hit again (younger than
-  the pool's reuse horizon, :class:`proxima.allocator.granules.ReuseHorizon`): a cache
+  the pool's reuse horizon, :class:`proxima.allocator.eviction.ReuseHorizon`): a cache
   that is being reused keeps its memory.
 * **Grow** at once when free (plus maps in flight) is below wanted: map enough granules
   to reach wanted plus a *band* (``band`` of the mapped granules, at least one), never

@@ -13,7 +13,7 @@ hands blocks without a hash to ``prepend_n`` in that order). Three replays:
 
 * ``replay_vllm``: vLLM 0.26's ``FreeKVCacheBlockQueue`` (``popleft_n``, ``prepend_n``,
   ``remove``) over ``KVCacheBlock`` objects;
-* ``replay_proxima``: ``proxima.allocator.BuddyAllocator`` on ids (``allocate`` with the
+* ``replay_proxima``: ``proxima.allocator.RunAllocator`` on ids (``allocate`` with the
   growth hint the V1 adapter computes, ``free`` of the reversed ids, ``take``);
 * ``replay_proxima_queue``: Proxima's drop-in ``ProximaFreeQueue`` over the same
   ``KVCacheBlock`` objects, hints set as ``_wrap_allocate_new_blocks`` sets them.
@@ -69,12 +69,14 @@ def make_trace(num_requests: int = 2000, in_flight: int = 256, seed: int = 0):
 
 
 def setup_proxima(num_blocks: int):
-    from proxima.allocator import BuddyAllocator
+    from proxima.allocator import RunAllocator
 
-    return BuddyAllocator(num_blocks, reserved=(0,))
+    return RunAllocator(num_blocks, reserved=(0,))
 
 
 def replay_proxima(ops, a) -> Tally:
+    from proxima.allocator import AllocationHint
+
     held: dict[int, list[int]] = {}
     last_freed: list[int] = []
     allocated = freed = taken = 0
@@ -84,9 +86,9 @@ def replay_proxima(ops, a) -> Tally:
             _, rid, n, total = op
             ids = held.get(rid)
             if ids is None:
-                held[rid] = a.allocate(n, room=total)
+                held[rid] = a.allocate(n, AllocationHint(room=total))
             else:
-                ids += a.allocate(n, after=ids[-1], room=total - len(ids))
+                ids += a.allocate(n, AllocationHint(after=ids[-1], room=total - len(ids)))
             allocated += n
         elif kind == "free":
             ids = held.pop(op[1])
@@ -149,6 +151,8 @@ def setup_proxima_queue(num_blocks: int):
 
 
 def replay_proxima_queue(ops, q) -> Tally:
+    from proxima.allocator import AllocationHint
+
     held: dict[int, list] = {}
     last_freed: list = []
     allocated = freed = taken = 0
@@ -158,13 +162,12 @@ def replay_proxima_queue(ops, q) -> Tally:
             _, rid, n, total = op
             got = held.get(rid)
             if got is None:
-                q.room = total
+                q.hint = AllocationHint(room=total)
                 held[rid] = q.popleft_n(n)
             else:
-                q.after = got[-1].block_id
-                q.room = total - len(got)
+                q.hint = AllocationHint(after=got[-1].block_id, room=total - len(got))
                 got += q.popleft_n(n)
-            q.after = q.room = None
+            q.hint = None
             allocated += n
         elif kind == "free":
             got = held.pop(op[1])

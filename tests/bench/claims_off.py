@@ -3,14 +3,14 @@ them?), on the replays of docs/benchmarks.md section 1:
 
     ./dev python -m tests.bench.claims_off
 
-"off" gives no new run a claim (``BuddyAllocator._take`` is called with claim 0): ``room``
+"off" gives no new run a claim (``RunAllocator._take`` is called with claim 0): ``room``
 still chooses where a run goes but leaves nothing behind it for later placements. Prints
 Proxima's blocks per run and single-run fraction for both; stock is unaffected.
 """
 
 from __future__ import annotations
 
-from proxima.allocator import buddy
+from proxima.allocator import RunAllocator
 from proxima.replay.driver_v1 import run_replay
 from proxima.workloads import make_workload
 
@@ -25,14 +25,14 @@ def contiguity(name: str, num_blocks: int, prefix_caching: bool) -> tuple[float,
 
 
 def main() -> None:
-    take = buddy.BuddyAllocator._take
+    take = RunAllocator._take
     for name, num_blocks, prefix_caching in CASES:
         on = contiguity(name, num_blocks, prefix_caching)
-        buddy.BuddyAllocator._take = lambda self, a, b, c, d, claim=0: take(self, a, b, c, d, 0)
+        RunAllocator._take = lambda self, a, b, c, d, claim=0: take(self, a, b, c, d, 0)
         try:
             off = contiguity(name, num_blocks, prefix_caching)
         finally:
-            buddy.BuddyAllocator._take = take
+            del RunAllocator._take          # FreeRuns._take again
         label = name + ("" if prefix_caching else " --no-prefix-caching")
         print(f"{label:30} blocks per run: claims {on[0]:6.2f}, none {off[0]:6.2f};  "
               f"single-run fraction: claims {on[1]:.3f}, none {off[1]:.3f}", flush=True)

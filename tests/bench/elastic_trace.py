@@ -72,7 +72,10 @@ def record(requests: int = 400, num_blocks: int = 20480) -> dict:
             return out
         return call
 
-    hint = (lambda q: (q.after, q.room, q.end_for, q.spread))
+    def hint(q):                # (after, room, end, spread); a pop without a hint places
+        h = q.hint              # as one with neither after nor room and the last end
+        return (None, None, q.last_end, False) if h is None else (h.after, h.room, h.end,
+                                                                   h.spread)
     patches = {
         "__init__": __init__,
         "tick": recorded("tick", lambda q, a, o, p: ("tick", a[0])),
@@ -116,6 +119,8 @@ def setup(trace: dict):
 
 def replay(trace: dict, queue, blocks, thrash: int = 0) -> tuple[dict, int]:
     """Make the recorded calls on ``queue``: (seconds per kind of call, mismatches)."""
+    from proxima.allocator import AllocationHint
+
     seconds: collections.Counter = collections.Counter()
     mismatches = 0
     junk = [float(i) for i in range(thrash)] if thrash else None
@@ -125,11 +130,11 @@ def replay(trace: dict, queue, blocks, thrash: int = 0) -> tuple[dict, int]:
             sum(junk)
         if kind == "pop":
             _, n, after, room, end, spread, want = op
-            queue.after, queue.room, queue.end_for, queue.spread = after, room, end, spread
+            queue.hint = AllocationHint(after, room, spread, end)
             t0 = perf_counter()
             out = queue.popleft_n(n)
             seconds[kind] += perf_counter() - t0
-            queue.after = queue.room = None
+            queue.hint = None
             got = [b.block_id for b in out]
             for block in out:                    # vLLM's get_new_blocks drops their hashes
                 block.reset_hash()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from proxima.allocator import buddy as buddy_mod
+from proxima.allocator import RunAllocator
 from proxima.engines import vllm_v1
 from proxima.replay.driver_v1 import run_replay
 from proxima.workloads import WORKLOADS, make_workload
@@ -23,7 +23,7 @@ from proxima.workloads import WORKLOADS, make_workload
 
 def profile(workload: str, requests: int | None, prefix_caching: bool, num_blocks: int) -> dict:
     counts = {"prepend_calls": 0, "prepend_ids": 0, "prepend_seconds": 0.0, "ranges": 0}
-    cls = buddy_mod.BuddyAllocator
+    cls = RunAllocator
     original_give_back = cls._give_back_range
     original_prepend = vllm_v1.ProximaFreeQueue.prepend_n
     inside = [False]

@@ -84,6 +84,6 @@ def test_zz_ratio_of_time_per_op(record_property, capsys):
     with capsys.disabled():
         print(f"\ntime per op over {len(TRACE)} ops (median of {ROUNDS} rounds): "
               f"vLLM FreeKVCacheBlockQueue {RESULTS['vllm'] * 1e6:.3f} us, "
-              f"Proxima BuddyAllocator {RESULTS['proxima'] * 1e6:.3f} us (ratio {ratio:.3f}), "
+              f"Proxima RunAllocator {RESULTS['proxima'] * 1e6:.3f} us (ratio {ratio:.3f}), "
               f"ProximaFreeQueue {RESULTS['proxima-queue'] * 1e6:.3f} us "
               f"(ratio {queue_ratio:.3f}); target <= 1.10")

@@ -7,7 +7,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import RunAllocator
 from proxima.engines.status import write_status
 from proxima.serve.app import create_app
 from proxima.serve.engine_checks import CANARY_HEADER
@@ -55,7 +55,7 @@ def test_metrics_are_served_before_the_engine_exists(args, tmp_path, monkeypatch
     monkeypatch.setenv("PROXIMA_STATS_FILE", str(path))
     client = TestClient(create_app(args))
     assert "proxima_active 0.0" in client.get("/metrics").text
-    write_status({"active": True, "allocator": BuddyAllocator(4096).stats()}, path)
+    write_status({"active": True, "allocator": RunAllocator(4096).stats()}, path)
     text = client.get("/metrics").text
     assert "proxima_active 1.0" in text and "proxima_free_blocks 4096.0" in text
 

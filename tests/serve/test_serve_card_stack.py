@@ -72,7 +72,7 @@ def test_gate_in_front_of_vllm06_app(serve_args, tmp_path, monkeypatch):
     from starlette.testclient import TestClient
     from vllm.entrypoints.openai.api_server import build_app
 
-    from proxima.allocator import BuddyAllocator
+    from proxima.allocator import RunAllocator
     from proxima.engines.status import write_status
     from proxima.serve import metrics
     from proxima.serve.app import create_app
@@ -89,7 +89,7 @@ def test_gate_in_front_of_vllm06_app(serve_args, tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     inner = build_app(args)
     metrics.add_to_vllm0_app(inner)
-    write_status({"active": True, "engine": "vllm-v0", "allocator": BuddyAllocator(256).stats(),
+    write_status({"active": True, "engine": "vllm-v0", "allocator": RunAllocator(256).stats(),
                   "invariants_ok": True}, stats)
     gate.supervisor.inner, gate.supervisor.phase = inner, READY
     text = client.get("/metrics").text

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import RunAllocator
 from proxima.engines.status import read_status, write_status
 from proxima.serve.engine_checks import (CANARY_HEADER, check_active, check_invariants,
                                          pick_invariants_status, run_canary)
@@ -23,7 +23,7 @@ def status_file(tmp_path, **fields) -> dict:
     path = tmp_path / "engine-status.json"
     write_status({"active": True, "engine": "vllm-v1", "vllm_version": "0.26.0",
                   "num_blocks": 1000, "block_size": 16,
-                  "allocator": BuddyAllocator(1000).stats(), "steps": 0, **fields}, path)
+                  "allocator": RunAllocator(1000).stats(), "steps": 0, **fields}, path)
     return read_status(path)  # written by this process: its pid is ours
 
 

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import RunAllocator
 from proxima.engines.status import write_status
 from proxima.serve.metrics import ProximaCollector
 
@@ -22,8 +22,8 @@ def scrape(path) -> dict:
     return samples
 
 
-def a_fragmented_pool() -> BuddyAllocator:
-    pool = BuddyAllocator(1000)
+def a_fragmented_pool() -> RunAllocator:
+    pool = RunAllocator(1000)
     runs = [pool.allocate(n) for n in (7, 30, 5, 100, 3)]
     pool.free(runs[1])
     pool.free(runs[3])
@@ -67,7 +67,7 @@ def test_gauges_follow_the_status_file(tmp_path):
 
 def test_each_scrape_reads_the_latest_snapshot(tmp_path):
     path = tmp_path / "s.json"
-    pool = BuddyAllocator(64)
+    pool = RunAllocator(64)
     write_status({"active": True, "allocator": pool.stats()}, path)
     assert scrape(path)[("proxima_free_blocks", ())] == 64
     pool.allocate(10)
@@ -93,13 +93,13 @@ def test_status_age(tmp_path):
 
 def test_compaction_figures_appear_when_the_engine_compacts(tmp_path):
     path = tmp_path / "s.json"
-    write_status({"active": True, "allocator": BuddyAllocator(64).stats()}, path)
+    write_status({"active": True, "allocator": RunAllocator(64).stats()}, path)
     assert not any(name.startswith("proxima_compaction") for name, _ in scrape(path))
     compaction = {"mode": "auto", "relocations": 120, "bytes_moved": 120 * 2 << 20,
                   "steps_with_moves": 7, "live_moved": 50, "cached_moved": 60,
                   "gpu_ms": {"p50": 0.05, "p99": 0.4, "max": 0.5},
                   "plan_ms": {"p50": None, "p99": None, "max": None}}
-    write_status({"active": True, "allocator": BuddyAllocator(64).stats(),
+    write_status({"active": True, "allocator": RunAllocator(64).stats(),
                   "compaction": compaction}, path)
     got = scrape(path)
     g = lambda name, **labels: got[(name, tuple(sorted(labels.items())))]

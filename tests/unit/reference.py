@@ -99,7 +99,7 @@ class ClaimModel:
         self.by_end.clear()
 
     def expected(self, free: set[int]) -> dict[int, int]:
-        """What ``BuddyAllocator.claims()`` must say."""
+        """What ``RunAllocator.claims()`` must say."""
         out = {}
         for end, claim in self.by_end.items():
             start = run_containing(free, end - 1)[0]

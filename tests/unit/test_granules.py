@@ -1,4 +1,5 @@
-"""proxima.allocator.granules: the per-granule index, the eviction policy, the reuse horizon.
+"""proxima.allocator.granules (the per-granule index) and .eviction (the eviction policy, the
+reuse horizon).
 
 Pure Python. The index is driven through its transitions the way its owner (the elastic
 free queue) drives it; the stateful test in tests/vllm/test_elastic_pool.py drives it
@@ -8,8 +9,8 @@ through the queue against a reference model.
 import pytest
 
 from proxima.allocator import InvariantError
-from proxima.allocator.granules import (FINISHED, FOREVER, PREEMPTED, EvictionPolicy,
-                                        GranuleIndex, ReuseHorizon)
+from proxima.allocator.eviction import EvictionPolicy, ReuseHorizon
+from proxima.allocator.granules import FINISHED, FOREVER, PREEMPTED, GranuleIndex
 
 
 def index(num_blocks=64, G=8, **kw) -> GranuleIndex:

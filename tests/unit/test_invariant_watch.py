@@ -1,6 +1,6 @@
 """The engine's invariant verdict: renewed at most once a minute, carried in every snapshot."""
 
-from proxima.allocator import BuddyAllocator
+from proxima.allocator import RunAllocator
 from proxima.engines import status
 
 
@@ -8,14 +8,14 @@ def test_verdict_is_renewed_once_per_interval(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(status.time, "monotonic", lambda: clock[0])
     calls = []
-    real_check = BuddyAllocator.check
+    real_check = RunAllocator.check
 
     def counted(self):
         calls.append(1)
         return real_check(self)
 
-    monkeypatch.setattr(BuddyAllocator, "check", counted)
-    buddy = BuddyAllocator(64, reserved=(0,))
+    monkeypatch.setattr(RunAllocator, "check", counted)
+    buddy = RunAllocator(64, reserved=(0,))
     watch = status.InvariantWatch()
     first = watch.current(buddy)
     assert first["invariants_ok"] is True and len(calls) == 1

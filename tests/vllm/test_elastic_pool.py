@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxima.allocator.granules import EvictionPolicy
+from proxima.allocator import AllocationHint
+from proxima.allocator.eviction import EvictionPolicy
 from proxima.engines.elastic_pool import GranuleFreeQueue
 
 
@@ -65,14 +66,14 @@ class QueueMachine(RuleBasedStateMachine):
             return
         n = data.draw(st.integers(1, available), label="n")
         q = self.q
-        q.after = None
+        after = None
         if use_after and self.owned:
-            q.after = data.draw(st.sampled_from(self.owned), label="grow")[-1]
-        q.end_for = self.step + end
+            after = data.draw(st.sampled_from(self.owned), label="grow")[-1]
+        q.hint = AllocationHint(after=after, end=self.step + end)
         window = {i for i in self.cached if q.granules.in_window(i)}
         free_before = len(self._free_ids())
         got = [b.block_id for b in q.popleft_n(n)]
-        q.after = None
+        q.hint = None
         assert len(got) == n == len(set(got))
         taken_cached = [i for i in got if self.state[i] == "cached"]
         for i in got:
@@ -185,7 +186,7 @@ def test_a_prefix_hit_feeds_the_horizon_and_an_early_eviction_becomes_a_ghost():
 
     bs = blocks(40)
     q = GranuleFreeQueue(bs, (0,), granule_blocks=8, eviction=EvictionPolicy(horizon=2))
-    q.end_for = 100
+    q.hint = AllocationHint(end=100)
     first = q.popleft_n(8)                 # granule 0 and 1 fill
     for i, b in enumerate(first):
         b._block_hash = make_block_hash_with_group_id(bytes([i]) * 32, 0)
@@ -194,8 +195,8 @@ def test_a_prefix_hit_feeds_the_horizon_and_an_early_eviction_becomes_a_ghost():
     hit = first[3]
     q.remove(hit)                           # a hit at age 5
     assert q.reuse[0].hits == 1
-    q.end_for = 105
-    q.after = first[2].block_id             # grows where cached blocks are old enough
+    q.hint = AllocationHint(after=first[2].block_id, end=105)   # grows where cached
+                                                                # blocks are old enough
     got = q.popleft_n(3)
     # the granule holds free ids no more: old-enough cached blocks there go first, out of
     # LRU order, and are remembered

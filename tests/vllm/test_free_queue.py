@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from proxima.allocator import count_runs
+from proxima.allocator import AllocationHint, count_runs
 from proxima.engines import vllm_v1
 
 
@@ -159,6 +159,19 @@ def test_copy_on_write_block_and_new_blocks_form_one_run():
         assert table[1:] == new and len(table) == 8
     assert free_s == free_p
     assert count_runs(new_p) == 1, new_p        # the CoW block, then the rest behind it
+
+
+def test_the_hint_set_on_the_queue_continues_over_its_pops_until_the_caller_clears_it():
+    _, (ours, _) = both_queues(64)
+    ours.hint = AllocationHint(room=8)      # as the manager wrapper sets it
+    first = ids(ours.popleft_n(1))          # vLLM's copy-on-write block ...
+    rest = ids(ours.popleft_n(3))           # ... then the new blocks: one run
+    assert first + rest == list(range(first[0], first[0] + 4))
+    assert ours.hint == AllocationHint(after=rest[-1], room=4)
+    ours.hint = None                        # the wrapper's call is over
+    other = ids(ours.popleft_n(2))          # another request: clear of the claimed room
+    assert other == [first[0] + 8, first[0] + 9]
+    assert ours.hint is None
 
 
 # ------------------------------------------------------------------ simple CPU offload

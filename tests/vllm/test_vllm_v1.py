@@ -454,7 +454,7 @@ def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
 
 
 def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
-    from proxima.allocator import buddy as buddy_mod
+    from proxima.allocator.free_runs import ALLOCATED, FREE
     from proxima.engines import status as status_mod
     from proxima.ioutil import flush_live_files
 
@@ -476,8 +476,8 @@ def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
     # break the live pool behind the allocator's back: the next snapshot says so
     pool = s.kv_cache_manager.block_pool
     buddy = pool.free_block_queue.buddy
-    free_id = next(i for i in range(1, 300) if buddy._state[i] == buddy_mod.FREE)
-    buddy._state[free_id] = buddy_mod.ALLOCATED
+    free_id = next(i for i in range(1, 300) if buddy._state[i] == FREE)
+    buddy._state[free_id] = ALLOCATED
     pool.publish_status(now=True)
     broken = status_mod.read_status(path)
     assert broken["invariants_ok"] is False and "num_free" in broken["invariants_error"]

@@ -177,7 +177,7 @@ def test_status_file(clean_activation, monkeypatch, tmp_path):
 def test_status_carries_a_live_invariant_verdict(clean_activation, monkeypatch, tmp_path):
     import json
 
-    from proxima.allocator import buddy as buddy_mod
+    from proxima.allocator.free_runs import ALLOCATED, FREE
     from proxima.engines import status as status_mod
 
     path = tmp_path / "status.json"
@@ -185,8 +185,8 @@ def test_status_carries_a_live_invariant_verdict(clean_activation, monkeypatch, 
     monkeypatch.setattr(status_mod, "INVARIANTS_INTERVAL_S", 0.0)
     manager = make_manager(True, 100)
     buddy = manager.gpu_allocator.buddy
-    free_id = next(i for i in range(100) if buddy._state[i] == buddy_mod.FREE)
-    buddy._state[free_id] = buddy_mod.ALLOCATED          # broken behind the allocator's back
+    free_id = next(i for i in range(100) if buddy._state[i] == FREE)
+    buddy._state[free_id] = ALLOCATED          # broken behind the allocator's back
     manager._maybe_write_status(force=True)
     status = json.loads(path.read_text())
     assert status["invariants_ok"] is False and "num_free" in status["invariants_error"]

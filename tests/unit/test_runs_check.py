@@ -1,4 +1,4 @@
-"""BuddyAllocator.check(): a real error for every kind of broken structure, also under
+"""RunAllocator.check(): a real error for every kind of broken structure, also under
 ``python -O`` (no ``assert``), and how the engine's status reports it."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ import sys
 
 import pytest
 
-from proxima.allocator import BuddyAllocator, InvariantError
-from proxima.allocator.buddy import ALLOCATED, FREE
+from proxima.allocator import AllocationHint, InvariantError, RunAllocator
+from proxima.allocator.free_runs import ALLOCATED, FREE
 from proxima.engines.status import invariants_verdict
 
 
-def busy_pool() -> BuddyAllocator:
+def busy_pool() -> RunAllocator:
     """Runs, claims and a reserved id: every structure has something in it."""
-    a = BuddyAllocator(200, reserved=(0,))
-    runs = [a.allocate(5, room=20) for _ in range(6)]
+    a = RunAllocator(200, reserved=(0,))
+    runs = [a.allocate(5, AllocationHint(room=20)) for _ in range(6)]
     a.free(runs[2])
     a.take(150)
-    a.allocate(3, after=runs[0][-1])
+    a.allocate(3, AllocationHint(after=runs[0][-1]))
     a.check()
     assert a.claims() and a.num_free_runs > 2
     return a
@@ -65,16 +65,16 @@ def test_a_sound_pool_passes_and_the_verdict_says_so():
 def test_check_fails_under_python_O():
     """Built on real errors, not ``assert``: under -O a corrupted pool still fails."""
     code = (
-        "from proxima.allocator import BuddyAllocator, InvariantError\n"
+        "from proxima.allocator import RunAllocator, InvariantError\n"
         "from proxima.engines.status import invariants_verdict\n"
         "assert False, 'asserts are on: not running under -O'\n"
     )
     probe = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr            # -O really strips asserts
     code = (
-        "from proxima.allocator import BuddyAllocator, InvariantError\n"
+        "from proxima.allocator import RunAllocator, InvariantError\n"
         "from proxima.engines.status import invariants_verdict\n"
-        "a = BuddyAllocator(64, reserved=(0,))\n"
+        "a = RunAllocator(64, reserved=(0,))\n"
         "a.allocate(10)\n"
         "a._state[40] = 1            # allocated behind the allocator's back\n"
         "print(invariants_verdict(a))\n"

@@ -1,15 +1,15 @@
-"""Behaviour of proxima.allocator.BuddyAllocator, one rule per test."""
+"""Behaviour of proxima.allocator.RunAllocator, one rule per test."""
 
 import subprocess
 import sys
 
 import pytest
 
-from proxima.allocator import AllocationError, BuddyAllocator
+from proxima.allocator import AllocationError, AllocationHint, RunAllocator
 from tests.unit.reference import free_runs, held_blocks, maximal_aligned_chunks
 
 
-def take_all_but(a: BuddyAllocator, keep_free: set[int]) -> list[int]:
+def take_all_but(a: RunAllocator, keep_free: set[int]) -> list[int]:
     """Allocate every free id outside ``keep_free`` (ids chosen one by one)."""
     taken = []
     all_free = [i for i in range(a.num_blocks) if a.is_free(i)]
@@ -23,7 +23,7 @@ def take_all_but(a: BuddyAllocator, keep_free: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 12, 100, 1000, 4097])
 def test_new_pool_is_all_free_in_maximal_aligned_chunks(n):
-    a = BuddyAllocator(n)
+    a = RunAllocator(n)
     a.check()
     assert a.num_free == n
     assert a.largest_free_run == n
@@ -34,7 +34,7 @@ def test_new_pool_is_all_free_in_maximal_aligned_chunks(n):
 
 
 def test_reserved_ids_are_never_handed_out():
-    a = BuddyAllocator(10, reserved=[0, 5])
+    a = RunAllocator(10, reserved=[0, 5])
     a.check()
     assert a.num_free == 8
     assert a.largest_free_run == 4          # 1..4 and 6..9
@@ -47,16 +47,16 @@ def test_reserved_ids_are_never_handed_out():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_bad_pool_size_is_a_clear_error(bad):
     with pytest.raises(AllocationError, match="num_blocks must be an integer >= 1"):
-        BuddyAllocator(bad)
+        RunAllocator(bad)
 
 
 def test_reserved_id_outside_the_pool_is_a_clear_error():
     with pytest.raises(AllocationError, match="reserved id 8 is outside the pool 0..7"):
-        BuddyAllocator(8, reserved=[8])
+        RunAllocator(8, reserved=[8])
 
 
 def test_allocate_zero_returns_nothing_and_negative_is_an_error():
-    a = BuddyAllocator(8)
+    a = RunAllocator(8)
     assert a.allocate(0) == []
     with pytest.raises(AllocationError, match="n must be an integer >= 0"):
         a.allocate(-1)
@@ -64,7 +64,7 @@ def test_allocate_zero_returns_nothing_and_negative_is_an_error():
 
 
 def test_allocate_more_than_free_names_both_numbers_and_changes_nothing():
-    a = BuddyAllocator(16)
+    a = RunAllocator(16)
     a.allocate(10)
     with pytest.raises(AllocationError, match="cannot allocate 7 blocks: only 6 of 16 are free"):
         a.allocate(7)
@@ -73,35 +73,35 @@ def test_allocate_more_than_free_names_both_numbers_and_changes_nothing():
 
 
 def test_a_fresh_allocation_is_one_contiguous_run():
-    a = BuddyAllocator(1000, reserved=[0])
+    a = RunAllocator(1000, reserved=[0])
     ids = a.allocate(37)
     assert ids == list(range(ids[0], ids[0] + 37))
 
 
 def test_grows_in_place_when_the_next_ids_are_free():
-    a = BuddyAllocator(1000, reserved=[0])
+    a = RunAllocator(1000, reserved=[0])
     ids = a.allocate(5)
     for step in range(20):
-        more = a.allocate(1, after=ids[-1])
+        more = a.allocate(1, AllocationHint(after=ids[-1]))
         assert more == [ids[-1] + 1]
         ids += more
-    chunk = a.allocate(7, after=ids[-1])
+    chunk = a.allocate(7, AllocationHint(after=ids[-1]))
     assert chunk == list(range(ids[-1] + 1, ids[-1] + 8))
     a.check()
 
 
 def test_does_not_grow_in_place_when_an_id_is_taken():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     ids = a.allocate(4)
     a.take(ids[-1] + 3)                      # blocks the third id after the run
-    more = a.allocate(3, after=ids[-1])
+    more = a.allocate(3, AllocationHint(after=ids[-1]))
     assert more != list(range(ids[-1] + 1, ids[-1] + 4))
     assert not set(more) & set(ids) and ids[-1] + 3 not in more
     a.check()
 
 
 def test_best_fit_uses_the_smallest_free_run_that_fits():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))   # runs of 3, 5, 10
     take_all_but(a, keep)
     assert sorted(e - s for s, e in free_runs(keep)) == [3, 5, 10]
@@ -113,25 +113,26 @@ def test_best_fit_uses_the_smallest_free_run_that_fits():
 
 
 def test_room_prefers_a_run_where_the_request_can_grow():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     keep = set(range(2, 5)) | set(range(30, 40))                      # runs of 3 and 10
     take_all_but(a, keep)
-    ids = a.allocate(2, room=8)
+    ids = a.allocate(2, AllocationHint(room=8))
     assert set(ids) <= set(range(30, 40))
-    more = a.allocate(6, after=ids[-1])
+    more = a.allocate(6, AllocationHint(after=ids[-1]))
     assert more == list(range(ids[-1] + 1, ids[-1] + 7))
 
 
 def test_new_runs_are_spread_so_that_each_can_grow():
-    a = BuddyAllocator(4096, reserved=[0])
-    runs = [a.allocate(2, room=16) for _ in range(32)]
+    a = RunAllocator(4096, reserved=[0])
+    runs = [a.allocate(2, AllocationHint(room=16)) for _ in range(32)]
     for ids in runs:                         # every request can grow to its room in place
-        assert a.allocate(14, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 15))
+        grown = a.allocate(14, AllocationHint(after=ids[-1]))
+        assert grown == list(range(ids[-1] + 1, ids[-1] + 15))
     a.check()
 
 
 def test_combines_runs_largest_first_only_when_no_single_run_fits():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))
     take_all_but(a, keep)
     ids = a.allocate(13)                     # the 10-run whole, then best fit for 3
@@ -143,7 +144,7 @@ def test_combines_runs_largest_first_only_when_no_single_run_fits():
 
 
 def test_never_refuses_while_enough_ids_are_free():
-    a = BuddyAllocator(101, reserved=[0, 50])
+    a = RunAllocator(101, reserved=[0, 50])
     held = [a.allocate(1) for _ in range(99)]
     a.free([h[0] for h in held[::2]])        # every other id: maximal fragmentation
     n = a.num_free
@@ -153,7 +154,7 @@ def test_never_refuses_while_enough_ids_are_free():
 
 
 def test_free_merges_back_into_maximal_aligned_chunks():
-    a = BuddyAllocator(100, reserved=[0])
+    a = RunAllocator(100, reserved=[0])
     parts = [a.allocate(k) for k in (3, 17, 1, 40, 9)]
     for part in (parts[1], parts[3], parts[0], parts[4], parts[2]):
         a.free(part)
@@ -169,7 +170,7 @@ def test_free_merges_back_into_maximal_aligned_chunks():
     ([-1], "cannot free id -1: the pool's ids are 0..63"),
 ])
 def test_bad_free_is_a_clear_error_and_changes_nothing(bad_ids, message):
-    a = BuddyAllocator(64, reserved=[0])
+    a = RunAllocator(64, reserved=[0])
     ids = a.allocate(3)
     before = (a.num_free, a.largest_free_run, held_blocks(a))
     with pytest.raises(AllocationError, match=message):
@@ -179,7 +180,7 @@ def test_bad_free_is_a_clear_error_and_changes_nothing(bad_ids, message):
 
 
 def test_double_free_and_duplicate_ids_are_errors_that_change_nothing():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     ids = a.allocate(4)
     with pytest.raises(AllocationError, match="listed twice"):
         a.free(ids + [ids[1]])
@@ -192,7 +193,7 @@ def test_double_free_and_duplicate_ids_are_errors_that_change_nothing():
 
 
 def test_free_accepts_ids_in_any_order():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     ids = a.allocate(10)
     a.free(list(reversed(ids)))
     assert a.num_free == 64 and a.num_free_runs == 1
@@ -200,7 +201,7 @@ def test_free_accepts_ids_in_any_order():
 
 
 def test_take_claims_one_specific_free_id():
-    a = BuddyAllocator(32)
+    a = RunAllocator(32)
     a.take(17)
     assert not a.is_free(17) and a.num_free == 31 and a.largest_free_run == 17
     with pytest.raises(AllocationError, match="cannot take id 17: it is not free"):
@@ -209,7 +210,7 @@ def test_take_claims_one_specific_free_id():
 
 
 def test_stats_are_consistent():
-    a = BuddyAllocator(64)
+    a = RunAllocator(64)
     keep = set(range(2, 5)) | set(range(10, 15)) | set(range(30, 40))
     take_all_but(a, keep)
     s = a.stats()
@@ -224,8 +225,8 @@ def test_stats_are_consistent():
 def test_a_million_blocks_build_and_import_neither_torch_nor_vllm():
     """(How fast it builds is a benchmark's business, not a test's: ~0.1 s on the CI VM.)"""
     code = ("import sys\n"
-            "from proxima.allocator import BuddyAllocator\n"
-            "a = BuddyAllocator(1_000_000, reserved=[0])\n"
+            "from proxima.allocator import RunAllocator\n"
+            "a = RunAllocator(1_000_000, reserved=[0])\n"
             "a.check()\n"
             "print(a.num_free, a.largest_free_run, 'torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -233,24 +234,25 @@ def test_a_million_blocks_build_and_import_neither_torch_nor_vllm():
 
 
 def test_spread_shares_free_space_so_runs_can_outgrow_their_room():
-    a = BuddyAllocator(4096, reserved=[0])
-    runs = [a.allocate(4, room=8, spread=True) for _ in range(16)]
+    a = RunAllocator(4096, reserved=[0])
+    runs = [a.allocate(4, AllocationHint(room=8, spread=True)) for _ in range(16)]
     for ids in runs:                         # each can grow 8x its stated room in place
-        assert a.allocate(60, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 61))
+        grown = a.allocate(60, AllocationHint(after=ids[-1]))
+        assert grown == list(range(ids[-1] + 1, ids[-1] + 61))
     a.check()
 
 
 def test_packing_keeps_the_rest_of_the_pool_whole():
-    a = BuddyAllocator(4096, reserved=[0])
-    runs = [a.allocate(4, room=8, spread=False) for _ in range(16)]
+    a = RunAllocator(4096, reserved=[0])
+    runs = [a.allocate(4, AllocationHint(room=8, spread=False)) for _ in range(16)]
     assert a.largest_free_run >= 4096 - 1 - 16 * 8     # runs sit back to back by room
     for ids in runs:                         # and each still grows to its stated room
-        assert a.allocate(4, after=ids[-1]) == list(range(ids[-1] + 1, ids[-1] + 5))
+        assert a.allocate(4, AllocationHint(after=ids[-1])) == list(range(ids[-1] + 1, ids[-1] + 5))
     a.check()
 
 
 def test_allocate_all_hands_out_every_free_id_ascending():
-    a = BuddyAllocator(50, reserved=[0])
+    a = RunAllocator(50, reserved=[0])
     keep = a.allocate(7)
     a.take(30)
     ids = a.allocate_all()
@@ -272,30 +274,30 @@ def test_count_runs_counts_the_pieces_of_a_block_table():
 # ------------------------------------------------------------------ claims: a lifetime
 
 def test_a_claim_is_set_by_a_new_run_with_room_and_read_by_the_next_placement():
-    a = BuddyAllocator(64)
-    first = a.allocate(4, room=10)
+    a = RunAllocator(64)
+    first = a.allocate(4, AllocationHint(room=10))
     assert first == [0, 1, 2, 3]
     assert a.claims() == {4: 10}                 # the free run [4, 64) is claimed to 10
-    second = a.allocate(4, room=4)
+    second = a.allocate(4, AllocationHint(room=4))
     assert second == [10, 11, 12, 13]            # packed right after the claim
     assert a.claims() == {4: 10}
     a.check()
 
 
 def test_a_claim_stays_while_its_owner_grows_and_ends_when_the_run_is_used_up():
-    a = BuddyAllocator(64)
-    run = a.allocate(4, room=10)
-    a.allocate(4, room=4)                        # [10, 14): the claimed run is [4, 10)
-    run += a.allocate(3, after=run[-1])
+    a = RunAllocator(64)
+    run = a.allocate(4, AllocationHint(room=10))
+    a.allocate(4, AllocationHint(room=4))        # [10, 14): the claimed run is [4, 10)
+    run += a.allocate(3, AllocationHint(after=run[-1]))
     assert a.claims() == {7: 10}
-    run += a.allocate(3, after=run[-1])          # [4, 10) used up: the claim is gone
+    run += a.allocate(3, AllocationHint(after=run[-1]))  # [4, 10) used up: the claim is gone
     assert run == list(range(10)) and a.claims() == {}
     a.check()
 
 
 def test_freeing_the_owner_ends_its_claim_and_a_take_keeps_it_on_the_left():
-    a = BuddyAllocator(64)
-    run = a.allocate(4, room=12)
+    a = RunAllocator(64)
+    run = a.allocate(4, AllocationHint(room=12))
     a.take(8)                                    # cuts the claimed run [4, 64)
     assert a.claims() == {4: 8}                  # left part [4, 8) keeps it; [9, 64) none
     a.free(run)
@@ -305,27 +307,27 @@ def test_freeing_the_owner_ends_its_claim_and_a_take_keeps_it_on_the_left():
 
 def test_with_the_same_free_ids_the_claims_explain_a_different_placement():
     """Claims are state beyond the free set, listed by claims() and checked by check()."""
-    a, b = BuddyAllocator(64), BuddyAllocator(64)
-    a.allocate(4, room=20)
+    a, b = RunAllocator(64), RunAllocator(64)
+    a.allocate(4, AllocationHint(room=20))
     b.allocate(4)
     assert [i for i in range(64) if a.is_free(i)] == [i for i in range(64) if b.is_free(i)]
     assert a.claims() == {4: 20} and b.claims() == {}
-    assert a.allocate(8, room=8) == list(range(20, 28))
-    assert b.allocate(8, room=8) == list(range(4, 12))
+    assert a.allocate(8, AllocationHint(room=8)) == list(range(20, 28))
+    assert b.allocate(8, AllocationHint(room=8)) == list(range(4, 12))
 
 
 # ------------------------------------------------------------------ frees, views
 
 def test_a_reversed_table_is_one_range_and_merges_whole():
-    a = BuddyAllocator(1000, reserved=[0])
-    ids = a.allocate(300, room=300)
+    a = RunAllocator(1000, reserved=[0])
+    ids = a.allocate(300, AllocationHint(room=300))
     a.free(ids[::-1])                            # vLLM's order: tail first
     assert a.num_free_runs == 1 and a.largest_free_run == 999
     a.check()
 
 
 def test_free_ids_from_and_the_buddy_view():
-    a = BuddyAllocator(20, reserved=[0])
+    a = RunAllocator(20, reserved=[0])
     a.allocate(5)                                # ids 1..5
     a.take(9)
     assert list(a.free_ids_from(7)) == [7, 8] + list(range(10, 20))
@@ -333,3 +335,12 @@ def test_free_ids_from_and_the_buddy_view():
     assert list(a.free_blocks()) == [(6, 1), (8, 0), (10, 1), (12, 2), (16, 2)]
     assert a.free_blocks_by_order() == [1, 2, 2, 0, 0]
     assert a.free_runs() == [(6, 9), (10, 20)]
+
+
+def test_a_hint_continues_after_the_ids_handed_out():
+    hint = AllocationHint(after=4, room=10, spread=True, end=7)
+    assert hint.continued(9, 5) == AllocationHint(after=9, room=5, spread=True, end=7)
+    assert hint.continued(20, 12).room == 0                 # room never goes below 0
+    assert AllocationHint(room=3).continued(2, 3) == AllocationHint(after=2, room=0)
+    plain = AllocationHint(end=5)                            # no run to continue
+    assert plain.continued(9, 1) is plain

@@ -1,4 +1,4 @@
-"""Hypothesis stateful test: BuddyAllocator against a set of free ids.
+"""Hypothesis stateful test: RunAllocator against a set of free ids.
 
 Random interleavings of allocate (with and without ``after``, ``room`` and ``spread``),
 allocate_all, take, free of whole or partial allocations in any order, and bad frees,
@@ -14,13 +14,13 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxima.allocator import AllocationError, BuddyAllocator
+from proxima.allocator import AllocationError, AllocationHint, RunAllocator
 from tests.unit.reference import (ClaimModel, canonical_blocks, free_runs, held_blocks,
                                   maximal_aligned_chunks)
 
 
-class CountingAllocator(BuddyAllocator):
-    """BuddyAllocator counting the ranges its frees give back (nothing else changes)."""
+class CountingAllocator(RunAllocator):
+    """RunAllocator counting the ranges its frees give back (nothing else changes)."""
 
     __slots__ = ("ranges_given_back",)
 
@@ -53,13 +53,13 @@ class PoolMachine(RuleBasedStateMachine):
             after = data.draw(st.sampled_from(self.owned), label="grow")[-1]
         if n > len(self.free):
             try:
-                self.a.allocate(n, after=after, room=room, spread=spread)
+                self.a.allocate(n, AllocationHint(after=after, room=room, spread=spread))
             except AllocationError as exc:
                 assert f"cannot allocate {n} blocks: only {len(self.free)}" in str(exc)
             else:
                 raise AssertionError("allocate beyond num_free did not raise")
             return
-        ids = self.a.allocate(n, after=after, room=room, spread=spread)
+        ids = self.a.allocate(n, AllocationHint(after=after, room=room, spread=spread))
         assert len(ids) == n and len(set(ids)) == n
         assert set(ids) <= self.free, "handed out an id that was not free"
         grew = after is not None and n > 0 and set(range(after + 1, after + 1 + n)) <= self.free

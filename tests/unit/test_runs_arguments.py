@@ -1,4 +1,4 @@
-"""Every bad argument to every public method of BuddyAllocator: an AllocationError that
+"""Every bad argument to every public method of RunAllocator: an AllocationError that
 names the value, and nothing changed (every internal structure identical, check() passes).
 
 The pools are random (hypothesis builds each by a random history of allocations, frees
@@ -13,8 +13,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from proxima.allocator import AllocationError, BuddyAllocator
-from proxima.allocator.buddy import ALLOCATED, FREE, RESERVED
+from proxima.allocator import AllocationError, AllocationHint, RunAllocator
+from proxima.allocator.free_runs import ALLOCATED, FREE, RESERVED
 
 try:
     import numpy as np
@@ -28,7 +28,7 @@ SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def snapshot(a: BuddyAllocator) -> tuple:
+def snapshot(a: RunAllocator) -> tuple:
     """Everything the allocator holds, as plain values."""
     return (a.num_blocks, a.max_order, a.num_free, a._num_runs, bytes(a._state),
             list(a._run_end), list(a._run_start), list(a._claim),
@@ -41,17 +41,17 @@ def pools(draw):
     """A pool after a random history; returns (pool, held runs)."""
     n = draw(st.integers(2, 120))
     reserved = {0} if draw(st.booleans()) else set()
-    a = BuddyAllocator(n, reserved=reserved)
+    a = RunAllocator(n, reserved=reserved)
     held: list[list[int]] = []
     for _ in range(draw(st.integers(0, 12))):
         kind = draw(st.sampled_from(["alloc", "grow", "free", "take"]))
         if kind == "alloc" and a.num_free:
             k = draw(st.integers(1, a.num_free))
-            held.append(a.allocate(k, room=draw(st.one_of(st.none(), st.integers(0, 40))),
-                                   spread=draw(st.booleans())))
+            room = draw(st.one_of(st.none(), st.integers(0, 40)))
+            held.append(a.allocate(k, AllocationHint(room=room, spread=draw(st.booleans()))))
         elif kind == "grow" and held and a.num_free:
             run = draw(st.sampled_from(held))
-            run += a.allocate(1, after=run[-1], room=draw(st.integers(0, 20)))
+            run += a.allocate(1, AllocationHint(after=run[-1], room=draw(st.integers(0, 20))))
         elif kind == "free" and held:
             a.free(held.pop(draw(st.integers(0, len(held) - 1))))
         elif kind == "take" and a.num_free:
@@ -62,11 +62,11 @@ def pools(draw):
     return a, held
 
 
-def ids_in_state(a: BuddyAllocator, state: int) -> list[int]:
+def ids_in_state(a: RunAllocator, state: int) -> list[int]:
     return [i for i in range(a.num_blocks) if a._state[i] == state]
 
 
-def refused(a: BuddyAllocator, call, named) -> None:
+def refused(a: RunAllocator, call, named) -> None:
     """``call(a)`` raises AllocationError mentioning ``named`` and changes nothing."""
     before = snapshot(a)
     with pytest.raises(AllocationError) as exc:
@@ -77,7 +77,7 @@ def refused(a: BuddyAllocator, call, named) -> None:
     a.check()
 
 
-def bad_id_for(a: BuddyAllocator, data, states) -> object:
+def bad_id_for(a: RunAllocator, data, states) -> object:
     """A value that is not an id of the pool in one of ``states``."""
     wrong_state = [i for s in states for i in ids_in_state(a, s)]
     return data.draw(st.sampled_from(NOT_INTS + [-1, -a.num_blocks, a.num_blocks,
@@ -104,7 +104,7 @@ def test_allocate_refuses_a_bad_after(pool, data):
     if bad is None:                               # None is the default: a valid after
         return
     n = data.draw(st.integers(0, max(0, a.num_free)))
-    refused(a, lambda p: p.allocate(n, after=bad), bad)
+    refused(a, lambda p: p.allocate(n, AllocationHint(after=bad)), bad)
 
 
 @SETTINGS
@@ -115,10 +115,21 @@ def test_allocate_refuses_a_bad_room_or_spread(pool, data):
     n = data.draw(st.integers(0, a.num_free))
     if data.draw(st.booleans()):
         bad = data.draw(st.sampled_from([v for v in NOT_INTS if v is not None] + [-1, -7]))
-        refused(a, lambda p: p.allocate(n, after=after, room=bad), bad)
+        refused(a, lambda p: p.allocate(n, AllocationHint(after=after, room=bad)), bad)
     else:
         bad = data.draw(st.sampled_from([0, 1, "yes", None, 2.0, *NUMPY_INTS]))
-        refused(a, lambda p: p.allocate(n, after=after, room=4, spread=bad), bad)
+        refused(a, lambda p: p.allocate(n, AllocationHint(after=after, room=4, spread=bad)),
+                bad)
+
+
+@SETTINGS
+@given(pool=pools(), data=st.data())
+def test_allocate_refuses_a_hint_that_is_not_an_allocation_hint(pool, data):
+    a, held = pool
+    n = data.draw(st.integers(0, a.num_free))
+    bad = data.draw(st.sampled_from([v for v in NOT_INTS if v is not None]
+                                    + [(None, 4, False, 0), {"room": 4}]))
+    refused(a, lambda p: p.allocate(n, bad), bad)
 
 
 # ------------------------------------------------------------------ free, take, queries
@@ -148,13 +159,13 @@ def test_free_refuses_an_id_listed_twice(pool, data):
 
 @pytest.mark.parametrize("ids", [5, None, 2.5, object()])
 def test_free_refuses_what_is_not_a_collection_of_ids(ids):
-    a = BuddyAllocator(16)
+    a = RunAllocator(16)
     a.allocate(8)
     refused(a, lambda p: p.free(ids), ids)
 
 
 def test_free_refuses_mixed_types_that_do_not_sort():
-    a = BuddyAllocator(16)
+    a = RunAllocator(16)
     ids = a.allocate(4) + ["x"]
     refused(a, lambda p: p.free(ids), "x")
     refused(a, lambda p: p.free(iter(ids)), "give block ids")
@@ -165,7 +176,7 @@ def test_free_refuses_an_empty_collection(ids):
     """Freeing nothing is the caller's mistake (it lost its ids, or should have checked),
     named as such; callers with possibly nothing to give back (the pool's prefix-cache
     reset with no cached block) check first."""
-    a = BuddyAllocator(16, reserved={0})
+    a = RunAllocator(16, reserved={0})
     a.allocate(8)
     refused(a, lambda p: p.free(ids), "no ids given")
     used_up = iter(a.allocate(2))
@@ -192,7 +203,7 @@ def test_queries_refuse_what_is_not_an_id(pool, data):
 
 
 def test_is_free_is_false_outside_the_pool():
-    a = BuddyAllocator(8)
+    a = RunAllocator(8)
     assert not a.is_free(-1) and not a.is_free(8) and a.is_free(7)
 
 
@@ -201,7 +212,7 @@ def test_is_free_is_false_outside_the_pool():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None, *NUMPY_INTS])
 def test_bad_pool_size_is_a_clear_error(bad):
     with pytest.raises(AllocationError, match="num_blocks must be an integer >= 1") as exc:
-        BuddyAllocator(bad)
+        RunAllocator(bad)
     assert repr(bad) in str(exc.value)
 
 
@@ -211,7 +222,7 @@ def test_bad_pool_size_is_a_clear_error(bad):
 ])
 def test_bad_reserved_ids_are_a_clear_error(reserved, named):
     with pytest.raises(AllocationError, match="reserved") as exc:
-        BuddyAllocator(8, reserved=reserved)
+        RunAllocator(8, reserved=reserved)
     assert named in str(exc.value)
 
 
@@ -224,8 +235,8 @@ def test_valid_edge_arguments_are_accepted(pool, data):
     either way, after == each held run's last id."""
     a, held = pool
     after = data.draw(st.sampled_from([None] + [run[-1] for run in held]))
-    assert a.allocate(0, after=after, room=0, spread=True) == []
+    assert a.allocate(0, AllocationHint(after=after, room=0, spread=True)) == []
     n = a.num_free
-    ids = a.allocate(n, after=after, room=0, spread=data.draw(st.booleans()))
+    ids = a.allocate(n, AllocationHint(after=after, room=0, spread=data.draw(st.booleans())))
     assert len(set(ids)) == n and a.num_free == 0
     a.check()
