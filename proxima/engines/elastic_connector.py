@@ -359,8 +359,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self.policy = GrowShrinkPolicy(
                 queue, ch, self.bytes_per_granule, opts.policy_options(),
                 clock=lambda: self.clock(), forecast=self._forecast, compactor=release)
-            self.shared = SharedPolicyStep(self.policy, *open_gpu_ledger(
-                self.options, self._vllm_config.parallel_config.world_size))
+            self.shared = SharedPolicyStep(
+                self.policy, *open_gpu_ledger(opts, self._vllm_config.parallel_config.world_size),
+                keep_blocks=opts.reserve_blocks)
             if self.compactor is not None:       # auto mode packs only what could be released
                 self.compactor.pack_gate = self.policy.could_shrink
         if hasattr(hook, "tick"):
@@ -464,12 +465,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 publish(now=True, wait=False)   # the new mapping shows at once (a thread
                                                 # writes it: the step does not wait)
         elif (self.options.idle_sleep_s and scheduler_output.total_num_scheduled_tokens == 0
-              and self.policy is not None and self.policy.pending and not self.channel.pending
+              and self.shared is not None and self.shared.wants_step() and not self.channel.pending
               and not getattr(self._pool, "proxima_expected_tokens", None)):
-            # An idle engine kept stepping only for a release that waits for its delay:
-            # sleep a little per empty step instead of spinning (new requests wait at most
-            # this long; vLLM's own loop sleeps 1 ms here).
-            time.sleep(min(self.options.idle_sleep_s, self.policy.due_in() or 0.0))
+            # An idle engine kept stepping (a release's delay, its first step, another engine's
+            # demand): sleep a little per empty step, not spin (new requests wait that long).
+            time.sleep(self.shared.idle_pause(self.options.idle_sleep_s))
         return ElasticMetadata(batch, compaction=work)
 
     def _verify(self, scheduler_output) -> None:
@@ -507,12 +507,12 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """Ops to deliver or confirm, or a release waiting for its delay: the engine keeps
-        stepping (empty steps) until they are done -- vLLM 0.26's hook for a connector
-        that must keep an idle scheduler alive (``Scheduler.has_requests``)."""
+        """Ops to deliver or confirm, or the policy must step (``SharedPolicyStep.wants_step``:
+        a release waiting, a first step, another engine's demand): the engine keeps stepping
+        (empty steps) -- vLLM 0.26's hook to keep an idle scheduler alive (``has_requests``)."""
         if self.channel is None:
             return False
-        return (self.channel.pending or (self.policy is not None and self.policy.pending)
+        return (self.channel.pending or (self.shared is not None and self.shared.wants_step())
                 or (self.step_hook is not None and self.step_hook.pending()))
 
     # ================================================================ control

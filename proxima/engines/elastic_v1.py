@@ -84,7 +84,9 @@ class ElasticOptions:
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
     ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
-    vLLM's warm-up writes); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
+    vLLM's warm-up writes; above the minimum it is excess as any: the engine steps from
+    start-up, gives it to another engine that asks, returns it after ``release_delay_s``
+    when no request came); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
     ``eviction``: :meth:`proxima.allocator.eviction.EvictionPolicy.parse` (``auto``,
     ``lru``, ``age:N``, ``window:W``). ``compactor``: a hook, ``module:factory`` or

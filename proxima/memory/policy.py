@@ -233,6 +233,9 @@ class GrowShrinkPolicy:
         self.room_bytes: int | None = None
         self._retry_at = 0.0
         self._reported_short = False
+        #: not stepped yet: memory mapped at start-up above the minimum (``initial_bytes``)
+        #: keeps the engine stepping (:attr:`pending`) until its first step decides on it
+        self._unstepped = True
         channel.listeners.append(self._on_map)
 
     # ------------------------------------------------------------------ limits
@@ -302,6 +305,7 @@ class GrowShrinkPolicy:
         not known, taken as not short). See the module's release rule."""
         ch, G = self.channel, self.channel.granule_blocks
         now = self.clock()
+        self._unstepped = False
         mapped = ch.count(MAPPED)
         pending = ch.count(MAPPING)
         busy = self._busy()
@@ -419,9 +423,12 @@ class GrowShrinkPolicy:
 
     @property
     def pending(self) -> bool:
-        """A release is waiting for its delay, or an idle engine for its idle release
-        (the engine must keep stepping to do it)."""
-        return self._excess_since is not None or self._idle_wait
+        """A release is waiting for its delay, or an idle engine for its idle release, or
+        the policy has not stepped yet while more than the minimum is mapped (an engine
+        started with ``initial_bytes`` above it, before its first request): the engine
+        must keep stepping to do it."""
+        return (self._excess_since is not None or self._idle_wait
+                or (self._unstepped and self.channel.count(MAPPED) > self.min_granules))
 
     def due_in(self) -> float | None:
         """Seconds until the waiting release is due (None: none is waiting)."""

@@ -17,8 +17,22 @@ GPU's memory less its own non-KV memory less every other engine's non-KV memory 
 whole GPU, stops growing into what an engine started later must always keep, and gives back
 what it holds above that bound without live blocks (as for a lowered maximum).
 
+An engine steps only while it has requests or says it must (vLLM 0.26's
+``Scheduler.has_requests`` asks the connector's ``has_pending_push_work``, which asks
+:meth:`SharedPolicyStep.wants_step`): its policy has something pending (a release waiting
+for its delay, or memory mapped at start-up above the minimum before the first step), or
+it maps more than its minimum while the ledger -- read at most every ``watch_every_s`` --
+shows another engine's unmet demand. So an idle engine sees the others' demand without a
+request of its own (issue 33, item 3). What an idle engine whose policy has nothing pending
+maps above its minimum is at most what its policy wants free (``reserve_blocks``, and the
+connector's reserve of its last steps' allocations, which falls as it steps): its first
+step looks at everything else. Limit: vLLM's engine loop asks once, when the engine would
+go idle, and then waits for a request; so the watch keeps an engine stepping when the
+demand is there as it goes idle, and does not wake one already waiting.
+
 Cost: the ledger is read and the driver asked only while the policy has memory in excess
-(:attr:`GrowShrinkPolicy.pending`: only then can it give anything) or waits for memory,
+(:attr:`GrowShrinkPolicy.pending`: only then can it give anything), watches as above, or
+waits for memory,
 the driver at most every ``gpu_every_s``; the record is written only when it changes (a grow, a shrink, a
 change of unmet demand).
 """
@@ -40,11 +54,16 @@ class SharedPolicyStep:
         gpu_memory: ``fn() -> (free bytes, total bytes)`` of the GPU, the driver's figures
             (None: not known).
         gpu_every_s: at most how often ``gpu_memory`` is asked (policy clock).
+        watch_every_s: at most how often an idle engine with nothing pending reads the
+            ledger for the others' unmet demand (:meth:`wants_step`; policy clock).
+        keep_blocks: the reserve this engine keeps free whatever the others want (its
+            ``reserve_blocks`` option): no watch for memory it would not give.
     """
 
     def __init__(self, policy: GrowShrinkPolicy, ledger: Ledger | None = None,
                  gpu_memory: Callable[[], tuple[int, int]] | None = None,
-                 gpu_every_s: float = 0.5) -> None:
+                 gpu_every_s: float = 0.5, watch_every_s: float = 0.5,
+                 keep_blocks: int = 0) -> None:
         self.policy = policy
         self.ledger = ledger
         self.gpu_memory = gpu_memory
@@ -55,7 +74,35 @@ class SharedPolicyStep:
         self._gpu_at: float | None = None
         self.nonkv = getattr(ledger, "nonkv", 0) if ledger is not None else 0
         self._room_at: float | None = None
+        self.watch_every_s = watch_every_s
+        self.keep_blocks = keep_blocks
+        self.watching = False              # another engine's demand seen by wants_step
+        self._watch_at: float | None = None
         self.post()
+
+    def wants_step(self) -> bool:
+        """Whether this engine must step without requests: its policy has something
+        pending, or it maps more than its minimum and ``keep_blocks`` and the ledger (read
+        at most every ``watch_every_s``) shows another engine's unmet demand."""
+        p = self.policy
+        if p.pending:
+            return True
+        keep = -(-self.keep_blocks // p.channel.granule_blocks)
+        if self.ledger is None or p.channel.count(MAPPED) <= p.min_granules + keep:
+            self.watching = False
+            return False
+        now = p.clock()
+        if self._watch_at is None or now - self._watch_at >= self.watch_every_s:
+            self._watch_at = now
+            view = self._read()
+            self.watching = view is not None and view.others_unmet_bytes > 0
+        return self.watching
+
+    def idle_pause(self, most: float) -> float:
+        """How long an idle engine's empty step may sleep: ``most``, less when a release
+        is due sooner."""
+        due = self.policy.due_in()
+        return most if due is None else min(most, due)
 
     def _gpu_figures(self) -> tuple[int | None, int | None]:
         if self.gpu_memory is None:
@@ -94,7 +141,7 @@ class SharedPolicyStep:
         if self.nonkv and self.ledger is not None and self.gpu_memory is not None:
             self._bound()
         others, free, total = 0, None, None
-        if policy.pending:             # memory in excess: is someone waiting for it?
+        if policy.pending or self.watching:   # memory to give: is someone waiting for it?
             if self.ledger is not None:
                 view = self._read()
                 others = view.others_unmet_bytes if view is not None else 0
@@ -110,6 +157,7 @@ class SharedPolicyStep:
                 self._others_mapped = mapped
         if not policy.stats.short:
             self._others_mapped = None
+        self.watching = self.watching and others > 0
         self.others_unmet_bytes = others
         policy.step(others_unmet_bytes=others, gpu_free_bytes=free, gpu_total_bytes=total)
         self.post()

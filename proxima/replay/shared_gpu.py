@@ -20,16 +20,17 @@ whose prefill is complete samples one token a step, to ``max_tokens``.
 * **Static split**: two stock vLLM engines, each holding half the GPU's KV blocks.
 
 **The clock** is one shared step clock of ``step_seconds`` a tick. At each tick every
-engine that holds requests (or, elastic, waits for a map or a release) takes one step,
-the two in turn (which goes first alternates each tick, so neither reads the ledger
-always first); a map handed to a worker in a tick is confirmed at the end of the first
-tick after its map time. An engine with nothing to do does not step; when neither has,
-the clock jumps to the next arrival (idle time is never inside a request's wait). So each
-engine gets one step a tick whether the other is busy or not: the replay models memory,
-not compute -- as the one-engine replay, a step does not lengthen with the tokens it
-schedules, and two busy engines are not slowed by sharing the GPU's compute. Both sides
-run on the same clock, so the comparison is fair: under alternating bursts only one
-engine is busy at a time, and under a steady load both are busy on both sides alike.
+engine that holds requests (or, elastic, whose connector says it must: vLLM's
+``Scheduler.has_requests``) takes one step, the two in turn (which goes first alternates
+each tick, so neither reads the ledger always first); a map handed to a worker in a tick
+is confirmed at the end of the first tick after its map time. An engine with nothing to do
+does not step; when neither has, the clock jumps to the next arrival (idle time is never
+inside a request's wait). So each engine gets one step a tick whether the other is busy or
+not: the replay models memory, not compute -- as the one-engine replay, a step does not
+lengthen with the tokens it schedules, and two busy engines are not slowed by sharing the
+GPU's compute. Both sides run on the same clock, so the comparison is fair: under
+alternating bursts only one engine is busy at a time, and under a steady load both are
+busy on both sides alike.
 
 Request latency is counted in ticks as the one-engine replay counts steps: a request
 arrives at its ``arrival_step`` tick (a closed loop's: when its slot frees), its queue

@@ -2,6 +2,8 @@
 CPU: the idle engine keeps its warm cache while nobody asks, and gives it back within a
 step or two of the other's unmet demand appearing in the ledger."""
 
+import dataclasses
+
 from proxima.memory.channel import MAPPED, ElasticChannel
 from proxima.memory.ledger import Ledger
 from proxima.memory.ops import MAP, UNMAP, Report
@@ -124,7 +126,7 @@ def test_a_killed_engines_demand_is_not_served(tmp_path):
     a = Engine("a", path, Gpu(capacity=64), now, mapped=16)
     for g in range(1, 12):
         a.pool.cached[g] = G
-    run([a], now, 2)
+    run([a], now, 1)                   # a, above its minimum, reads the ledger at its first step
     assert a.policy.stats.yields == 1              # a live engine's demand is served
     child.kill()
     child.wait(timeout=60)
@@ -171,3 +173,85 @@ def test_an_engine_started_first_makes_room_for_one_started_later(tmp_path):
     assert a.policy.max_granules == 18 and a.mapped <= 18
     assert a.mapped + 4 + b.mapped + 6 <= gpu.capacity    # b keeps its minimum and weights
     assert b.policy.room_bytes == (32 - 6 - 4 - 1) * B    # a's minimum: the null granule
+
+
+def serve(engines, now, steps, log=None):
+    """The engine loop as vLLM 0.26 runs it: an engine steps only while it has requests
+    (here: a demand) or its connector says it must (``has_pending_push_work``, which asks
+    :meth:`SharedPolicyStep.wants_step`)."""
+    for _ in range(steps):
+        now[0] += STEP_S
+        for e in engines:
+            if e.demand[0] or e.pool.live_blocks() or e.shared.wants_step():
+                e.step()
+                if log is not None:
+                    log.append(e)
+
+
+def test_an_engine_that_never_had_a_request_gives_its_initial_memory_to_the_others_demand(
+        tmp_path):
+    now = [0.0]
+    gpu = Gpu(capacity=20)
+    path = tmp_path / "proxima-ledger-0.json"
+    a = Engine("a", path, gpu, now, mapped=1)
+    b = Engine("b", path, gpu, now, mapped=16)   # started with 16 granules, no request yet
+    assert not a.shared.wants_step()             # at its minimum: nothing to decide, no step
+    assert b.shared.wants_step()                 # above it: steps before any request
+    a.demand[0] = 40                             # a's first burst: 10 granules more wanted
+    steps = []
+    served = None
+    for i in range(1, 40):
+        serve([a, b], now, 1, steps)
+        if served is None and a.mapped * G - a.pool.live_blocks() >= 40:
+            served = i
+    assert b in steps and b.policy.stats.yields >= 1   # b stepped, read a's demand, gave
+    assert a.policy.stats.failed_grows > 0             # the GPU was full: a asked the ledger
+    assert served is not None and served <= 6          # within a few steps, not a delay
+    assert b.policy.stats.evicted_cached == 0          # it held no cache: nothing lost
+    assert a.mapped + b.mapped <= gpu.capacity
+
+
+def test_an_unstepped_engine_keeps_its_initial_memory_until_its_first_step_decides(tmp_path):
+    """Pending until the first step only: that step starts the release delay as for any
+    excess, so an engine nobody asks keeps its initial memory for the delay."""
+    now = [0.0]
+    gpu = Gpu(capacity=20)
+    b = Engine("b", tmp_path / "proxima-ledger-0.json", gpu, now, mapped=8)
+    serve([b], now, 1)
+    assert b.mapped == 8 and b.shared.wants_step()     # the delay (1 s) runs
+    serve([b], now, 30)                                # 1.5 s
+    assert b.mapped == 1 and not b.shared.wants_step()  # empty granules went; idle now
+
+
+def test_an_idle_engine_above_its_minimum_watches_the_ledger_and_gives_when_asked(tmp_path):
+    """An idle engine whose policy has nothing pending (what it maps is wanted: here a
+    reserve, as the connector's reserve of the last steps' allocations) still maps more
+    than its minimum: it reads the ledger at most every ``watch_every_s`` and steps while
+    another engine posts unmet demand; once its reserve is down it gives."""
+    now = [0.0]
+    gpu = Gpu(capacity=12)
+    path = tmp_path / "proxima-ledger-0.json"
+    a = Engine("a", path, gpu, now, mapped=2)
+    b = Engine("b", path, gpu, now, mapped=9, reserve_blocks=8 * G)
+    serve([a, b], now, 40)                       # 2 s: b settles at its reserve
+    assert b.mapped == 9 and not b.policy.pending
+    assert not b.shared.wants_step()             # nobody asks: b does not step
+
+    a.demand[0] = 40                             # a wants 10 granules more; 1 is free
+    seen = None
+    for i in range(1, 40):
+        serve([a, b], now, 1)
+        if seen is None and b.shared.watching:
+            seen = i
+    assert a.shared.ledger.read().others_unmet_bytes == 0 or a.policy.unmet_bytes > 0
+    assert seen is not None and seen * STEP_S <= b.shared.watch_every_s + 2 * STEP_S
+    assert b.shared.wants_step() and b.shared.others_unmet_bytes > 0   # b steps, sees it
+    # a reserve b keeps whatever the others want (its reserve_blocks option): no watch
+    b.shared.keep_blocks, b.shared.watching = 8 * G, False
+    assert not b.shared.wants_step()
+    b.shared.keep_blocks = 0
+    # the reserve gone (the connector's falls once the last busy steps leave its window)
+    b.policy.options = dataclasses.replace(b.policy.options, reserve_blocks=0)
+    serve([a, b], now, 12)             # the ledger's next read (0.5 s: 10 steps), then a step
+    assert b.policy.stats.yields >= 1 and b.mapped < 9
+    assert a.mapped > 2 and a.mapped + b.mapped <= gpu.capacity

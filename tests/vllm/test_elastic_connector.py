@@ -296,6 +296,32 @@ def test_warmup_and_initial_size_decide_what_is_mapped_at_start_up():
     assert batch.ops == (Op.unmap(2, 3),)                     # 5..7 were never mapped
 
 
+def test_an_engine_started_above_its_minimum_steps_without_a_request_until_it_gives_back():
+    """``initial_granules`` above the minimum and no request: the connector keeps the
+    engine stepping (``Scheduler.has_requests``) until its policy has looked at that memory,
+    which it then gives back after the release delay, as any excess; then the engine rests."""
+    scheduler = scheduler_for(True, 8 * GRANULE, 1, elastic_config(
+        policy="auto", initial_granules=5, release_delay_s=1.0, idle_sleep_s=0.0))
+    conn = scheduler.connector
+    now = [0.0]
+    conn.clock = lambda: now[0]
+    assert conn.startup_granules == 5 and not conn.channel.pending   # no op waiting
+    assert scheduler.has_requests()          # no request, yet the engine must step
+    worker = Worker(scheduler)
+
+    def between(step):
+        now[0] = step * 0.1
+
+    vllm_v1.activate()
+    try:
+        log = drive(scheduler, [], worker, between=between)
+    finally:
+        vllm_v1.deactivate()
+    assert conn.channel.count(MAPPED) == 1 and worker.memory.mapped_granules == 1
+    assert 10 <= len(log) <= 14              # the delay (10 steps), the unmap confirmed
+    assert not scheduler.has_requests()      # at its minimum: the engine rests
+
+
 def test_a_policy_other_than_off_needs_proxima_s_pool():
     from proxima.errors import UserError
 

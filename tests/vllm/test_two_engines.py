@@ -108,3 +108,19 @@ def test_elastic_ties_on_a_steady_load_started_at_the_static_split(tmp_path, cap
     assert code == 0 and all(report["checks"].values()), report["checks"]
     assert "comparison (elastic must tie (within 1.02x) the static split): passed" in \
         capsys.readouterr().out
+
+
+def test_an_engine_started_above_its_minimum_yields_to_the_others_first_burst(tmp_path):
+    """Both engines started with half the GPU mapped (--kv-initial), B with no request
+    until step 1,200: B's connector keeps its engine stepping until its policy has looked
+    at that memory, reads A's unmet demand in the ledger and gives it during A's first
+    burst, not only once a request of its own comes."""
+    code, report = replay(tmp_path, "--workload", "alternating-bursts", "--kv-initial", "2GiB")
+    elastic = report["results"]["elastic"]
+    first = [(step, a, b) for step, a, b in elastic["memory_timeline"] if step < 1200]
+    assert list(first[0][1:]) == [GPU // 2, GPU // 2]          # the start: half each
+    assert min(b for _, _, b in first) < GPU // 2              # B gave during A's burst...
+    assert max(a for _, a, _ in first) > GPU // 2              # ...and A borrowed it
+    assert elastic["engines"]["B"]["elastic"]["yields"] >= 1
+    assert all(a + b <= GPU for _, a, b in elastic["memory_timeline"])
+    assert code == 0 and all(report["checks"].values()), report["checks"]
