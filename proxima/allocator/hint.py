@@ -35,6 +35,13 @@ class AllocationHint(NamedTuple):
     spread: bool = False
     end: int = 0
 
+    @classmethod
+    def of(cls, after: int | None, room: int | None, spread: bool, end: int) -> "AllocationHint":
+        """The same hint as ``AllocationHint(after, room, spread, end)``, built without
+        the generated constructor's argument handling (every field given, in order): the
+        form for the scheduler's hot path (about half the cost)."""
+        return _new(cls, (after, room, spread, end))
+
     def continued(self, last: int, n: int) -> "AllocationHint":
         """The hint for the next ids of the same allocation, after ``n`` ids ending at
         ``last`` were handed out (vLLM takes a copy-on-write block, then the new blocks:

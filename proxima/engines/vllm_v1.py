@@ -204,7 +204,7 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
         # room), else pack (RunAllocator.allocate); end: the step this request is expected
         # to finish at, now + the tokens it may still generate (elastic placement groups
         # blocks that end together).
-        queue.hint = AllocationHint(
+        queue.hint = AllocationHint.of(
             None if last is None or last.is_null else last.block_id, room,
             2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks,
             pool.proxima_steps + (total - num_tokens if total and total > num_tokens else 0))

@@ -86,9 +86,9 @@ def replay_proxima(ops, a) -> Tally:
             _, rid, n, total = op
             ids = held.get(rid)
             if ids is None:
-                held[rid] = a.allocate(n, AllocationHint(room=total))
+                held[rid] = a.allocate(n, AllocationHint.of(None, total, False, 0))
             else:
-                ids += a.allocate(n, AllocationHint(after=ids[-1], room=total - len(ids)))
+                ids += a.allocate(n, AllocationHint.of(ids[-1], total - len(ids), False, 0))
             allocated += n
         elif kind == "free":
             ids = held.pop(op[1])
@@ -162,10 +162,10 @@ def replay_proxima_queue(ops, q) -> Tally:
             _, rid, n, total = op
             got = held.get(rid)
             if got is None:
-                q.hint = AllocationHint(room=total)
+                q.hint = AllocationHint.of(None, total, False, 0)
                 held[rid] = q.popleft_n(n)
             else:
-                q.hint = AllocationHint(after=got[-1].block_id, room=total - len(got))
+                q.hint = AllocationHint.of(got[-1].block_id, total - len(got), False, 0)
                 got += q.popleft_n(n)
             q.hint = None
             allocated += n
