@@ -28,8 +28,8 @@ from proxima.replay.elastic import ReplayWorker
 from tests.support import forced
 from tests.vllm.test_elastic_connector import across_processes
 
-if elastic_v1.unsupported_reason():
-    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+if elastic_v1.unsupported_reason("scheduler"):
+    pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 
@@ -39,6 +39,7 @@ BLOCK = 16
 @pytest.fixture(autouse=True)
 def _restore(monkeypatch):
     monkeypatch.delenv("PROXIMA_COMPACTION", raising=False)
+    monkeypatch.setenv("PROXIMA_ALLOW_UNPROVEN_ELASTIC", "1")   # the worker side, on CPU
     yield
     elastic_v1.deactivate()
     vllm_v1.deactivate()
