@@ -131,6 +131,22 @@ def support(vllm: str | None) -> Support | None:
     return entry.support if entry is not None else None
 
 
+def support_line(vllm: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """What the tested release ``vllm`` supports, for ``proxima selfcheck``:
+    ``allocator proven on GPU; elastic KV scheduler side proven on GPU; ...``, the elastic
+    worker side of a CPU-only stack saying whether an engine refuses it; None when untested."""
+    entry = support(vllm)
+    if entry is None:
+        return None
+    line = entry.summary()
+    if entry.elastic_worker == CPU_ONLY:
+        how = (f"allowed by {ALLOW_UNPROVEN_ENV}=1" if allow_unproven(environ) else
+               f"refused in an engine unless {ALLOW_UNPROVEN_ENV}=1")
+        line = line.replace(f"elastic KV worker side {CPU_ONLY}",
+                            f"elastic KV worker side {CPU_ONLY} ({how})")
+    return line
+
+
 def unproven_refusal(vllm: str, what: str = f"{ELASTIC_ENV}=1",
                      environ: Mapping[str, str] | None = None) -> str | None:
     """The one line refusing ``what`` in an engine on vLLM ``vllm``, whose elastic worker side
