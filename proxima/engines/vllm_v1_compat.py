@@ -106,13 +106,10 @@ def kv_cache_tensors(num_blocks: int, page_bytes: int, layer_names: list[str]) -
     0.26 says it as one ``KVCacheTensor(size, shared_by=[layer])`` per layer; 0.33 as one
     backing allocation, ``KVCacheTensor(size, layers, layer_stride, block_stride)``
     (layer-outermost: each layer's pages contiguous)."""
-    import dataclasses
-
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
-    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
     region = num_blocks * page_bytes
-    if "shared_by" in fields:
+    if kv_layout_generation() == "per-layer":
         return [KVCacheTensor(size=region, shared_by=[name]) for name in layer_names]
     return [KVCacheTensor(size=region * len(layer_names), layers=list(layer_names),
                           layer_stride=region, block_stride=page_bytes)]
@@ -174,6 +171,8 @@ def kv_region_layout(kv_cache_config) -> tuple[list[KvRegion], dict[str, int], l
     if kv_layout_generation() == "per-layer":
         packed = None
         for tensor in tensors:
+            if tensor.size % n:
+                raise ValueError(f"a KV region of {tensor.size} bytes is not {n} equal pages")
             if tensor.block_stride > 0:
                 if packed is None:
                     packed = len(regions)
