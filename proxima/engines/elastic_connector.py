@@ -222,9 +222,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._background = None             # proxima.memory.background.BackgroundOps
         self._short = False
         if role == KVConnectorRole.WORKER:
-            reason = elastic_v1.unsupported_reason("engine")   # its worker side: proven?
-            if reason:
-                raise UserError(reason)
             parallel = vllm_config.parallel_config
             if parallel.data_parallel_size > 1:
                 raise UserError("elastic KV memory does not support data parallelism "
@@ -411,11 +408,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         return 0, False
 
     @property
-    def requires_kv_delivery(self) -> bool:
-        """False: this connector hands off no KV (vLLM 0.33 asks; its default, True for a
-        ``kv_producer``, would drop a preempted request's in-flight output under async
-        scheduling and change the schedule: :mod:`proxima.engines.vllm_v1_compat`)."""
-        return False
+    def requires_kv_delivery(self) -> bool:    # vLLM 0.33 asks: see vllm_v1_compat
+        return False                            # no KV is handed off
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return

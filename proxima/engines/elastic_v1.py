@@ -400,9 +400,10 @@ def install_allocation_hook(options: ElasticOptions, vllm_config=None,
     is :func:`proxima.engines.vllm_v1_compat.kv_allocation` (0.26 and 0.33 differ)."""
     from proxima.engines import vllm_v1_compat as compat
 
+    reason = unsupported_reason("engine")      # the runner's allocation, and proven?
+    if reason:
+        raise UserError(reason)
     site = compat.kv_allocation()
-    if site is None:
-        raise UserError(unsupported_reason("engine") or "no KV allocation to replace")
     _Worker.options = options
     _Worker.vllm_config = vllm_config
     _Worker.spare_granules = spare_granules
