@@ -20,8 +20,8 @@ Two hooks, nothing else patched:
    _allocate_kv_cache`` (0.26; in 0.33 ``allocate_kv_cache``, which also takes the views:
    :func:`proxima.engines.vllm_v1_compat.vmm_kv_allocation`). That is the right place, and
    the only one: it is the one function of the V2 runner (``initialize_kv_cache`` ->
-   ``init_kv_cache`` -> ``_allocate_kv_cache``) that turns the KV cache config's byte sizes into memory -- one
-   raw int8 tensor per ``KVCacheTensor``. Everything after it (the backend's layout views
+   ``init_kv_cache`` -> ``_allocate_kv_cache``) that turns the KV cache config's byte sizes
+   into memory -- one raw int8 tensor per ``KVCacheTensor``. Everything after it (the backend's layout views
    in ``_reshape_kv_cache``, binding to the attention layers, connector registration,
    CUDA-graph capture, vLLM's own block zeroing and copy-on-write copies) takes views of
    what it returns. Backing those tensors with a reserved virtual range changes where the
