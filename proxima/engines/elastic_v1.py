@@ -14,22 +14,22 @@ Two hooks, nothing else patched:
            "kv_connector_module_path": "proxima.engines.elastic_connector",
            "kv_role": "kv_producer"}'
 
-2. **Allocation** (each worker): the connector's worker side, which vLLM builds before
-   the KV cache (``gpu_worker.initialize_from_config``), installs
-   a function over :func:`_vmm_memory` in place of ``vllm.v1.worker.gpu.attn_utils.
-   _allocate_kv_cache`` (0.26; in 0.33 ``allocate_kv_cache``, which also takes the views:
+2. **Allocation** (each worker): the connector's worker side, which vLLM builds before the
+   KV cache (``gpu_worker.initialize_from_config``), installs a function over
+   :func:`_vmm_memory` in place of ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache``
+   (0.26; in 0.33 ``allocate_kv_cache``, which also takes the views:
    :func:`proxima.engines.vllm_v1_compat.vmm_kv_allocation`). That is the right place, and
    the only one: it is the one function of the V2 runner (``initialize_kv_cache`` ->
    ``init_kv_cache`` -> ``_allocate_kv_cache``) that turns the KV cache config's byte sizes
-   into memory -- one raw int8 tensor per ``KVCacheTensor``. Everything after it (the backend's layout views
-   in ``_reshape_kv_cache``, binding to the attention layers, connector registration,
-   CUDA-graph capture, vLLM's own block zeroing and copy-on-write copies) takes views of
-   what it returns. Backing those tensors with a reserved virtual range changes where the
-   bytes live and nothing else: no shape, stride or kernel. Hooking higher
-   (``initialize_kv_cache``) would copy vLLM's reshape logic; lower (torch's allocator)
-   would touch every allocation. vLLM's V1 model runner allocates elsewhere and is not
-   supported (the connector refuses to start on it). On 0.33 the worker side has run on
-   CPU only and is refused unless ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``
+   into memory -- one raw int8 tensor per ``KVCacheTensor``. Everything after it (the
+   backend's layout views in ``_reshape_kv_cache``, binding to the attention layers,
+   connector registration, CUDA-graph capture, vLLM's own block zeroing and copy-on-write
+   copies) takes views of what it returns. Backing those tensors with a reserved virtual
+   range changes where the bytes live and nothing else: no shape, stride or kernel. Hooking
+   higher (``initialize_kv_cache``) would copy vLLM's reshape logic; lower (torch's
+   allocator) would touch every allocation. vLLM's V1 model runner allocates elsewhere and
+   is not supported (the connector refuses to start on it). On 0.33 the worker side has run
+   on CPU only and is refused unless ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``
    (:func:`unsupported_reason`).
 
 What warm-up and capture touch (vLLM 0.26): ``profile_run`` runs before the KV cache
