@@ -17,6 +17,9 @@ naming the variable, the value and what is accepted)
     ``PROXIMA_OBSERVE``    ``1`` (with Proxima off): measure stock vLLM's contiguity without
                            changing its allocation (:mod:`proxima.engines.observe_v1`).
     ``PROXIMA_ALLOW_UNTESTED_VLLM``  ``1``: try an untested vLLM anyway; ``0`` / unset: refuse.
+    ``PROXIMA_ALLOW_UNPROVEN_ELASTIC``  ``1``: run elastic KV (and compaction) in an engine
+                           on a tested vLLM whose worker side is tested on CPU only
+                           (:class:`Support`, 0.33.0); ``0`` / unset: refuse it in one line.
     ``PROXIMA_ELASTIC``    ``1`` (with ``PROXIMA_ALLOCATOR=1``, V1 only): elastic KV memory
                            (:mod:`proxima.engines.elastic_v1`); ``0`` / unset: a fixed pool.
     ``PROXIMA_ELASTIC_OPTIONS``  with ``PROXIMA_ELASTIC=1``: the elastic options,
@@ -48,6 +51,7 @@ from proxima.memory.ledger import DIR_ENV as LEDGER_DIR_ENV
 ENV = "PROXIMA_ALLOCATOR"
 OBSERVE_ENV = "PROXIMA_OBSERVE"
 ALLOW_UNTESTED_ENV = "PROXIMA_ALLOW_UNTESTED_VLLM"
+ALLOW_UNPROVEN_ENV = "PROXIMA_ALLOW_UNPROVEN_ELASTIC"
 STATS_ENV = "PROXIMA_STATS_FILE"
 ELASTIC_ENV = "PROXIMA_ELASTIC"
 ELASTIC_OPTIONS_ENV = "PROXIMA_ELASTIC_OPTIONS"
@@ -63,6 +67,35 @@ class ActivationError(UserError, RuntimeError):
 
 # ----------------------------------------------------------------------------- versions
 
+#: How far a feature is proven on a stack (:class:`Support`).
+GPU = "proven on GPU"        #: run on a GPU (the proof drivers, tools/gpu) and on CPU
+CPU_ONLY = "CPU-only"        #: tested on CPU only (vLLM's scheduler, fake or CPU tensors)
+REFUSED = "refused"          #: refused in one line, no override
+
+#: The features, in the order :meth:`Support.summary` says them.
+FEATURES = (("allocator", "allocator"), ("elastic_scheduler", "elastic KV scheduler side"),
+            ("elastic_worker", "elastic KV worker side"), ("compaction", "compaction"))
+
+
+@dataclass(frozen=True)
+class Support:
+    """What one stack supports, feature by feature (:data:`GPU`, :data:`CPU_ONLY` or
+    :data:`REFUSED`). The scheduler side of elastic KV and compaction runs in the CPU replay;
+    the worker side (the VMM-backed KV tensors, the mover before the forward) only in a real
+    engine, so a worker side that is :data:`CPU_ONLY` is refused in an engine unless
+    ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1`` (:func:`unproven_refusal`). How each stack's vLLM
+    differs is :mod:`proxima.engines.vllm_v1_compat`; this says only how far each is proven."""
+
+    allocator: str
+    elastic_scheduler: str
+    elastic_worker: str
+    compaction: str
+
+    def summary(self) -> str:
+        """``allocator proven on GPU; elastic KV scheduler side CPU-only; ...``"""
+        return "; ".join(f"{label} {getattr(self, name)}" for name, label in FEATURES)
+
+
 @dataclass(frozen=True)
 class Tested:
     """One tested vLLM release."""
@@ -72,17 +105,60 @@ class Tested:
     torch: tuple[str, ...]   #: torch releases it was tested with (without a +cuXXX tag)
     extra: str               #: ``pip install 'proxima[<extra>]'`` installs it
     stack: str               #: what the docs call it
+    support: Support = Support(CPU_ONLY, REFUSED, REFUSED, REFUSED)   #: what it runs
 
 
 #: The tested releases, newest first (add a release: add one entry, and its extra in
 #: pyproject.toml; tests/unit/test_activation.py checks the two agree).
 TESTED: tuple[Tested, ...] = (
-    Tested("0.33.0", "v1", ("2.14.0",), extra="vllm", stack="the newest tested stack"),
-    Tested("0.26.0", "v1", ("2.11.0",), extra="vllm-0-26", stack="the tested stack"),
+    # 0.33.0 has not run on a GPU (the H200 host has torch 2.11, it pins 2.14:
+    # docs/results/v033-staging/NOTES.md); its elastic and compaction scheduler sides pass
+    # the replay's parity as 0.26.0 does (docs/results/replay-v033/NOTES.md).
+    Tested("0.33.0", "v1", ("2.14.0",), extra="vllm", stack="the newest tested stack",
+           support=Support(CPU_ONLY, CPU_ONLY, CPU_ONLY, CPU_ONLY)),
+    Tested("0.26.0", "v1", ("2.11.0",), extra="vllm-0-26", stack="the tested stack",
+           support=Support(GPU, GPU, GPU, GPU)),
     # The card stack: torch 2.4.0 is vLLM 0.6.3.post1's own pin; 2.5.1 is what the Nix
     # image builds it against (nixos-24.11's torch, nix/image.nix).
-    Tested("0.6.3.post1", "v0", ("2.4.0", "2.5.1"), extra="vllm-cu121", stack="the card stack"),
+    Tested("0.6.3.post1", "v0", ("2.4.0", "2.5.1"), extra="vllm-cu121", stack="the card stack",
+           support=Support(CPU_ONLY, REFUSED, REFUSED, REFUSED)),
 )
+
+
+def support(vllm: str | None) -> Support | None:
+    """What the tested release ``vllm`` supports (None: not a tested release)."""
+    entry = tested(vllm)
+    return entry.support if entry is not None else None
+
+
+def support_line(vllm: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """What the tested release ``vllm`` supports, for ``proxima selfcheck``:
+    ``allocator proven on GPU; elastic KV scheduler side proven on GPU; ...``, the elastic
+    worker side of a CPU-only stack saying whether an engine refuses it; None when untested."""
+    entry = support(vllm)
+    if entry is None:
+        return None
+    line = entry.summary()
+    if entry.elastic_worker == CPU_ONLY:
+        how = (f"allowed by {ALLOW_UNPROVEN_ENV}=1" if allow_unproven(environ) else
+               f"refused in an engine unless {ALLOW_UNPROVEN_ENV}=1")
+        line = line.replace(f"elastic KV worker side {CPU_ONLY}",
+                            f"elastic KV worker side {CPU_ONLY} ({how})")
+    return line
+
+
+def unproven_refusal(vllm: str, what: str = f"{ELASTIC_ENV}=1",
+                     environ: Mapping[str, str] | None = None) -> str | None:
+    """The one line refusing ``what`` in an engine on vLLM ``vllm``, whose elastic worker side
+    (VMM-backed KV tensors, the mover before the forward) has not run on a GPU; None when it
+    has, or under ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1`` (an untested release is the
+    ``PROXIMA_ALLOW_UNTESTED_VLLM`` policy's, not this one's)."""
+    entry = support(vllm)
+    if entry is None or entry.elastic_worker != CPU_ONLY or allow_unproven(environ):
+        return None
+    return (f"{what} on vLLM {vllm}: its elastic KV worker side (VMM-backed KV tensors, "
+            f"the compaction mover) is tested on CPU only, never run on a GPU: run elastic KV "
+            f"on vLLM 0.26.0, or set {ALLOW_UNPROVEN_ENV}=1 to try it anyway")
 
 #: vLLM releases older than this run the V0 adapter, this one and later the V1 adapter:
 #: 0.8.0 made V1 vLLM's default engine. It decides only which adapter an untested release
@@ -275,6 +351,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              _switch, False),
     Variable(ALLOW_UNTESTED_ENV, "1 (try an untested vLLM anyway) or 0 / unset (refuse it)",
              _switch, False),
+    Variable(ALLOW_UNPROVEN_ENV, "1 (run elastic KV and compaction in an engine on a vLLM "
+             "whose worker side is tested on CPU only) or 0 / unset (refuse it)", _switch,
+             False),
     Variable(ELASTIC_ENV, "1 (elastic KV memory, with PROXIMA_ALLOCATOR=1) or 0 / unset "
              "(a fixed KV pool)", _switch, False),
     Variable(ELASTIC_OPTIONS_ENV, "key=value,... or a JSON object of elastic KV options "
@@ -338,6 +417,11 @@ def observing(environ: Mapping[str, str] | None = None) -> bool:
 def allow_untested(environ: Mapping[str, str] | None = None) -> bool:
     """``PROXIMA_ALLOW_UNTESTED_VLLM=1``."""
     return read(ALLOW_UNTESTED_ENV, environ)
+
+
+def allow_unproven(environ: Mapping[str, str] | None = None) -> bool:
+    """``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``."""
+    return read(ALLOW_UNPROVEN_ENV, environ)
 
 
 def compaction(environ: Mapping[str, str] | None = None) -> CompactionMode | None:

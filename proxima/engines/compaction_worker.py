@@ -1,4 +1,4 @@
-"""KV compaction's worker side inside vLLM 0.26's V2 model runner (the scheduler side,
+"""KV compaction's worker side inside vLLM 0.26's (and 0.33's) V2 model runner (the scheduler side,
 which plans the moves, is :mod:`proxima.engines.compaction_v1`).
 
 Why a hook (:func:`install_worker_hook`): vLLM 0.26's V2 runner keeps per-request block
@@ -84,7 +84,9 @@ class _WorkerState:
     def __init__(self, runner) -> None:
         from proxima.kernels import KVBlockMover
 
-        bpk = set(runner.block_tables.blocks_per_kv_block)
+        from proxima.engines.vllm_v1_compat import kernel_blocks_per_block
+
+        bpk = kernel_blocks_per_block(runner)
         if len(bpk) != 1:
             raise RuntimeError(f"{activation.COMPACTION_ENV}: KV-cache groups with different "
                                f"kernel block sizes ({sorted(bpk)}) are not supported")

@@ -412,6 +412,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
 
+    @property
+    def requires_kv_delivery(self) -> bool:    # vLLM 0.33 asks: see vllm_v1_compat
+        return False                            # no KV is handed off
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return
 

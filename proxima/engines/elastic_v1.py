@@ -1,4 +1,4 @@
-"""Elastic KV memory inside vLLM 0.26 (V1 engine, V2 model runner): the thin part.
+"""Elastic KV memory inside vLLM 0.26 and 0.33 (V1 engine, V2 model runner): the thin part.
 
 Two hooks, nothing else patched:
 
@@ -14,20 +14,23 @@ Two hooks, nothing else patched:
            "kv_connector_module_path": "proxima.engines.elastic_connector",
            "kv_role": "kv_producer"}'
 
-2. **Allocation** (each worker): the connector's worker side, which vLLM builds before
-   the KV cache (``gpu_worker.initialize_from_config``), installs
-   :func:`_allocate_kv_cache_vmm` in place of ``vllm.v1.worker.gpu.attn_utils.
-   _allocate_kv_cache``. That is the right place, and the only one: it is the one
-   function of the V2 runner (``initialize_kv_cache`` -> ``init_kv_cache`` ->
-   ``_allocate_kv_cache``) that turns the KV cache config's byte sizes into memory -- one
-   raw int8 tensor per ``KVCacheTensor``. Everything after it (the backend's layout views
-   in ``_reshape_kv_cache``, binding to the attention layers, connector registration,
-   CUDA-graph capture, vLLM's own block zeroing and copy-on-write copies) takes views of
-   what it returns. Backing those tensors with a reserved virtual range changes where the
-   bytes live and nothing else: no shape, stride or kernel. Hooking higher
-   (``initialize_kv_cache``) would copy vLLM's reshape logic; lower (torch's allocator)
-   would touch every allocation. vLLM's V1 model runner allocates elsewhere and is not
-   supported (the connector refuses to start on it).
+2. **Allocation** (each worker): the connector's worker side, which vLLM builds before the
+   KV cache (``gpu_worker.initialize_from_config``), installs a function over
+   :func:`_vmm_memory` in place of ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache``
+   (0.26; in 0.33 ``allocate_kv_cache``, which also takes the views:
+   :func:`proxima.engines.vllm_v1_compat.vmm_kv_allocation`). That is the right place, and
+   the only one: it is the one function of the V2 runner (``initialize_kv_cache`` ->
+   ``init_kv_cache`` -> ``_allocate_kv_cache``) that turns the KV cache config's byte sizes
+   into memory -- one raw int8 tensor per ``KVCacheTensor``. Everything after it (the
+   backend's layout views in ``_reshape_kv_cache``, binding to the attention layers,
+   connector registration, CUDA-graph capture, vLLM's own block zeroing and copy-on-write
+   copies) takes views of what it returns. Backing those tensors with a reserved virtual
+   range changes where the bytes live and nothing else: no shape, stride or kernel. Hooking
+   higher (``initialize_kv_cache``) would copy vLLM's reshape logic; lower (torch's
+   allocator) would touch every allocation. vLLM's V1 model runner allocates elsewhere and
+   is not supported (the connector refuses to start on it). On 0.33 the worker side has run
+   on CPU only and is refused unless ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``
+   (:func:`unsupported_reason`).
 
 What warm-up and capture touch (vLLM 0.26): ``profile_run`` runs before the KV cache
 exists. ``_dummy_run`` (compile sizes, CUDA-graph capture) fills every slot mapping with
@@ -280,31 +283,37 @@ def is_active() -> bool:
     return patches.is_applied(PATCHES)
 
 
-def unsupported_reason() -> str | None:
-    """Why this vLLM cannot run elastic KV memory, or None when it can.
+def unsupported_reason(side: str = "engine", environ=None) -> str | None:
+    """Why this vLLM cannot run elastic KV memory (and so compaction), or None when it can.
 
-    The one place that knows which KV allocation the hook understands: vLLM 0.26's V2 model
-    runner, where ``attn_utils._allocate_kv_cache`` makes one raw buffer per
-    ``KVCacheTensor(size, shared_by)``. vLLM 0.33 replaced that with one backing allocation
-    described by ``KVCacheTensor(size, layers, offset, layer_stride, block_stride)``; the hook
-    has not been ported to it (Proxima's allocator itself runs there unchanged)."""
-    import dataclasses
-
+    ``side="scheduler"``: the pool, the connector's scheduler side and the compactor, all
+    that the CPU replay runs; they need vLLM's KV cache description, which
+    :mod:`proxima.engines.vllm_v1_compat` reads for 0.26 and 0.33 alike. ``side="engine"``
+    (a real engine: the plugin, ``proxima serve``, the connector's worker): also the worker
+    side, the V2 model runner's KV allocation that :func:`install_allocation_hook` replaces
+    (:func:`proxima.engines.vllm_v1_compat.kv_allocation`), and how far the version table
+    says it is proven (:func:`proxima.engines.activation.unproven_refusal`: refused where it
+    has run on CPU only, unless ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``)."""
     import vllm
-    from vllm.v1.kv_cache_interface import KVCacheTensor
 
+    from proxima.engines import vllm_v1_compat as compat
+
+    if side not in ("scheduler", "engine"):
+        raise ValueError(f"side must be 'scheduler' or 'engine', got {side!r}")
     try:
-        import vllm.v1.worker.gpu.attn_utils as attn_utils
-    except ImportError:
-        attn_utils = None
-    fields = {f.name for f in dataclasses.fields(KVCacheTensor)} \
-        if dataclasses.is_dataclass(KVCacheTensor) else set()
-    if attn_utils is None or not hasattr(attn_utils, "_allocate_kv_cache") \
-            or "shared_by" not in fields:
-        return (f"{ENV}=1 needs the KV allocation of vLLM 0.26's V2 model runner (one buffer "
-                f"per KVCacheTensor(size, shared_by)); vLLM {vllm.__version__} allocates its "
-                f"KV cache differently: run elastic KV on vLLM 0.26.0, or unset {ENV}")
-    return None
+        compat.kv_layout_generation()
+    except Exception:    # noqa: BLE001 - any vLLM without the KV description Proxima reads
+        return (f"{ENV}=1 needs vLLM's KVCacheTensor of 0.26 or 0.33 to place granules; vLLM "
+                f"{vllm.__version__} describes its KV cache differently: run elastic KV on "
+                f"vLLM 0.26.0, or unset {ENV}")
+    if side == "scheduler":
+        return None
+    if compat.kv_allocation() is None:
+        return (f"{ENV}=1 needs the KV allocation of vLLM's V2 model runner (0.26's "
+                f"attn_utils._allocate_kv_cache or 0.33's allocate_kv_cache); vLLM "
+                f"{vllm.__version__} allocates its KV cache differently: run elastic KV on "
+                f"vLLM 0.26.0, or unset {ENV}")
+    return activation.unproven_refusal(vllm.__version__, f"{ENV}=1", environ)
 
 
 def activate() -> None:
@@ -392,45 +401,40 @@ def install_allocation_hook(options: ElasticOptions, vllm_config=None,
                             spare_granules: int = 0) -> None:
     """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent);
     ``spare_granules`` more are reserved past the pool (KV compaction's scratch blocks:
-    the connector reads how many from compaction's settings)."""
-    import vllm.v1.worker.gpu.attn_utils as attn_utils
+    the connector reads how many from compaction's settings). Which function that replaces
+    is :func:`proxima.engines.vllm_v1_compat.kv_allocation` (0.26 and 0.33 differ)."""
+    from proxima.engines import vllm_v1_compat as compat
 
+    reason = unsupported_reason("engine")      # the runner's allocation, and proven?
+    if reason:
+        raise UserError(reason)
+    site = compat.kv_allocation()
     _Worker.options = options
     _Worker.vllm_config = vllm_config
     _Worker.spare_granules = spare_granules
-    if attn_utils._allocate_kv_cache is not _allocate_kv_cache_vmm:
-        _patch(patches.Patch(attn_utils, "_allocate_kv_cache", _allocate_kv_cache_vmm))
+    owner, name = site
+    if not getattr(getattr(owner, name), "proxima_vmm", False):
+        _patch(patches.Patch(owner, name, compat.vmm_kv_allocation(name, _vmm_memory)))
 
 
 def kv_regions(kv_cache_config) -> tuple[list[int], dict[str, int]]:
-    """vLLM's ``KVCacheTensor`` list as region sizes and layer name -> region index (the
-    packed layout's tensors all alias one backing, as in vLLM's ``_allocate_kv_cache``)."""
-    sizes: list[int] = []
-    where: dict[str, int] = {}
-    packed = None
-    for tensor in kv_cache_config.kv_cache_tensors:
-        if tensor.block_stride > 0:
-            if packed is None:
-                packed = len(sizes)
-                sizes.append(tensor.size)
-            index = packed
-        else:
-            index = len(sizes)
-            sizes.append(tensor.size)
-        for name in tensor.shared_by:
-            where[name] = index
-    return sizes, where
+    """vLLM's KV cache config as block-major region sizes and layer name -> region index
+    (:func:`proxima.engines.vllm_v1_compat.kv_regions`: 0.26's and 0.33's descriptions)."""
+    from proxima.engines.vllm_v1_compat import kv_regions as regions
+
+    return regions(kv_cache_config)
 
 
-def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
-    """vLLM's ``_allocate_kv_cache`` (same arguments, same result: layer name -> raw int8
-    tensor of the same size), over one reserved range mapped by granules."""
+def _vmm_memory(kv_cache_config, device):
+    """The :class:`proxima.memory.kv.KvMemory` of this worker's KV cache: one reserved range
+    for the regions of ``kv_cache_config``, mapped by granules (what warm-up writes and the
+    initial size; the rest on demand). The allocation hook views vLLM's tensors over it."""
     import torch
 
     from proxima.memory.kv import KvMemory
 
     options = _Worker.options or ElasticOptions()
-    sizes, where = kv_regions(kv_cache_config)
+    sizes, _ = kv_regions(kv_cache_config)
     index = device.index if device.index is not None else torch.cuda.current_device()
     mapped = None
     if _Worker.vllm_config is not None:
@@ -446,14 +450,9 @@ def _allocate_kv_cache_vmm(kv_cache_config, shared_layers, device):
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
                       device=index, mapped=mapped, zero_on_map=options.zero_on_map,
                       spare_granules=_Worker.spare_granules)
-    raw = [t.view(torch.int8) for t in memory.tensors()]
-    tensors = {name: raw[i] for name, i in where.items()}
-    layer_names = {n for group in kv_cache_config.kv_cache_groups for n in group.layer_names}
-    assert layer_names == (tensors.keys() | shared_layers.keys()), (
-        "Some layers are not correctly initialized")
     _Worker.memory = memory
     logger.info("Proxima elastic KV: %d blocks in %d granules of %d blocks (%.1f MiB each, "
                 "%d regions), %.2f GiB reserved, %d granules mapped", memory.num_blocks,
                 memory.num_granules, memory.granule_blocks, memory.bytes_per_granule / 2**20,
                 len(sizes), memory.arena.reserved_bytes / 2**30, memory.mapped_granules)
-    return tensors
+    return memory

@@ -237,6 +237,21 @@ class VmmArena:
             self._views[(region, nbytes)] = view
         return view
 
+    def range_tensor(self):
+        """A ``torch.uint8`` tensor over the whole reserved range (every region, mapped or
+        not), made once and cached: for an engine that views all its layers in one
+        allocation (vLLM 0.33). Unit 0 must be mapped, as for :meth:`region_tensor`."""
+        view = self._views.get(("all", self.reserved_bytes))
+        if view is None:
+            if not self.is_mapped(0):
+                raise RuntimeError("map unit 0 before taking a tensor view of the arena")
+            from proxima.memory.tensor import device_bytes
+
+            view = device_bytes(self.base, self.reserved_bytes, self.device)
+            self._views[("all", self.reserved_bytes)] = view
+        return view
+
+
 def runs(indices) -> list[range]:
     """Sorted indices -> maximal ranges of consecutive ones."""
     out: list[range] = []

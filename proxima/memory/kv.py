@@ -107,6 +107,12 @@ class KvMemory:
                              for r, size in enumerate(self.region_sizes)]
         return self._tensors
 
+    def backing(self):
+        """One ``torch.uint8`` tensor over the whole reserved range: region ``r`` starts at
+        byte ``arena.region_base[r] - arena.base`` (vLLM 0.33 views every layer in one
+        allocation; the views must stay within :meth:`tensors`' bytes of each region)."""
+        return self.arena.range_tensor()
+
     def apply(self, ops: Sequence[Op], *, stream: int = 0) -> list[tuple[int, int]]:
         """Apply ``ops`` in order. Returns the ``(first, count)`` granule ranges that could
         not be mapped for lack of GPU memory (they stay unmapped; nothing raised)."""

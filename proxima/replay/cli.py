@@ -400,7 +400,7 @@ def run(args) -> int:
                             f"one: drop --elastic")
         from proxima.engines import elastic_v1
 
-        reason = elastic_v1.unsupported_reason()
+        reason = elastic_v1.unsupported_reason("scheduler")
         if reason:
             raise UserError(f"--elastic: {reason}")
         elastic = {"elastic": args.elastic_spec}

@@ -143,7 +143,8 @@ def check_cuda(facts: dict) -> Check:
 
 
 def check_versions(vllm: str | None = None, torch: str | None = None, environ=None) -> Check:
-    """The installed vLLM and torch against the version policy (activation.judge)."""
+    """The installed vLLM and torch against the version policy (activation.judge), and what
+    that stack supports, feature by feature (the version table's :class:`Support`)."""
     vllm = vllm if vllm is not None else installed_version("vllm")
     torch = torch if torch is not None else installed_version("torch")
     seen = f"vllm {vllm or 'not installed'}, torch {torch or 'not installed'}"
@@ -156,8 +157,13 @@ def check_versions(vllm: str | None = None, torch: str | None = None, environ=No
                       f"set {activation.ALLOW_UNTESTED_ENV} to 1 or 0, or unset it")
     engine = activation.ENGINE_NAMES[verdict.engine]
     if verdict.tested:
+        try:
+            supports = activation.support_line(vllm, environ)
+        except activation.ActivationError as exc:
+            return failed("versions", f"{seen}; {exc}",
+                          f"set {activation.ALLOW_UNPROVEN_ENV} to 1 or 0, or unset it")
         return ok("versions", f"{seen}, proxima {PROXIMA_VERSION} ({verdict.entry.stack}, "
-                              f"{engine})")
+                              f"{engine}); supports: {supports}")
     if verdict.allowed:
         return ok("versions", f"{seen}: UNTESTED (tested: {activation.tested_summary()}), "
                               f"tried with the {engine} adapter, allowed by "

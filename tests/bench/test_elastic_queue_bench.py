@@ -27,7 +27,7 @@ ROUNDS = 5
 def trace():
     from proxima.engines import elastic_v1
 
-    reason = elastic_v1.unsupported_reason()     # (vLLM 0.33: the KV hook is not ported)
+    reason = elastic_v1.unsupported_reason("scheduler")
     if reason:
         pytest.skip(reason)
     return record(REQUESTS)

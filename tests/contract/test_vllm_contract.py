@@ -24,6 +24,14 @@ V1 adapter (proxima/engines/vllm_v1.py) and the stock observer (observe_v1.py) r
                                                    vLLM registers exists at activation
   vllm.v1.core.sched.scheduler.Scheduler.add_request, AsyncScheduler inheriting it
   vllm.v1.core.kv_cache_manager.KVCacheManager.free / new_step_starts, .coordinator
+Elastic KV's and compaction's worker side (elastic_v1, compaction_worker; what differs between
+0.26 and 0.33 is proxima/engines/vllm_v1_compat.py):
+  vllm.v1.worker.gpu.attn_utils._allocate_kv_cache (0.26) / allocate_kv_cache (0.33)
+                                                   the function replaced, with its arguments,
+                                                   called by that name from init_kv_cache
+  vllm.v1.worker.gpu.model_runner.GPUModelRunner.update_requests, called by execute_model
+                                                   before block_tables.apply_staged_writes
+  KVConnectorBase_V1's methods ProximaElasticConnector overrides, with their signatures
 V0 adapter (proxima/engines/vllm_v0.py, vllm_v0_allocators.py):
   vllm.core.block_manager.SelfAttnBlockSpaceManager
   (the name activation replaces) and the signatures of every vLLM method it overrides.
@@ -520,3 +528,49 @@ def test_a_changed_v0_method_is_named(untested_allowed, monkeypatch):
     fails_naming(test_v0_block_manager_name_and_overrides,
                  "NaiveBlockAllocator.allocate_mutable_block", "'extra'",
                  untested_allowed=None)
+
+
+# ------------------------------------------------------------------ V1: elastic worker side
+
+#: the arguments of the KV allocation each release's hook takes (vllm_v1_compat.vmm_kv_allocation)
+KV_ALLOCATION_PARAMS = {"_allocate_kv_cache": ["kv_cache_config", "shared_layers", "device"],
+                        "allocate_kv_cache": ["kv_cache_config", "device", "layout",
+                                              "kernel_block_sizes"]}
+
+
+@v1
+def test_the_kv_allocation_elastic_replaces_is_called_by_its_name():
+    from proxima.engines import vllm_v1_compat
+
+    site = vllm_v1_compat.kv_allocation()
+    if site is None:
+        broken("vllm.v1.worker.gpu.attn_utils._allocate_kv_cache / allocate_kv_cache",
+               "neither is there: elastic KV replaces the V2 runner's KV allocation")
+    owner, name = site
+    where = f"{owner.__name__}.{name}"
+    if params(getattr(owner, name)) != KV_ALLOCATION_PARAMS[name]:
+        broken(where, f"its parameters are {params(getattr(owner, name))}; Proxima's "
+                      f"replacement takes {KV_ALLOCATION_PARAMS[name]}")
+    caller = inspect.getsource(symbol(f"{owner.__name__}.init_kv_cache"))
+    if f"{name}(" not in caller:
+        broken(f"{owner.__name__}.init_kv_cache", f"it no longer calls {name} by that name, so "
+                                                  "replacing the module's attribute has no effect")
+
+
+@v1
+def test_the_runner_updates_block_tables_before_it_applies_their_writes():
+    execute = inspect.getsource(
+        symbol("vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model"))
+    update = execute.find("self.update_requests(")
+    apply = execute.find("self.block_tables.apply_staged_writes(")
+    if update < 0 or apply < update:
+        broken("vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model",
+               "KV compaction's hook wraps update_requests and needs it called before "
+               "block_tables.apply_staged_writes and the forward")
+
+
+@v1
+def test_the_elastic_connector_keeps_the_connector_api_s_signatures():
+    from proxima.engines.elastic_connector import ProximaElasticConnector
+
+    check_overrides(ProximaElasticConnector, "ProximaElasticConnector")

@@ -28,7 +28,9 @@ def test_installed_card_stack_is_accepted():
     versions = preflight.check_versions(environ={})
     assert versions.status == "ok", versions.line()
     assert versions.detail.startswith("vllm 0.6.3.post1, torch 2.4.0")
-    assert versions.detail.endswith("(the card stack, V0 engine)")
+    assert versions.detail.endswith(
+        "(the card stack, V0 engine); supports: allocator CPU-only; elastic KV scheduler side "
+        "refused; elastic KV worker side refused; compaction refused")
     assert vllm_args.card_stack()
 
 
@@ -131,7 +133,8 @@ def test_selfcheck_says_no_gpu_and_accepts_the_card_stack():
     assert checks["gpu"]["status"] == "failed"
     assert checks["gpu"]["detail"].startswith("no NVIDIA GPU visible")
     assert checks["versions"]["status"] == "ok"
-    assert checks["versions"]["detail"].endswith("(the card stack, V0 engine)")
+    assert "(the card stack, V0 engine); supports: allocator CPU-only;" in \
+        checks["versions"]["detail"]
     assert checks["engine"]["detail"] == "not run: gpu failed"
 
 

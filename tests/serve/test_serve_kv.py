@@ -52,8 +52,8 @@ def elastic_scheduler():
     from proxima.engines import elastic_v1, vllm_v1
     from proxima.replay.driver_v1 import build_scheduler
 
-    if elastic_v1.unsupported_reason():
-        pytest.skip(elastic_v1.unsupported_reason())
+    if elastic_v1.unsupported_reason("scheduler"):
+        pytest.skip(elastic_v1.unsupported_reason("scheduler"))
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(**elastic_v1.connector_config({"policy": "auto"}))

@@ -71,8 +71,10 @@ def test_probe_timeout_or_crash_is_a_failed_gpu_line():
 
 
 def test_versions_line():
-    tested = preflight.check_versions("0.26.0", "2.11.0+cu130")
-    assert tested.status == "ok" and tested.detail.endswith("(the tested stack, V1 engine)")
+    tested = preflight.check_versions("0.26.0", "2.11.0+cu130", environ={})
+    assert tested.status == "ok" and tested.detail.endswith(
+        "(the tested stack, V1 engine); supports: allocator proven on GPU; elastic KV scheduler "
+        "side proven on GPU; elastic KV worker side proven on GPU; compaction proven on GPU")
     line = preflight.check_versions("0.25.1", "2.10.0", environ={}).line()
     assert line.startswith("versions: failed: vllm 0.25.1, torch 2.10.0; tested: vllm 0.33.0 "
                            "with torch 2.14.0 (V1 engine, the newest tested stack); vllm 0.26.0 "
@@ -84,9 +86,25 @@ def test_versions_line():
 def test_card_stack_versions():
     for torch in ("2.4.0", "2.4.0+cu121", "2.5.1"):
         line = preflight.check_versions("0.6.3.post1", torch, environ={})
-        assert line.status == "ok" and line.detail.endswith("(the card stack, V0 engine)"), line
+        assert line.status == "ok" and line.detail.endswith(
+            "(the card stack, V0 engine); supports: allocator CPU-only; elastic KV scheduler "
+            "side refused; elastic KV worker side refused; compaction refused"), line
     assert preflight.check_versions("0.6.3.post1", "2.11.0", environ={}).failed
     assert preflight.check_versions("0.26.0", "2.4.0", environ={}).failed
+
+
+def test_the_newest_stack_says_its_worker_side_is_refused_unless_overridden():
+    line = preflight.check_versions("0.33.0", "2.14.0", environ={})
+    assert line.status == "ok" and line.detail.endswith(
+        "(the newest tested stack, V1 engine); supports: allocator CPU-only; elastic KV "
+        "scheduler side CPU-only; elastic KV worker side CPU-only (refused in an engine unless "
+        "PROXIMA_ALLOW_UNPROVEN_ELASTIC=1); compaction CPU-only")
+    allowed = preflight.check_versions(
+        "0.33.0", "2.14.0", environ={"PROXIMA_ALLOW_UNPROVEN_ELASTIC": "1"})
+    assert "CPU-only (allowed by PROXIMA_ALLOW_UNPROVEN_ELASTIC=1)" in allowed.detail
+    bad = preflight.check_versions("0.33.0", "2.14.0",
+                                   environ={"PROXIMA_ALLOW_UNPROVEN_ELASTIC": "on"})
+    assert bad.failed and "PROXIMA_ALLOW_UNPROVEN_ELASTIC must be 1" in bad.detail
 
 
 def test_untested_vllm_needs_the_explicit_override():

@@ -28,8 +28,8 @@ from proxima.replay.elastic import ReplayWorker
 from tests.support import forced
 from tests.vllm.test_elastic_connector import across_processes
 
-if elastic_v1.unsupported_reason():
-    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+if elastic_v1.unsupported_reason("scheduler"):
+    pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 
@@ -39,6 +39,7 @@ BLOCK = 16
 @pytest.fixture(autouse=True)
 def _restore(monkeypatch):
     monkeypatch.delenv("PROXIMA_COMPACTION", raising=False)
+    monkeypatch.setenv("PROXIMA_ALLOW_UNPROVEN_ELASTIC", "1")   # the worker side, on CPU
     yield
     elastic_v1.deactivate()
     vllm_v1.deactivate()
@@ -83,16 +84,26 @@ def content(token: int, pos: int) -> float:
     return float(token * 100_000 + pos + 1)
 
 
+def _tables_say_kernel_blocks() -> bool:
+    import inspect
+
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    return "blocks_per_kv_block" in inspect.getsource(BlockTables.__init__)
+
+
 class ModelRunner:
-    """vLLM 0.26's V2 runner as far as block ids go (see the module doc)."""
+    """vLLM's V2 runner as far as block ids go (see the module doc); its BlockTables shaped
+    as the installed release's: 0.26's says blocks_per_kv_block, 0.33's has none."""
 
     def __init__(self, scheduler, total_blocks: int, max_reqs: int = 128) -> None:
         self.kv_cache_config = scheduler.kv_cache_config
         self.kv_caches = [torch.zeros(total_blocks, BLOCK, dtype=torch.float64)
                           for _ in range(2)]
         self.block_tables = SimpleNamespace(
-            block_tables=[SimpleNamespace(gpu=torch.zeros(max_reqs, 1024, dtype=torch.int32))],
-            blocks_per_kv_block=[1])
+            block_tables=[SimpleNamespace(gpu=torch.zeros(max_reqs, 1024, dtype=torch.int32))])
+        if _tables_say_kernel_blocks():
+            self.block_tables.blocks_per_kv_block = [1]
         self.req_states = SimpleNamespace(req_id_to_index={})
         self.num_blocks: dict[str, int] = {}
         self.free_rows = deque(range(max_reqs))

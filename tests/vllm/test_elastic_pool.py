@@ -23,7 +23,7 @@ from proxima.engines.elastic_pool import GranuleFreeQueue
 def elastic_supported():
     from proxima.engines import elastic_v1
 
-    reason = elastic_v1.unsupported_reason()
+    reason = elastic_v1.unsupported_reason("scheduler")
     if reason:
         pytest.skip(reason)
 

@@ -16,8 +16,8 @@ from proxima.replay.table import LATENCY_PARITY, format_table, parity_checks
 from proxima.replay.result import LATENCY_FIELDS
 
 LATENCY = LATENCY_FIELDS
-elastic_only = pytest.mark.skipif(bool(elastic_v1.unsupported_reason()),
-                                  reason=str(elastic_v1.unsupported_reason()))
+elastic_only = pytest.mark.skipif(bool(elastic_v1.unsupported_reason("scheduler")),
+                                  reason=str(elastic_v1.unsupported_reason("scheduler")))
 
 
 def replay(tmp_path, *argv):

@@ -13,8 +13,8 @@ import pytest
 
 from proxima.engines import elastic_v1
 
-if elastic_v1.unsupported_reason():
-    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+if elastic_v1.unsupported_reason("scheduler"):
+    pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)
 
 GiB = 1 << 30
 
