@@ -34,6 +34,25 @@ def blocks(n):
     return [KVCacheBlock(i) for i in range(n)]
 
 
+def beyond_sliding_window(cached, cls, got, window):
+    """How many of the cached ids handed out in ``got`` (in the order handed out) were not
+    among the ``window`` least recently used cached ids of their class when taken.
+
+    ``cached`` is the LRU order before the call, ``cls`` each cached id's class. A window
+    bounded by count is the ``window`` oldest of each class *now*: each id taken from it
+    lets the next oldest in, so a count-bounded window may be taken in a chain within one
+    call; only what goes beyond that departs from the policy (allowed where the free ids
+    fall short, as stock evicts then)."""
+    order = {c: [i for i in cached if cls[i] == c] for c in set(cls[i] for i in cached)}
+    beyond = 0
+    for i in got:
+        if i in cls and i in order.get(cls[i], ()):
+            lru = order[cls[i]]
+            beyond += lru.index(i) >= window
+            lru.remove(i)
+    return beyond
+
+
 class QueueMachine(RuleBasedStateMachine):
     @initialize(granules=st.integers(2, 9), G=st.sampled_from([1, 2, 4, 8]),
                 tail=st.integers(0, 3), mapped=st.integers(1, 9),
@@ -52,6 +71,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.state = {i: ("free" if i // G in self.mapped else "unmapped") for i in range(n)}
         self.state[0] = "reserved"
         self.cached: list[int] = []          # LRU order
+        self.cls: dict[int, int] = {}        # cached id -> its class (1: preempted)
         self.owned: list[list[int]] = []     # what was handed out, per call
         self.step = 0
 
@@ -79,12 +99,15 @@ class QueueMachine(RuleBasedStateMachine):
         for i in got:
             assert self.state[i] in ("free", "cached"), (i, self.state[i])
             self.state[i] = "live"
-        out_of_window = [i for i in taken_cached if i not in window]
-        # A window bounded by count (window:W) slides: each window id taken lets at most
-        # one more cached id in (the next oldest), which may then be taken in the same call.
-        slid_in = (len(taken_cached) - len(out_of_window)
-                   if self.policy.max_window and not self.policy.strict else 0)
-        assert len(out_of_window) <= max(0, n - free_before) + slid_in
+        shortfall = max(0, n - free_before)
+        if self.policy.max_window and not self.policy.strict:
+            # A window bounded by count (window:W) slides: taking a window id lets the next
+            # oldest in, which the same call may take too (and so on, a chain).
+            assert beyond_sliding_window(self.cached, self.cls, got,
+                                         self.policy.max_window) <= shortfall
+        else:
+            out_of_window = [i for i in taken_cached if i not in window]
+            assert len(out_of_window) <= shortfall
         if self.policy.strict:        # stock: free ids first, then the oldest cached
             assert taken_cached == self.cached[:max(0, n - free_before)]
         self.cached = [i for i in self.cached if i not in set(got)]
@@ -103,6 +126,7 @@ class QueueMachine(RuleBasedStateMachine):
             for i in reversed(ids):
                 self.state[i] = "cached"
                 self.cached.append(i)
+                self.cls[i] = 1 if preempted else 0
         else:
             q.prepend_n(chosen)
             for i in ids:
@@ -179,6 +203,40 @@ class QueueMachine(RuleBasedStateMachine):
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_count_bounded_window_slides_within_one_call():
+    """The machine's minimal example (window:4, two granules of 8): a call that a free
+    granule could serve takes granule 0's window ids, and the ids sliding in behind them,
+    in a chain; each was among the 4 oldest cached when taken, the oldest (in granule 1,
+    which stays releasable) is kept. The queue machine's bound once allowed one slide per
+    window id taken, not a chain, and failed on this."""
+    bs = blocks(16)
+    q = GranuleFreeQueue(bs, (0,), granule_blocks=8, eviction=EvictionPolicy.parse("window:4"),
+                         mapped=2, evict=[].append)
+    q.remove(bs[2])                                  # a prefix hit on a free id ...
+    q.prepend_n([bs[2]])                             # ... freed without a hash
+    q.hint = AllocationHint(end=0)
+    first = q.popleft_n(8)
+    assert [b.block_id for b in first] == list(range(1, 9))
+    q.append_n(first[::-1])                          # cached, tail first: 8 is the oldest
+    cached = list(q.granules.cached_ids())
+    assert cached == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert [i for i in cached if q.granules.in_window(i)] == [8, 7, 6, 5]
+    q.hint = AllocationHint(end=0)
+    got = [b.block_id for b in q.popleft_n(7)]       # 7 free ids remain, all in granule 1
+    q.check()
+    assert got == [7, 6, 5, 4, 3, 2, 1]
+    assert list(q.granules.cached_ids()) == [8] and q.granules.in_window(8)
+    assert q.early_evictions == 7 and q.num_free_blocks == 8
+    assert [g for g, _ in q.releasable()] == [1]
+    classes = {i: 0 for i in cached}
+    assert beyond_sliding_window(cached, classes, got, 4) == 0
+    # the bound still counts what a sliding window could not have let in
+    assert beyond_sliding_window(cached, classes, [1], 4) == 1
+    assert beyond_sliding_window(cached, classes, [7, 6, 5, 4, 3, 1], 4) == 0
+    assert beyond_sliding_window(cached, classes, [7, 1], 4) == 1
+    assert beyond_sliding_window(cached, {**classes, 1: 1}, [1], 4) == 0   # its own class
 
 
 def test_a_prefix_hit_feeds_the_horizon_and_an_early_eviction_becomes_a_ghost():
