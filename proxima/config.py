@@ -261,7 +261,7 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "idle_sleep_s": _number(MAX_IDLE_SLEEP_S, "seconds"),
     "idle_release_s": lambda name, value: None if value is None else parse_number(
         value, name, least=0, most=MAX_DELAY_S, unit="seconds (or null: never)"),
-    "granule_bytes": _size(least=1),
+    "granule_bytes": _size(least=1, nullable=True),
     "zero_on_map": _BOOL,
     "initial_granules": _count(1, "granules", nullable=True,
                                why=" (granule 0 holds the null block)"),

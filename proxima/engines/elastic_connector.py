@@ -113,17 +113,14 @@ class ElasticWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
-    """The granule in block ids, from the KV cache config alone (the scheduler process
-    has no tensors): block-major regions of ``size / num_blocks`` bytes per block. Each
-    worker derives it again from its real tensor views and the scheduler checks they agree
-    on the first report."""
+    """The granule in block ids from the KV cache config alone (the scheduler has no
+    tensors); each worker derives it from its views, checked on the first report."""
+    from proxima.memory.kv import region_block_strides
+
     sizes, _ = elastic_v1.kv_regions(kv_cache_config)
     if not sizes:
         raise UserError(f"{elastic_v1.CONNECTOR}: this model has no KV cache to map")
-    from proxima.memory.kv import region_block_strides
-
-    return granule_blocks(region_block_strides(sizes, kv_cache_config.num_blocks),
-                          granule_bytes)
+    return granule_blocks(region_block_strides(sizes, kv_cache_config.num_blocks), granule_bytes)
 
 
 def open_gpu_ledger(options, world_size: int = 1):
@@ -321,9 +318,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
-        opts = self.options
-        g = predicted_granule_blocks(self._kv_cache_config, opts.granule_bytes)
-        # every worker (tensor and pipeline parallel) maps its own layers and reports
+        opts, kvc = self.options, self._kv_cache_config
+        g = predicted_granule_blocks(kvc, elastic_v1.grain_of(opts, kvc))  # each worker reports
         ch = self.channel = ElasticChannel(gpu_block_pool.num_gpu_blocks, g,
                                            workers=self._vllm_config.parallel_config.world_size)
         self._pool = gpu_block_pool

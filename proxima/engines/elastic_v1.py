@@ -102,7 +102,10 @@ class ElasticOptions:
     cycles, ``tests/support/forced.py``).
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).
-    ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity).
+    ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity);
+    None (default): :func:`proxima.memory.layout.auto_granule_bytes`, the largest of 32, 16,
+    8, 4 and 2 MiB that leaves the pool 16 granules (one physical allocation per region and
+    granule: a 32 MiB grain maps ~16x faster than 2 MiB, tools/gpu/map_rate.py).
     ``zero_on_map``: zero-fill memory when it is mapped (default true; stock vLLM does not
     zero its KV memory unless its KV cache config needs it, so false is what stock does).
     ``initial_granules``: granules mapped after start-up (overrides ``initial_bytes``).
@@ -140,7 +143,7 @@ class ElasticOptions:
     eviction: str = "auto"
     compactor: str | dict | None = None
     idle_sleep_s: float = 0.005
-    granule_bytes: int = 2 << 20
+    granule_bytes: int | None = None
     zero_on_map: bool = True
     initial_granules: int | None = None
     map_in_background: bool = True
@@ -425,6 +428,19 @@ def kv_regions(kv_cache_config) -> tuple[list[int], dict[str, int]]:
     return regions(kv_cache_config)
 
 
+def grain_of(options: ElasticOptions, kv_cache_config) -> int:
+    """The mapping grain per region: ``options.granule_bytes``, or when None the automatic
+    one for this KV cache (the scheduler and every worker derive the same)."""
+    if options.granule_bytes is not None:
+        return options.granule_bytes
+    from proxima.memory.kv import region_block_strides
+    from proxima.memory.layout import auto_granule_bytes
+
+    sizes, _ = kv_regions(kv_cache_config)
+    return auto_granule_bytes(region_block_strides(sizes, kv_cache_config.num_blocks),
+                              kv_cache_config.num_blocks)
+
+
 def _vmm_memory(kv_cache_config, device):
     """The :class:`proxima.memory.kv.KvMemory` of this worker's KV cache: one reserved range
     for the regions of ``kv_cache_config``, mapped by granules (what warm-up writes and the
@@ -444,10 +460,11 @@ def _vmm_memory(kv_cache_config, device):
         from proxima.memory.layout import granule_blocks
 
         strides = region_block_strides(sizes, kv_cache_config.num_blocks)
-        g = granule_blocks(strides, options.granule_bytes)
+        g = granule_blocks(strides, grain_of(options, kv_cache_config))
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
-    memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=options.granule_bytes,
+    memory = KvMemory(sizes, kv_cache_config.num_blocks,
+                      granule_bytes=grain_of(options, kv_cache_config),
                       device=index, mapped=mapped, zero_on_map=options.zero_on_map,
                       spare_granules=_Worker.spare_granules)
     _Worker.memory = memory

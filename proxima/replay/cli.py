@@ -30,7 +30,8 @@ from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_SHARE
 from proxima.errors import UserError
 from proxima.ioutil import check_distinct_paths, check_output_path, logs_to_stderr, \
     write_text_atomic
-from proxima.replay.elastic import MAP_GBPS_H200, UNMAP_GBPS_H200
+from proxima.replay.elastic import (MAP_GBPS_H200, UNMAP_GBPS_H200, auto_granule_blocks,
+                                    resolve_rates)
 from proxima.replay.result import ReplayResult, combine
 from proxima.replay.table import format_table, parity_checks
 from proxima.workloads import MAX_REQUESTS, TWO_ENGINE_REQUESTS, TWO_ENGINE_WORKLOADS, \
@@ -142,10 +143,12 @@ def add_arguments(p) -> None:
                    help="vLLM 0.2x's AsyncScheduler with its engine loop's batch queue of two, "
                         "as a GPU engine runs by default (V1 only; default: off, one step at "
                         "a time)")
-    p.add_argument("--granule-blocks", type=int, default=32, metavar="G",
+    p.add_argument("--granule-blocks", type=int, default=None, metavar="G",
                    help="block ids per granule, the unit KV memory is mapped and given back "
                         "in: the reclaimable rows count granules without a live block "
-                        "(32 = 2 MiB of a Llama-3.1-8B layer's KV, 64 KiB pages; V1 only)")
+                        "(32 = 2 MiB of a Llama-3.1-8B layer's KV, 64 KiB pages; V1 only) "
+                        "(default: 32; with --elastic the product's own choice, the largest "
+                        "of 512, 256, 128, 64, 32 that leaves the pool 16 granules)")
     p.add_argument("--engines", type=int, default=1, metavar="N",
                    help="1: one engine, stock vs Proxima; 2: two engines sharing one simulated "
                         "GPU of --gpu-kv, each with vLLM's real scheduler, Proxima's elastic "
@@ -184,13 +187,15 @@ def add_arguments(p) -> None:
     p.add_argument("--step-seconds", default=0.025, metavar="S",
                    help=f"with --elastic: the policy's clock per scheduler step, seconds above "
                         f"0, at most {MAX_STEP_SECONDS:g}")
-    p.add_argument("--map-gbps", default=MAP_GBPS_H200, metavar="R",
+    p.add_argument("--map-gbps", default=None, metavar="R",
                    help=f"with --elastic: GB/s the stand-in worker maps KV at; a map's "
                         f"granules are allocatable only once it is done, on the clock of "
-                        f"--step-seconds a step (default {MAP_GBPS_H200:g}: the H200's, ~3 s "
-                        f"of worker map time per 78 GB burst of 64 MiB granules, issue 33; "
-                        f"unmaps at {UNMAP_GBPS_H200:g} GB/s, session 4's VMM test; 0: maps "
-                        f"and unmaps done at once)")
+                        f"--step-seconds a step (default: {MAP_GBPS_H200:g} x the granule's "
+                        f"bytes per layer / 2 MiB: the H200's {MAP_GBPS_H200:g} GB/s with "
+                        f"2 MiB per layer, ~3 s per 78 GB burst, issue 33, and a map costs "
+                        f"per physical allocation, tools/gpu/map_rate.py; unmaps at "
+                        f"{UNMAP_GBPS_H200:g} GB/s scaled alike; 0: maps and unmaps done at "
+                        f"once)")
     p.add_argument("--gpu-kv", metavar="SIZE",
                    help=f"with --elastic: room the simulated GPU has for this engine's KV (maps "
                         f"beyond it fail, as when another process holds the memory; "
@@ -260,9 +265,9 @@ def _validate(args) -> None:
         raise UserError(f"--num-blocks {args.num_blocks:,} is above the bound of "
                         f"{MAX_NUM_BLOCKS:,} (vLLM builds one object per block in memory): "
                         f"use at most {MAX_NUM_BLOCKS:,}")
-    if args.granule_blocks < 1:
+    if args.granule_blocks is not None and args.granule_blocks < 1:
         raise UserError(f"--granule-blocks must be >= 1, got {args.granule_blocks}")
-    if args.granule_blocks > MAX_NUM_BLOCKS:
+    if args.granule_blocks is not None and args.granule_blocks > MAX_NUM_BLOCKS:
         raise UserError(f"--granule-blocks {args.granule_blocks:,} is above the bound of "
                         f"{MAX_NUM_BLOCKS:,} (--num-blocks' bound): use at most "
                         f"{MAX_NUM_BLOCKS:,}")
@@ -308,8 +313,8 @@ def _elastic_spec(args):
                         f"--step-seconds {step:g}, above the bound of {MAX_IDLE_STEPS:,} (the "
                         f"replay steps idle until the release): lower --release-delay or "
                         f"raise --step-seconds")
-    map_gbps = config.parse_number(args.map_gbps, "--map-gbps", most=MAX_MAP_GBPS,
-                                   unit="GB/s (0: at once)")
+    map_gbps = None if args.map_gbps is None else config.parse_number(
+        args.map_gbps, "--map-gbps", most=MAX_MAP_GBPS, unit="GB/s (0: at once)")
     if "--kv-max" in sizes and sizes["--kv-max"] < sizes.get("--kv-min", 0):
         raise UserError(f"--kv-max {args.kv_max} is below --kv-min {args.kv_min}")
     extra = {}
@@ -377,6 +382,11 @@ def run(args) -> int:
     if too_long:
         raise UserError(f"request {too_long[0].request_id} needs more blocks than the pool "
                         f"has ({num_blocks} - 1 null block): raise --num-blocks")
+    if args.granule_blocks is None:
+        args.granule_blocks = 32 if args.elastic_spec is None else \
+            auto_granule_blocks(num_blocks, args.block_size)
+    if args.elastic_spec is not None:
+        resolve_rates(args.elastic_spec, args.granule_blocks, args.block_size)
     driver, version = _engine()
     params = inspect.signature(driver.run_replay).parameters
     engine_settings = _engine_settings(args, driver, version)

@@ -60,6 +60,27 @@ MAP_GBPS_H200 = 25.0
 UNMAP_GBPS_H200 = 69.0
 
 
+def auto_granule_blocks(num_blocks: int, block_size: int) -> int:
+    """The granule the product picks for a pool of ``num_blocks`` of the 8B shape when none
+    is given (:func:`proxima.memory.layout.auto_granule_bytes`), in block ids."""
+    from proxima.memory.layout import auto_granule_bytes
+
+    page = page_bytes(block_size)
+    return auto_granule_bytes([page] * LAYERS, num_blocks) // page
+
+
+def resolve_rates(spec: "ElasticReplay", granule_blocks: int, block_size: int) -> None:
+    """Fill in the default map and unmap rates (``map_gbps`` None) for this granule: a map
+    costs per physical allocation (one per layer and granule), not per byte -- ~70 us
+    whatever its size on an H100 (tools/gpu/map_rate.py: 30 GB/s at 2 MiB, 481 at 32 MiB,
+    near linear) -- so the H200's measured 25 GB/s (and 69 to unmap) at 2 MiB scale with the
+    granule's bytes per layer."""
+    if spec.map_gbps is None:
+        scale = granule_blocks * page_bytes(block_size) / (2 << 20)
+        spec.map_gbps = MAP_GBPS_H200 * scale
+        spec.unmap_gbps = UNMAP_GBPS_H200 * scale
+
+
 def page_bytes(block_size: int) -> int:
     """Bytes of one block of one layer (K and V) of the Llama-3.1-8B shape."""
     return block_size * KV_HEADS * HEAD_SIZE * 2 * DTYPE_BYTES
@@ -79,7 +100,7 @@ class ElasticReplay:
     gpu_bytes: int | None = None          # the simulated GPU's room for KV (None: the pool)
     # the worker's map rate, GB/s (0: maps done at once, as before it was timed; the bench
     # scripts' recorded figures keep that; ``proxima replay`` defaults to MAP_GBPS_H200)
-    map_gbps: float = 0.0
+    map_gbps: float | None = 0.0        # None: resolve_rates' default for the granule
     unmap_gbps: float = UNMAP_GBPS_H200   # its unmap rate (0, or map_gbps 0: at once)
     # with gpu_bytes: the policy reads what the simulated GPU has free before it grows, as
     # a driver's cuMemGetInfo would say (False: it learns only from failed maps)

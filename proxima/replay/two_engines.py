@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 from proxima.errors import UserError
 from proxima.ioutil import write_text_atomic
-from proxima.replay.elastic import ElasticReplay
+from proxima.replay.elastic import ElasticReplay, auto_granule_blocks, resolve_rates
 from proxima.replay.table import LATENCY_PARITY
 from proxima.workloads import TWO_ENGINE_WORKLOADS, TWO_OUTPUT, TWO_PROMPT, \
     make_two_engine_workload
@@ -121,6 +121,9 @@ def validate(args, spec: ElasticReplay, max_blocks: int) -> None:
         raise UserError(f"--gpu-kv {shown} is {blocks:,} blocks of {block >> 20} MiB, above "
                         f"the bound of {max_blocks:,} (each elastic engine builds a pool of "
                         f"all of them): use at most {max_blocks * block // GiB}GiB")
+    if args.granule_blocks is None:          # the product's own choice for this pool
+        args.granule_blocks = auto_granule_blocks(blocks, args.block_size)
+    resolve_rates(spec, args.granule_blocks, args.block_size)
     largest, _ = request_blocks(args.block_size)
     least = 2 * (largest + 1)
     if blocks < least:

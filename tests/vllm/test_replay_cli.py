@@ -134,7 +134,7 @@ def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, caps
     # 0.5916 against stock's 0.6024, and passes on 0.33, 0.5981: docs/results/replay-v033.)
     assert main(["replay", "--workload", "bursts", "--requests", "120", "--num-blocks", "2048",
                  "--elastic", "--release-delay", "2", "--eviction", "lru", "--no-progress",
-                 "--json", str(out), "--plot", str(plot)]) == 1
+                 "--granule-blocks", "32", "--json", str(out), "--plot", str(plot)]) == 1
     captured = capsys.readouterr()
     failed = captured.err.split("parity checks FAILED: ")[1].split(" (the figures")[0]
     assert "prefix_hit_rate_within_0.005" in failed.split(", ")
@@ -270,7 +270,7 @@ def test_elastic_steps_row_says_which_steps_were_idle(tmp_path, capsys):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
     out = tmp_path / "e.json"
     assert main(["replay", "--requests", "3", "--elastic", "--no-progress",
-                 "--json", str(out)]) == 0
+                 "--granule-blocks", "32", "--json", str(out)]) == 0   # 2 MiB: a release
     lines = capsys.readouterr().out.splitlines()
     steps = next(line for line in lines if line.startswith("steps "))
     assert steps.split() == ["steps", "101", "501*", "1.000*"]

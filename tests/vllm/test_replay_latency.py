@@ -35,7 +35,7 @@ def test_idle_steps_of_a_release_delay_count_in_steps_but_not_in_latency(tmp_pat
     steps) after the load, stock does not; the busy steps and every request's wait and
     time to first token are the same, and parity holds."""
     report = replay(tmp_path, "--workload", "chat", "--requests", "3", "--elastic",
-                    "--map-gbps", "0")
+                    "--map-gbps", "0", "--granule-blocks", "32")   # 2 MiB: there is a release
     s, p = report["results"]["stock"], report["results"]["proxima"]
     assert p["steps"] - s["steps"] == 400                 # 10 s / 25 ms of idle steps
     assert p["busy_steps"] == s["busy_steps"] > 0
@@ -142,10 +142,10 @@ def test_a_slow_map_makes_requests_wait_and_parity_says_so(tmp_path, capsys):
     assert e["worker_map_seconds"] == pytest.approx(e["granules_mapped"] * B / 0.5e9)
     assert "worker map" in table
 
-    h200 = replay(tmp_path, *args)                        # the default: the H200's rate
-    assert h200["elastic"]["map_gbps"] == 25.0
+    h200 = replay(tmp_path, *args)      # the default: the H200's rate for this granule
+    assert h200["elastic"]["map_gbps"] == 25.0 * 8        # 256 blocks: 16 MiB a layer
     e = h200["results"]["proxima"]["elastic"]
-    assert e["worker_map_seconds"] == pytest.approx(e["granules_mapped"] * B / 25e9)
+    assert e["worker_map_seconds"] == pytest.approx(e["granules_mapped"] * B / 200e9)
     assert h200["results"]["proxima"]["ttft_p99_steps"] < p["ttft_p99_steps"]
 
 

@@ -18,7 +18,7 @@ if elastic_v1.unsupported_reason():
     pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
 
 GiB = 1 << 30
-GRANULE = 64 << 20
+BLOCK = 2 << 20        # one block of the replay's Llama-3.1-8B shape, every layer
 GPU = 4 * GiB
 SMALL = ["--gpu-kv", "4GiB", "--requests", "48", "--max-num-seqs", "64"]
 
@@ -78,12 +78,14 @@ def test_the_idle_engine_goes_back_to_its_minimum_during_the_others_burst(altern
     burst, gives B what B asks for at once (the ledger) and the rest within a release
     delay (10 s: 400 steps), down to its one granule (the null block's)."""
     _, report, _ = alternating
+    granule = report["settings"]["granule_blocks"] * BLOCK   # the product's own choice
+    assert granule == 256 * BLOCK                            # 4 GiB: 8 granules of 512 MiB
     rows = report["results"]["elastic"]["memory_timeline"]
-    at_min = [step for step, a, _ in rows if 1200 <= step < 2400 and a <= GRANULE]
+    at_min = [step for step, a, _ in rows if 1200 <= step < 2400 and a <= granule]
     assert at_min and at_min[0] <= 1200 + 50 + 400 + 50
     # and, the load over, both end at their minimum
     for engine in report["results"]["elastic"]["engines"].values():
-        assert engine["final_mapped_bytes"] == GRANULE
+        assert engine["final_mapped_bytes"] == granule
         assert engine["elastic"]["bytes_returned"] > 0
 
 
