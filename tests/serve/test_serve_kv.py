@@ -56,7 +56,8 @@ def elastic_scheduler():
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
     from vllm.config import KVTransferConfig
 
-    ktc = KVTransferConfig(**elastic_v1.connector_config({"policy": "auto"}))
+    ktc = KVTransferConfig(**elastic_v1.connector_config({"policy": "auto",
+                                                          "granule_bytes": 2 << 20}))
     scheduler = build_scheduler(proxima=True, num_blocks=16 * 256, kv_transfer_config=ktc)
     yield scheduler
     vllm_v1.deactivate()

@@ -45,9 +45,12 @@ def _restore(monkeypatch):
 
 
 def elastic_config(**extra):
+    """The connector at 2 MiB a layer (the tiny Llama's granule of 256 blocks) unless a test
+    says otherwise: these tests are about the connector's mechanics, not the grain."""
     from vllm.config import KVTransferConfig
 
     extra.setdefault("policy", "off")
+    extra.setdefault("granule_bytes", 2 << 20)
     return KVTransferConfig(**elastic_v1.connector_config(extra))
 
 
@@ -522,6 +525,26 @@ def test_auto_policy_grows_with_the_load_and_gives_memory_back_after_the_delay(d
     assert worker.memory.mapped_granules == 1           # on the worker too
     assert stats.bytes_returned == stats.granules_released * conn.bytes_per_granule
     conn.queue.check()
+
+
+@pytest.mark.parametrize("num_blocks, grain", [(128 * GRANULE, 32 << 20),
+                                               (32 * GRANULE, 8 << 20),
+                                               (4 * GRANULE, 2 << 20)])
+def test_without_a_grain_the_pool_gets_the_largest_that_leaves_it_8_granules(num_blocks, grain):
+    """No ``granule_bytes``: the scheduler side (from vLLM's KV cache config) and the worker
+    side (from the same config) both take the largest of 32, 16, 8, 4, 2 MiB a layer that leaves
+    the pool at least 8 granules, else 2 MiB (a map costs per physical allocation:
+    docs/results/map-rate-h100/NOTES.md)."""
+    scheduler = scheduler_for(True, num_blocks, 1, elastic_config(granule_bytes=None))
+    vllm_v1.activate()
+    try:
+        conn = elastic_v1.find_connector(scheduler.connector)
+        assert conn.channel.granule_blocks == grain // PAGE
+        # the worker's KvMemory takes its grain from the same function (elastic_v1._vmm_memory)
+        assert elastic_v1.grain_of(conn.options, scheduler.kv_cache_config) == grain
+        assert num_blocks // conn.channel.granule_blocks >= 8 or grain == 2 << 20
+    finally:
+        conn.shutdown()
 
 
 def across_processes(obj):
