@@ -282,7 +282,7 @@ def run(args, driver, version: str, progress) -> int:
     if driver.ENGINE != "v1":
         raise UserError(f"--engines 2 needs vLLM's V1 engine; vLLM {version} runs the V0 "
                         f"one")
-    reason = elastic_v1.unsupported_reason()
+    reason = elastic_v1.unsupported_reason("scheduler")
     if reason:
         raise UserError(f"--engines 2: {reason}")
     # as the real connector: no driver figure caps a grow (see shared_gpu)

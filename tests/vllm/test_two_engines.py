@@ -14,8 +14,8 @@ import pytest
 from proxima.cli import main
 from proxima.engines import elastic_v1
 
-if elastic_v1.unsupported_reason():
-    pytest.skip(elastic_v1.unsupported_reason(), allow_module_level=True)
+if elastic_v1.unsupported_reason("scheduler"):
+    pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)
 
 GiB = 1 << 30
 BLOCK = 2 << 20        # one block of the replay's Llama-3.1-8B shape, every layer
