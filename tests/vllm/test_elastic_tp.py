@@ -129,8 +129,9 @@ def test_a_batch_is_allocatable_only_once_both_workers_confirmed(monkeypatch, de
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 def test_a_map_failing_on_one_worker_leaves_both_at_the_same_size(monkeypatch, depth):
     """Once start-up's extra granules are given back, worker 1's GPU has room for 2
-    granules, worker 0's plenty: a grow past that maps on worker 0 and fails on worker 1. The channel fails the batch and sends
-    an unmap, so worker 0 gives its copy back; no block of those granules is handed out."""
+    granules, worker 0's plenty: a grow past that maps on worker 0 and fails on worker 1.
+    The channel fails the batch and sends an unmap, so worker 0 gives its copy back; no
+    block of those granules is handed out."""
     scheduler, conn, workers, log, mapped = tp_run(monkeypatch, depth,
                                                    capacities=[None, 2 * GRANULE_BYTES])
     assert len({r for step in log for r in step[4]}) == 48          # the engine kept serving
@@ -157,3 +158,43 @@ def test_a_map_failing_on_one_worker_leaves_both_at_the_same_size(monkeypatch, d
         == conn.channel.count(MAPPED) == 1
     assert first.checked > 0 and second.checked > 0
     conn.queue.check()
+
+
+# ----------------------------------------------------------------------------- compaction
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_both_workers_apply_the_same_moves_and_hold_the_same_kv(monkeypatch, depth):
+    """KV compaction's mover hook on two workers (tests/vllm/test_compaction.py's runner
+    stand-in, each with its own KV tensors and block tables, each step a copy of its own):
+    each applies every move, each reads back what was written at every slot, and both end
+    with the same KV and the same tables as a single worker."""
+    import torch
+
+    from tests.vllm import test_compaction as compaction_tests
+
+    monkeypatch.delenv("PROXIMA_COMPACTION", raising=False)
+
+    class Runners(compaction_tests.ProcessModelRunner):
+        """Rank 0 (this object) and rank 1, each executing its own copy of every step."""
+
+        def __init__(self, scheduler, total_blocks):
+            super().__init__(scheduler, total_blocks)
+            self.other = compaction_tests.ProcessModelRunner(scheduler, total_blocks)
+
+        def execute(self, out):
+            super().execute(out)
+            self.other.execute(out)
+
+    _, one, log_one = compaction_tests.run(300, depth, runner_class=compaction_tests
+                                           .ProcessModelRunner, mode="every:3")
+    _, ranks, log = compaction_tests.run(300, depth, runner_class=Runners, mode="every:3")
+    assert log == log_one                                    # no decision changed
+    for runner in (ranks, ranks.other):
+        assert runner.moves == one.moves > 0                 # every move reached each worker
+        assert runner.checked == one.checked > 10_000        # and every slot read back right
+        assert runner.req_states.req_id_to_index.keys() == \
+            ranks.req_states.req_id_to_index.keys()
+    for mine, theirs in zip(ranks.kv_caches, ranks.other.kv_caches):
+        assert torch.equal(mine.nan_to_num(-1.0), theirs.nan_to_num(-1.0))
+    assert torch.equal(ranks.block_tables.block_tables[0].gpu,
+                       ranks.other.block_tables.block_tables[0].gpu)
