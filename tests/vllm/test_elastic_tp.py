@@ -51,6 +51,8 @@ class Workers:
     def __call__(self, out):
         from vllm.v1.outputs import ModelRunnerOutput
 
+        # a map never confirmed by every worker stalls the engine: fail, do not hang
+        assert len(self.steps) < 5_000, "the engine never went idle"
         allocatable = {g for g in range(self.channel.num_granules)
                        if self.channel.state[g] == MAPPED}
         outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={},
