@@ -451,6 +451,7 @@ def _vmm_memory(kv_cache_config, device):
 
     options = _Worker.options or ElasticOptions()
     sizes, _ = kv_regions(kv_cache_config)
+    grain = grain_of(options, kv_cache_config)
     index = device.index if device.index is not None else torch.cuda.current_device()
     mapped = None
     if _Worker.vllm_config is not None:
@@ -460,12 +461,11 @@ def _vmm_memory(kv_cache_config, device):
         from proxima.memory.layout import granule_blocks
 
         strides = region_block_strides(sizes, kv_cache_config.num_blocks)
-        g = granule_blocks(strides, grain_of(options, kv_cache_config))
+        g = granule_blocks(strides, grain)
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
-    memory = KvMemory(sizes, kv_cache_config.num_blocks,
-                      granule_bytes=grain_of(options, kv_cache_config),
-                      device=index, mapped=mapped, zero_on_map=options.zero_on_map,
+    memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=grain, device=index,
+                      mapped=mapped, zero_on_map=options.zero_on_map,
                       spare_granules=_Worker.spare_granules)
     _Worker.memory = memory
     logger.info("Proxima elastic KV: %d blocks in %d granules of %d blocks (%.1f MiB each, "
