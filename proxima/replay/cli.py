@@ -31,7 +31,7 @@ from proxima.errors import UserError
 from proxima.ioutil import check_distinct_paths, check_output_path, logs_to_stderr, \
     write_text_atomic
 from proxima.replay.elastic import (MAP_GBPS_H200, UNMAP_GBPS_H200, auto_granule_blocks,
-                                    resolve_rates)
+                                    check_runs_here, resolve_rates)
 from proxima.replay.result import ReplayResult, combine
 from proxima.replay.table import format_table, parity_checks
 from proxima.workloads import MAX_REQUESTS, TWO_ENGINE_REQUESTS, TWO_ENGINE_WORKLOADS, \
@@ -405,14 +405,7 @@ def run(args) -> int:
           f"(scheduler on CPU, no model)", file=sys.stderr)
     elastic = {}
     if args.elastic_spec is not None:
-        if driver.ENGINE != "v1":
-            raise UserError(f"--elastic needs vLLM's V1 engine; vLLM {version} runs the V0 "
-                            f"one: drop --elastic")
-        from proxima.engines import elastic_v1
-
-        reason = elastic_v1.unsupported_reason("scheduler")
-        if reason:
-            raise UserError(f"--elastic: {reason}")
+        check_runs_here("--elastic", driver, version, hint=": drop --elastic")
         elastic = {"elastic": args.elastic_spec}
     runs: dict[str, list[ReplayResult]] = {"stock": [], "proxima": []}
     done = 0

@@ -60,6 +60,20 @@ MAP_GBPS_H200 = 25.0
 UNMAP_GBPS_H200 = 69.0
 
 
+def check_runs_here(flag: str, driver, version: str, hint: str = "") -> None:
+    """Refuse ``flag`` (one line) where the replay cannot run elastic KV: a vLLM of the V0
+    engine, or one whose scheduler side Proxima does not read. ``hint`` ends the V0 line."""
+    from proxima.engines import elastic_v1
+    from proxima.errors import UserError
+
+    if driver.ENGINE != "v1":
+        raise UserError(f"{flag} needs vLLM's V1 engine; vLLM {version} runs the V0 "
+                        f"one{hint}")
+    reason = elastic_v1.unsupported_reason("scheduler")
+    if reason:
+        raise UserError(f"{flag}: {reason}")
+
+
 def auto_granule_blocks(num_blocks: int, block_size: int) -> int:
     """The granule the product picks for a pool of ``num_blocks`` of the 8B shape when none
     is given (:func:`proxima.memory.layout.auto_granule_bytes`), in block ids."""

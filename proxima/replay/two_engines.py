@@ -38,7 +38,8 @@ from types import SimpleNamespace
 
 from proxima.errors import UserError
 from proxima.ioutil import write_text_atomic
-from proxima.replay.elastic import ElasticReplay, auto_granule_blocks, resolve_rates
+from proxima.replay.elastic import (ElasticReplay, auto_granule_blocks, check_runs_here,
+                                    resolve_rates)
 from proxima.replay.table import LATENCY_PARITY
 from proxima.workloads import TWO_ENGINE_WORKLOADS, TWO_OUTPUT, TWO_PROMPT, \
     make_two_engine_workload
@@ -276,15 +277,9 @@ def run(args, driver, version: str, progress) -> int:
     ``progress(label, total, disabled)``: the replay's progress bar (or None)."""
     import dataclasses
 
-    from proxima.engines import elastic_v1
     from proxima.replay.shared_gpu import run_side
 
-    if driver.ENGINE != "v1":
-        raise UserError(f"--engines 2 needs vLLM's V1 engine; vLLM {version} runs the V0 "
-                        f"one")
-    reason = elastic_v1.unsupported_reason("scheduler")
-    if reason:
-        raise UserError(f"--engines 2: {reason}")
+    check_runs_here("--engines 2", driver, version)
     # as the real connector: no driver figure caps a grow (see shared_gpu)
     spec = dataclasses.replace(args.elastic_spec, driver_free=False)
     gpu = args.gpu_kv_bytes
