@@ -38,6 +38,9 @@
 #                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
+#   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint)
+#   compaction-proof   issue 14's driver (tools/gpu/compaction_proof.py): identity under off,
+#                every:2, every:5, auto, then throughput auto vs off; files compaction_proof.{json,log}
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
 # At the end, if $OUT holds more than 8 files (the most one device call brings back), all but
 # the step's own log are packed into $OUT/results-STEP.tgz (call 2 of session 3 lost files so).
@@ -152,7 +155,7 @@ task() {
     online-default)  online online-default 40000000000 "chat:${REPEAT_online_chat:-5}" \
                        "sharegpt:${REPEAT_online_sharegpt:-2}" ;;
     online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
-    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py \
+    elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py ${EP_ONLY:+--only "$EP_ONLY"} \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
     two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tools/gpu/two_engines.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ;;
@@ -160,6 +163,10 @@ task() {
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
     serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_serve_gpu.py -x -q -p no:cacheprovider -rA ;;
+    serve-multi-tests) timed serve-multi-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" \
+                   -m gpu tests/gpu/test_serve_multi_gpu.py -q -p no:cacheprovider -rA ;;
+    compaction-proof) timed compaction-proof "$(( $(left) - 5 ))" python3 tools/gpu/compaction_proof.py \
+                     --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
     *) echo "unknown task $1" | tee -a "$LOG" ;;
   esac
 }
