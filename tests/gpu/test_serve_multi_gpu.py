@@ -37,7 +37,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "proxima" / "models" / "tiny-llama")
 START_TIMEOUT_S = 900
-MODEL_OPTIONS = ("--load-format dummy --max-model-len 2048 --kv-cache-memory-bytes 512MiB "
+MODEL_OPTIONS = ("--load-format dummy --max-model-len 2048 --kv-cache-memory-bytes 536870912 "
                  "--gpu-memory-utilization 0.1 --enforce-eager --kv-max 512MiB")
 
 

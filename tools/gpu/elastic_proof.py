@@ -996,12 +996,15 @@ def main() -> int:
     out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
             f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}, executor "
             f"{EXECUTOR or 'default'}")
-    plan = {"a": (proof_a, 170), "b": (proof_b, 110),
+    plan = {"a": (proof_a, 170), "b": (proof_b, 200),
             "d": (lambda *a: proof_d(*a, load=args.d_load), 440)}
     for name in order:               # in the order asked: the first get the budget
         if name == "a2" or (name == "b" and "d" in wanted):
             continue
         fn, share = plan[name]
+        runs = [n for n in order if n != "a2" and not (n == "b" and "d" in wanted)]
+        if name == runs[-1]:         # the last sub-proof gets what is left, not its nominal share
+            share = budget.left()
         share = budget.cap(share, reserve=5)
         if share < 30:
             out.record(name, passed=False, skipped=f"only {budget.left():.0f}s left")
