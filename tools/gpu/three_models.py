@@ -30,6 +30,11 @@ The plan is checked first: a budget too small for the setups' start-ups, bursts 
 said in one line (exit 2). ``--with FILE`` takes the setups not run now from an earlier
 three_models.json (a run split over two device calls: ``--only proxima``, then ``--only
 stock --with .../three_models.json``), so the ratio is still computed.
+Time on an H200 (estimates, not measured yet): a compiled start-up is ~75 s a model warm
+(more cold: ``proxima serve`` starts its three engines one after another, 4-5 min cold), an
+eager one (``--enforce-eager``) ~30-60 s; the default trace ~90 s a setup. Both setups compiled
+do not fit one 600 s device call (the plan asks for 634 s at least): run ``--only proxima``
+and ``--only stock --with FILE`` in two calls, or both in one with ``--enforce-eager``.
 Files in $OUT: three_models.json (rewritten as results come), three_models.log,
 three_models-logs.tgz (the servers' logs). ``--dry-run``: CPU stand-ins (fake_multi.py, the
 real multi-model endpoint over fake_server.py engines, and fake_server.py for stock).
@@ -255,7 +260,8 @@ def models_file(out: kit.Out, args) -> Path:
     return path
 
 
-def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> dict:
+def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict,
+                  reserve: float) -> dict:
     spec = models_file(out, args)
     result["models_file"] = json.loads(spec.read_text())
     if args.dry_run:
@@ -269,7 +275,7 @@ def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> 
     t0 = time.monotonic()
     proc = kit.start(cmd, env, out.child_log("proxima"))
     up = kit.wait_for(lambda: healthy(args.port) or proc.poll() is not None,
-                      budget.cap(args.start_timeout, reserve=60), every=2.0)
+                      budget.cap(args.start_timeout, reserve=reserve), every=2.0)
     log = out.child_log("proxima")
     if not up or not healthy(args.port):
         raise RuntimeError(f"proxima serve --models did not become healthy (exit "
@@ -285,7 +291,8 @@ def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> 
     return {n: args.port for n in MODELS}
 
 
-def start_stock(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> dict:
+def start_stock(out: kit.Out, budget: kit.Budget, args, env, result: dict,
+                reserve: float) -> dict:
     ports = {n: args.port + 1 + i for i, n in enumerate(MODELS)}
     for i, (name, port) in enumerate(ports.items()):
         if args.dry_run:
@@ -301,7 +308,7 @@ def start_stock(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> di
         proc = kit.start(cmd, dict(env, PROXIMA_ALLOCATOR="0", VLLM_PORT=str(23000 + 100 * i)),
                          out.child_log(f"stock-{name}"))
         up = kit.wait_for(lambda: healthy(port) or proc.poll() is not None,
-                          budget.cap(args.start_timeout, reserve=60), every=1.0)
+                          budget.cap(args.start_timeout, reserve=reserve), every=1.0)
         if not up or not healthy(port):
             raise RuntimeError(f"stock server {name} did not become healthy (exit "
                                f"{proc.poll()}): {kit.tail(out.child_log(f'stock-{name}'), 8)}")
@@ -315,10 +322,16 @@ def start_stock(out: kit.Out, budget: kit.Budget, args, env, result: dict) -> di
     return ports
 
 
-def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts) -> dict:
+def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
+              later: float) -> dict:
+    """Start a setup, run the trace on it. ``later``: the seconds the setups after it need
+    at least (a start-up may not eat them)."""
     result: dict = {"setup": name, "bursts": []}
     out.record("setups", **{name: result})
-    ports = (start_proxima if name == "proxima" else start_stock)(out, budget, args, env, result)
+    c = DRY_PLAN if args.dry_run else GPU_PLAN
+    reserve = later + c["stop"] + c["burst"] * len(bursts) + 15
+    ports = (start_proxima if name == "proxima" else start_stock)(out, budget, args, env, result,
+                                                                  reserve)
     kv_port = args.port if name == "proxima" else None
     result["idle"] = {"gpu": gpu_memory(), **({"kv": proxima_kv(kv_port)} if kv_port else {})}
     out.log(f"  {name}: idle memory {json.dumps(result['idle'])}")
@@ -378,14 +391,49 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts) ->
     return result
 
 
-def wait_gpu_free(out: kit.Out, dry_run: bool) -> None:
-    """After a setup: until nvidia-smi shows no process of ours (at most 60 s)."""
+def descendants(roots) -> set[int]:
+    """Every process below ``roots`` (pids), by /proc's parent links."""
+    table = _procs()
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        for child, (ppid, _) in table.items():
+            if ppid == pid and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def stop_setup(out: kit.Out, dry_run: bool) -> None:
+    """End a setup: its servers (SIGTERM to their groups, 45 s of grace: proxima serve stops
+    its engines one by one), then any process they started that outlived them (SIGKILL: the
+    engines live in groups of their own), then wait until nvidia-smi lists no compute
+    process (at most 90 s), so that the next setup finds the GPU empty."""
+    import signal
+
+    procs = list(kit._children)
+    below = descendants(p.pid for p in procs)
+    for proc in procs:
+        kit.stop(proc, timeout=45)
+    kit.kill_all()
+    table = _procs()
+    strays = sorted(pid for pid in below if pid in table)
+    for pid in strays:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if strays:
+        out.log(f"  killed {len(strays)} process(es) left by the setup's servers: {strays[:8]}")
     if dry_run:
         return
-    mine = lambda: [k for k in (gpu_memory().get("mib_per_model") or {}) if k in MODELS]  # noqa: E731
-    left = kit.wait_for(lambda: not mine(), 60, every=2.0)
-    if left is None:
-        out.log(f"  GPU still holds processes of {mine()} 60 s after the stop")
+
+    def apps():
+        got = gpu_memory()
+        return None if "error" in got else got["mib_per_model"]
+
+    if kit.wait_for(lambda: apps() == {} or apps() is None, 90, every=2.0) is None:
+        out.log(f"  the GPU still lists compute processes 90 s after the stop: {apps()}")
 
 
 def setup_seconds(name: str, args) -> tuple[float, str]:
@@ -421,6 +469,8 @@ def summarize(results: dict) -> dict:
         s["per_model_ratio"] = {
             n: round(p["per_model"][n]["output_tokens_per_s"] / k["per_model"][n]["output_tokens_per_s"], 3)
             if k["per_model"][n]["output_tokens_per_s"] else None for n in MODELS}
+        # the same trace on both: a setup cut short compared a part of it
+        s["complete"] = not (p.get("cut_short") or k.get("cut_short"))
     else:
         s["ratio"] = None
         s["why"] = "a setup did not finish: see three_models.json"
@@ -483,14 +533,15 @@ def main() -> int:
     if earlier:
         out.record("setups", **earlier)
         out.log(f"  from {args.with_file}: {', '.join(earlier)}")
-    for name, (setup_need, _) in zip(order, plan):
+    for i, (name, (setup_need, _)) in enumerate(zip(order, plan)):
         if budget.left() < setup_need:
             out.record("skipped", **{name: f"only {budget.left():.0f}s left, the setup needs "
                                      f"at least {setup_need:.0f}s"})
             out.log(f"  {name}: skipped, only {budget.left():.0f}s left")
             continue
         try:
-            results[name] = run_setup(out, budget, name, args, env, bursts)
+            results[name] = run_setup(out, budget, name, args, env, bursts,
+                                      sum(p[0] for p in plan[i + 1:]))
         except Exception as exc:  # noqa: BLE001 - the other setup still runs
             import traceback
 
@@ -498,8 +549,7 @@ def main() -> int:
                                     f"{name}_traceback": traceback.format_exc()[-2000:]})
             out.log(f"  {name}: FAILED: {exc}")
         finally:
-            kit.kill_all()
-            wait_gpu_free(out, args.dry_run)
+            stop_setup(out, args.dry_run)
     summary = summarize(results)
     out.record("summary", **summary)
     line = f"three models: {json.dumps(summary)}"
