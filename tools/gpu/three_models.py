@@ -174,6 +174,12 @@ def proxima_kv(port: int) -> dict:
     return out
 
 
+# session id -> model: each server (stock) and each engine of proxima serve (its supervisor
+# starts them in sessions of their own) is a session leader; vLLM and gunicorn retitle their
+# processes (setproctitle), so the leaders' command lines are read as soon as they appear
+LEADERS: dict[int, str] = {}
+
+
 def _procs() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, command line) of every process."""
     table = {}
@@ -190,8 +196,26 @@ def _procs() -> dict[int, tuple[int, str]]:
     return table
 
 
+def _session(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def note_leaders(parent: int) -> None:
+    """The children of ``parent`` that carry ``--served-model-name NAME``: sessions of NAME."""
+    for pid, (ppid, cmd) in _procs().items():
+        m = re.search(r"--served-model-name[= ](\S+)", cmd)
+        if ppid == parent and m and pid not in LEADERS:
+            LEADERS[pid] = m.group(1)
+
+
 def model_of(pid: int, table) -> str | None:
-    """The model whose ``--served-model-name`` the process or an ancestor carries."""
+    """The model of the session the process is in, else the one whose
+    ``--served-model-name`` the process or an ancestor carries."""
+    if _session(pid) in LEADERS:
+        return LEADERS[_session(pid)]
     seen = 0
     while pid in table and seen < 64:
         m = re.search(r"--served-model-name[= ](\S+)", table[pid][1])
@@ -219,6 +243,22 @@ def gpu_memory() -> dict:
         name = model_of(pid, table) or f"pid {pid}"
         per[name] = per.get(name, 0) + mib
     return {"mib_per_model": per}
+
+
+def ledger(dry_run: bool) -> list | dict:
+    """``proxima kv --json`` without --url: every Proxima engine in the GPU ledgers (pid,
+    model, KV mapped, non-KV bytes, bounds)."""
+    if dry_run:
+        return []
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(kit.ROOT), env.get("PYTHONPATH", "")])
+        done = subprocess.run([sys.executable, "-m", "proxima.cli", "kv", "--json"],
+                              capture_output=True, text=True, timeout=60, cwd=kit.ROOT, env=env)
+        return json.loads(done.stdout) if done.returncode == 0 else {
+            "error": f"exit {done.returncode}: {done.stderr.strip()[-200:]}"}
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
 class Sampler:
@@ -274,8 +314,11 @@ def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict,
     out.log(f"  proxima: {result['command']}")
     t0 = time.monotonic()
     proc = kit.start(cmd, env, out.child_log("proxima"))
-    up = kit.wait_for(lambda: healthy(args.port) or proc.poll() is not None,
-                      budget.cap(args.start_timeout, reserve=reserve), every=2.0)
+    def ready() -> bool:
+        note_leaders(proc.pid)          # each engine as it starts, before it is retitled
+        return healthy(args.port) or proc.poll() is not None
+
+    up = kit.wait_for(ready, budget.cap(args.start_timeout, reserve=reserve), every=1.0)
     log = out.child_log("proxima")
     if not up or not healthy(args.port):
         raise RuntimeError(f"proxima serve --models did not become healthy (exit "
@@ -307,6 +350,7 @@ def start_stock(out: kit.Out, budget: kit.Budget, args, env, result: dict,
         out.log(f"  stock: starting {name} on port {port}")
         proc = kit.start(cmd, dict(env, PROXIMA_ALLOCATOR="0", VLLM_PORT=str(23000 + 100 * i)),
                          out.child_log(f"stock-{name}"))
+        LEADERS[proc.pid] = name
         up = kit.wait_for(lambda: healthy(port) or proc.poll() is not None,
                           budget.cap(args.start_timeout, reserve=reserve), every=1.0)
         if not up or not healthy(port):
@@ -333,7 +377,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
     ports = (start_proxima if name == "proxima" else start_stock)(out, budget, args, env, result,
                                                                   reserve)
     kv_port = args.port if name == "proxima" else None
-    result["idle"] = {"gpu": gpu_memory(), **({"kv": proxima_kv(kv_port)} if kv_port else {})}
+    result["idle"] = {"gpu": gpu_memory(), **({"kv": proxima_kv(kv_port),
+                                                "ledger": ledger(args.dry_run)} if kv_port else {})}
     out.log(f"  {name}: idle memory {json.dumps(result['idle'])}")
     out.record("setups", **{name: result})
     floor = (DRY_PLAN if args.dry_run else GPU_PLAN)["burst"]
@@ -358,6 +403,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
         if kv_port:
             row["mapped_during"] = sampler.stop()
             row["kv_after"] = proxima_kv(kv_port)
+            row["ledger_after"] = ledger(args.dry_run)
         row["gpu_after"] = gpu_memory()
         for n, r in got.items():
             ttfts = r.pop("ttfts")
