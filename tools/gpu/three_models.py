@@ -491,6 +491,15 @@ def setup_seconds(name: str, args) -> tuple[float, str]:
                    f"{c['burst']:.0f}s, {c['stop']:.0f}s stop)")
 
 
+def gpu_max(r: dict) -> dict | None:
+    """Per model, the most nvidia-smi memory (MiB) seen after a burst."""
+    top: dict = {}
+    for b in r.get("bursts", []):
+        for n, mib in ((b.get("gpu_after") or {}).get("mib_per_model") or {}).items():
+            top[n] = max(top.get(n, 0), mib)
+    return top or None
+
+
 def summarize(results: dict) -> dict:
     s = {}
     for name, r in results.items():
@@ -500,8 +509,11 @@ def summarize(results: dict) -> dict:
                                        for n, m in (r.get("per_model") or {}).items()},
                    "ttft_p50_s": {n: m["ttft_p50_s"] for n, m in (r.get("per_model") or {}).items()},
                    "ttft_p99_s": {n: m["ttft_p99_s"] for n, m in (r.get("per_model") or {}).items()},
-                   "idle_gpu_mib": (r.get("idle") or {}).get("gpu", {}).get("mib_per_model")}
+                   "idle_gpu_mib": (r.get("idle") or {}).get("gpu", {}).get("mib_per_model"),
+                   "gpu_mib_after_bursts_max": gpu_max(r)}
         if name == "proxima":
+            s[name]["kv_bounds"] = {n: [(kv or {}).get("min_bytes"), (kv or {}).get("max_bytes")]
+                                    for n, kv in ((r.get("idle") or {}).get("kv") or {}).items()}
             s[name]["idle_kv_mapped"] = {n: (kv or {}).get("mapped_bytes") for n, kv in
                                          ((r.get("idle") or {}).get("kv") or {}).items()}
             s[name]["kv_max_mapped_during_bursts"] = {
