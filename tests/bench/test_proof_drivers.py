@@ -648,3 +648,48 @@ def test_compaction_throughput_rounds_interleave_and_stop_on_the_budget(tmp_path
 
     assert Scheduler.schedule.__name__ == "schedule"          # the probe put them back
     assert compaction_worker.apply_on_worker.__name__ == "apply_on_worker"
+
+
+def test_three_models_dry_run_gives_both_setups_three_models_each_and_a_ratio(tmp_path):
+    # the proxima setup runs the real multi-model endpoint (uvicorn + router + supervisor)
+    # over stand-in engines: requests routed by "model", KV read through /engines/NAME/...
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    done = run("three_models.py", tmp_path, "--budget", "120", "--requests", "6",
+               "--background", "2", "--port", "8590")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "three_models-logs.tgz", "three_models.json", "three_models.log"]
+    sub = json.loads((tmp_path / "three_models.json").read_text())["subproofs"]
+    models = {"big", "mid", "small"}
+    for name in ("proxima", "stock"):
+        setup = sub["setups"][name]
+        assert len(setup["bursts"]) == 6 and setup["errors"] == 0
+        assert [b["busy"] for b in setup["bursts"][:3]] == ["big", "mid", "small"]
+        assert set(setup["per_model"]) == models
+        for m in setup["per_model"].values():       # 2 rounds: 6 + 2 + 2 requests each
+            assert m["requests"] == 20 and m["output_tokens"] > 0 and m["ttft_p50_s"] > 0
+        assert set(sub["summary"][name]["per_model_tok_s"]) == models
+    # the endpoint reached each model's own engine for its KV state
+    idle = sub["setups"]["proxima"]["idle"]["kv"]
+    assert set(idle) == models and all(kv["mapped_bytes"] > 0 for kv in idle.values())
+    assert sub["summary"]["ratio"] > 0 and set(sub["summary"]["per_model_ratio"]) == models
+
+
+def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp_path):
+    short = run("three_models.py", tmp_path / "short", "--budget", "5")
+    assert short.returncode == 2 and short.stderr.count("\n") == 1
+    assert "--budget 5s is too little" in short.stderr
+    assert not (tmp_path / "short").exists()
+    pytest.importorskip("uvicorn")
+    first = run("three_models.py", tmp_path / "a", "--only", "stock", "--rounds", "1",
+                "--requests", "3", "--background", "1", "--port", "8594")
+    assert first.returncode == 1, first.stdout + first.stderr     # no ratio with one setup
+    a = json.loads((tmp_path / "a" / "three_models.json").read_text())["subproofs"]
+    assert a["summary"]["ratio"] is None
+    second = run("three_models.py", tmp_path / "b", "--only", "proxima", "--rounds", "1",
+                 "--requests", "3", "--background", "1", "--port", "8598",
+                 "--with", str(tmp_path / "a" / "three_models.json"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    b = json.loads((tmp_path / "b" / "three_models.json").read_text())["subproofs"]
+    assert b["setups"]["stock"] == a["setups"]["stock"] and b["summary"]["ratio"] > 0

@@ -4,7 +4,10 @@ streamed /v1/completions with usage. With ``--stats-file`` it plays
 an elastic engine's stats file: mapped bytes start at ``--min-bytes``, grow by 64 MiB per
 request in flight (up to ``--max-bytes``), and fall back to the minimum ``--delay`` s after
 the last request ended (a shrink, its bytes counted as returned). One process per port, so
-the driver runs as many as it has engines. It checks the driver's orchestration, nothing about
+the driver runs as many as it has engines. With ``--served-model-name NAME`` it also answers
+``/v1/models`` and, as ``proxima serve --elastic`` does, ``GET /proxima/kv`` (its mapped,
+minimum and maximum bytes; ``--elastic`` grows and releases them without a stats file): what
+``three_models.py --dry-run`` reads, through the real multi-model endpoint. It checks the driver's orchestration, nothing about
 vLLM or Proxima."""
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> int:
     ap.add_argument("--min-bytes", type=int, default=2 << 30)
     ap.add_argument("--max-bytes", type=int, default=72 << 30)
     ap.add_argument("--delay", type=float, default=2.0)
+    ap.add_argument("--served-model-name", default="fake")
+    ap.add_argument("--elastic", action="store_true")
     args = ap.parse_args()
     served = [0]
     lock = threading.Lock()
@@ -61,7 +66,7 @@ def main() -> int:
 
     with lock:
         write_stats()
-    if args.stats_file:
+    if args.stats_file or args.elastic:
         threading.Thread(target=release, daemon=True).start()
 
     class Handler(BaseHTTPRequestHandler):
@@ -85,6 +90,14 @@ def main() -> int:
                                  f"vllm:prefix_cache_queries_total {cache['queries']}.0\n"
                                  f"vllm:prefix_cache_hits_total {cache['hits']}.0\n")
                            .encode(), "text/plain")
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"object": "list", "data": [
+                    {"id": args.served_model_name, "object": "model"}]}).encode())
+            elif self.path == "/proxima/kv":
+                with lock:
+                    kv = dict(state, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
+                              used_bytes=active[0] * PER_REQUEST)
+                self._send(200, json.dumps(kv).encode())
             else:
                 self._send(404, b"{}")
 
