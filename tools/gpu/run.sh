@@ -39,6 +39,8 @@
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 #   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint)
+#   three-models issue 36 (tools/gpu/three_models.py): three models behind one `proxima serve`
+#                against three stock servers; TM_BUDGET seconds (default: all left), TM_ARGS more
 #   compaction-proof   issue 14's driver (tools/gpu/compaction_proof.py): identity under off,
 #                every:2, every:5, auto, then throughput auto vs off; files compaction_proof.{json,log}
 # BUDGET_S: seconds the whole step may take (each task gets what is left, via timeout).
@@ -165,6 +167,8 @@ task() {
                    tests/gpu/test_serve_gpu.py -x -q -p no:cacheprovider -rA ;;
     serve-multi-tests) timed serve-multi-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" \
                    -m gpu tests/gpu/test_serve_multi_gpu.py -q -p no:cacheprovider -rA ;;
+    three-models) timed three-models "$(( $(left) - 5 ))" python3 tools/gpu/three_models.py \
+                     --out "$OUT" --budget "${TM_BUDGET:-$(( $(left) - 25 ))}" ${TM_ARGS:-} ;;
     compaction-proof) timed compaction-proof "$(( $(left) - 5 ))" python3 tools/gpu/compaction_proof.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
     *) echo "unknown task $1" | tee -a "$LOG" ;;
