@@ -143,7 +143,7 @@ class Supervisor:
             return 127
         backend.pid = engine.process.pid
         relay = asyncio.create_task(self._relay(engine, engine.process))
-        code = await engine.process.wait()
+        code = await _exited(engine.process)
         backend.pid = None
         if not self._stopping:              # 503 for its model from now, not at the next poll
             backend.generation += 1
@@ -206,7 +206,7 @@ class Supervisor:
         deadline = time.monotonic() + self.stop_timeout
         for process in running:
             try:
-                await asyncio.wait_for(process.wait(), max(0.1, deadline - time.monotonic()))
+                await asyncio.wait_for(_exited(process), max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 log.warning("pid %d did not stop in %.0f s: killing its group", process.pid,
                             self.stop_timeout)
@@ -216,6 +216,15 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _exited(process, poll: float = 0.1) -> int:
+    """The engine's exit code, as soon as its process has exited. Not ``process.wait()``:
+    asyncio answers that only once the output pipe is closed too, and a process left behind
+    in the group (gunicorn's worker, after a kill -9 of its arbiter) keeps it open."""
+    while process.returncode is None:
+        await asyncio.sleep(poll)
+    return process.returncode
 
 
 def _exit_text(code: int) -> str:
@@ -429,7 +438,7 @@ class Endpoint:
         config = uvicorn.Config(self.router, host=host, port=port, lifespan="on",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=10)
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.host, self.port = host, port
 
     def _fatal(self, line: str) -> None:
@@ -448,6 +457,29 @@ class Endpoint:
         if self.code:
             print(f"proxima serve: error: {self.line}", file=sys.stderr)
         return self.code
+
+
+def _server_class():
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a stop asked by SIGTERM or SIGINT, once done, is a
+        clean exit (0, as the one-model `proxima serve` under gunicorn), not the signal
+        raised again (uvicorn's default: the process then dies of it, exit -15)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    return Server
+
+
+def _Server(config):
+    return _server_class()(config)
 
 
 async def serve(engines: list[Engine], host: str, port: int, **options) -> int:

@@ -132,7 +132,16 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--health", type=int, default=200)
     parser.add_argument("--gate")
+    parser.add_argument("--arbiter", action="store_true",
+                        help="serve from a forked worker and wait on it, as gunicorn's arbiter "
+                             "does: the worker shares stdout and outlives a kill -9 of this pid")
     args = parser.parse_args(argv)
+    if args.arbiter:
+        worker = os.fork()
+        if worker:
+            print(f"stand-in arbiter (pid {os.getpid()}), worker pid {worker}", flush=True)
+            os.waitpid(worker, 0)
+            return 0
     served: list = []
     httpd = ThreadingHTTPServer(("127.0.0.1", args.port),
                                 make_handler(args.model, args.health, args.gate, served))

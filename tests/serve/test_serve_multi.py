@@ -281,6 +281,57 @@ def test_a_killed_engine_is_restarted_and_its_model_answers_503_meanwhile(endpoi
     assert 'proxima_router_engine_restarts_total{model="beta"} 1.0' in ep.get("/metrics").text
 
 
+def test_a_killed_arbiter_is_seen_at_once_and_its_orphan_worker_stopped(endpoint):
+    # On the GPU (gunicorn: an arbiter, the worker serving): kill -9 of the arbiter left the
+    # worker serving and holding the output pipe, and the supervisor never saw the death.
+    ep = endpoint({"alpha": ["--arbiter"], "beta": ["--arbiter"]}, backoff=(1.0,))
+    engine = ep.engines["beta"]
+    arbiter = engine.pid
+    worker = int(wait_for(lambda: next((line.split("worker pid ")[1].split()[0]
+                                        for line in ep.output if "[beta] stand-in arbiter" in line),
+                                       None), "beta's worker pid"))
+    os.kill(arbiter, signal.SIGKILL)
+    wait_for(lambda: engine.backend.state == RESTARTING, "beta restarting")
+    assert ep.post("/v1/completions", {"model": "beta", "prompt": "x"}).status_code == 503
+    wait_for(lambda: not os.path.exists(f"/proc/{worker}") or
+             open(f"/proc/{worker}/stat").read().split()[2] == "Z", "the orphan worker gone")
+    wait_for(lambda: engine.backend.state == READY, "beta back")
+    assert engine.pid != arbiter and engine.backend.restarts == 1
+    assert ep.post("/v1/completions", {"model": "beta", "prompt": "x"}).json()["engine"] == "beta"
+
+
+STOPPED_BY_SIGTERM = """
+import asyncio, os, sys
+from proxima.serve import multi
+from proxima.serve.router import Backend
+ports = [int(p) for p in sys.argv[1:4]]
+engines = [multi.Engine(backend=Backend(name=n, url=f"http://127.0.0.1:{p}", path=f"/models/{n}"),
+                        command=[sys.executable, "-m", "tests.serve.standin_engine", "--port",
+                                 str(p), "--model", n, "--arbiter"], env=dict(os.environ))
+           for n, p in zip(("alpha", "beta"), ports)]
+sys.exit(asyncio.run(multi.serve(engines, "127.0.0.1", ports[2])))
+"""
+
+
+def test_sigterm_stops_the_endpoint_and_every_engine_with_exit_0(tmp_path):
+    ports = [free_port() for _ in range(3)]
+    proc = __import__("subprocess").Popen(
+        [sys.executable, "-c", STOPPED_BY_SIGTERM, *map(str, ports)], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=(tmp_path / "out").open("w"),
+        stderr=__import__("subprocess").STDOUT)
+    url = f"http://127.0.0.1:{ports[2]}"
+    health = wait_for(lambda: _answers(url) and httpx.get(url + "/health").status_code == 200
+                      and httpx.get(url + "/health").json(), "both engines ready")
+    pids = [e["pid"] for e in health["engines"].values()]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=WAIT_S) == 0, (tmp_path / "out").read_text()
+    for pid in pids:                                   # the arbiters, and with them the workers
+        assert not os.path.exists(f"/proc/{pid}")
+    for port in ports[:2]:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
 def test_an_engine_that_keeps_dying_is_given_up_and_the_others_keep_serving(endpoint):
     ep = endpoint({"alpha": [], "beta": []}, backoff=(0.05,), max_restarts=2)
     engine = ep.engines["beta"]
