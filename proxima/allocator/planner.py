@@ -133,11 +133,6 @@ class PoolView:
         """Granules holding no LIVE block / all granules."""
         return self.live_per_granule().count(0) / self.num_granules
 
-    def packed_ideal_fraction(self) -> float:
-        """``1 - ceil(live / G) / granules``: the fraction a perfectly packed pool reaches."""
-        live = self.kinds.count(LIVE)
-        return 1.0 - -(-live // self.granule_blocks) / self.num_granules
-
 
 # ----------------------------------------------------------------------------- plans
 

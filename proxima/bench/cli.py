@@ -2,11 +2,11 @@
 
 Every check on the arguments happens before any load is sent or engine built, and ends
 in a UserError (one line, exit 2). The exit status of a finished run says whether its
-figures can be trusted (EXIT_RULE below, also in --help and docs/operations.md): 0 when
-every request of every run completed; 1 when the report is printed (and written) but is
-not trustworthy: a request failed or its stream was cut, a server completed nothing,
+figures can be trusted (the rule is in --help, TABLE below, and in docs/operations.md): 0
+when every request of every run completed; 1 when the report is printed (and written) but
+is not trustworthy: a request failed or its stream was cut, a server completed nothing,
 ``--check-outputs`` found differing outputs, or the Proxima runs did not report Proxima
-active. Online mode also takes the flag names of ``vllm bench serve`` (VLLM_FLAGS).
+active. Online mode also takes the flag names of ``vllm bench serve`` (:func:`_resolve_aliases`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "cha
 # seeded, and never downloads one).
 VLLM_DATASETS = ("burstgpt", "sonnet", "random", "random-mm", "random-rerank", "hf", "custom",
                  "custom_audio", "prefix_repetition", "spec_bench", "timed_trace")
-VLLM_FLAGS = ("--num-prompts", "--max-concurrency", "--dataset-name", "--save-result",
-              "--result-filename", "--result-dir", "--disable-tqdm", "--endpoint PATH")
 
 TABLE = """\
 the table (one column per server or allocator, then each one's ratio to the first):
