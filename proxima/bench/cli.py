@@ -324,7 +324,8 @@ def run_online_mode(args) -> int:
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
-        from proxima.bench.online import check_servers, merge_rounds, run_online
+        from proxima.bench.online import check_servers, run_online
+        from proxima.bench.online_summary import merge_rounds
     except ModuleNotFoundError as exc:
         raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
     concurrency = args.concurrency
