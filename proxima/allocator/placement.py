@@ -1,7 +1,7 @@
 """Placement of a fresh allocation's blocks: where the ``k`` blocks just handed out to a
 request should be instead (:func:`plan_placement`), so that live blocks pack towards low
 ids and high granules empty out. Pure Python, standard library only (no torch, no vLLM);
-it reads the planner's :class:`~proxima.allocator.planner.PoolView` and block kinds.
+it reads the planner's :class:`~proxima.allocator.plans.PoolView` and block kinds.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterable, Sequence
 
-from proxima.allocator.planner import CACHED, FIXED, FREE, LIVE, PoolView
+from proxima.allocator.plans import CACHED, FIXED, FREE, LIVE, PoolView
 
 
 @dataclass

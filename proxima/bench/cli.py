@@ -1,17 +1,18 @@
-"""`proxima bench`: arguments, validation and dispatch to the online or offline mode.
+"""`proxima bench`: each mode's checks, its runs and its report (the flags:
+:mod:`proxima.bench.options`).
 
 Every check on the arguments happens before any load is sent or engine built, and ends
 in a UserError (one line, exit 2). The exit status of a finished run says whether its
-figures can be trusted (EXIT_RULE below, also in --help and docs/operations.md): 0 when
-every request of every run completed; 1 when the report is printed (and written) but is
-not trustworthy: a request failed or its stream was cut, a server completed nothing,
-``--check-outputs`` found differing outputs, or the Proxima runs did not report Proxima
-active. Online mode also takes the flag names of ``vllm bench serve`` (VLLM_FLAGS).
+figures can be trusted (the rule is in --help, :data:`proxima.bench.options.TABLE`, and in
+docs/operations.md): 0 when every request of every run completed; 1 when the report is
+printed (and written) but is not trustworthy: a request failed or its stream was cut, a
+server completed nothing, ``--check-outputs`` found differing outputs, or the Proxima runs
+did not report Proxima active. Online mode also takes the flag names of ``vllm bench
+serve`` (:func:`proxima.bench.options.resolve_aliases`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -23,185 +24,12 @@ from pathlib import Path
 
 import proxima
 from proxima.bench import report as report_mod
-from proxima.bench.offline import ARRIVALS
+from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, given, resolve_aliases
+from proxima.bench.options import add_arguments  # noqa: F401 - the command's flags (proxima.cli)
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
 from proxima.ioutil import check_distinct_paths, logs_to_stderr
-from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS, RequestSpec, Workload, \
-    check_sizes, load_trace, make_workload
-
-ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout",
-               "save_result", "result_filename", "result_dir")
-OFFLINE_ONLY = ("load_format", "kv_cache_memory_bytes", "check_outputs",
-                "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "arrivals",
-                "elastic", "elastic_options")
-
-
-ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-# `vllm bench serve`'s datasets that proxima bench does not generate (it builds its own,
-# seeded, and never downloads one).
-VLLM_DATASETS = ("burstgpt", "sonnet", "random", "random-mm", "random-rerank", "hf", "custom",
-                 "custom_audio", "prefix_repetition", "spec_bench", "timed_trace")
-VLLM_FLAGS = ("--num-prompts", "--max-concurrency", "--dataset-name", "--save-result",
-              "--result-filename", "--result-dir", "--disable-tqdm", "--endpoint PATH")
-
-TABLE = """\
-the table (one column per server or allocator, then each one's ratio to the first):
-  online:  requests/s, output and total (prompt + output) tokens/s over the wall time of
-           the run; TTFT (time to first token), ITL (gap between tokens), E2E (whole
-           request) percentiles in ms over the completed requests; completed, errors
-           (failed or cut streams: left out of every figure above), short outputs
-           (completed with fewer tokens than asked), preemptions (the server's counter)
-  offline: per allocator, medians over the runs: elapsed s, requests/s, tokens/s with
-           the min-max and spread % of the runs, preemptions, KV-cache blocks, blocks
-           per run (KV blocks per contiguous run of block ids: 1.0 = scattered, higher
-           = more contiguous), largest free run of the pool, short outputs, Proxima active
-  --repeat K > 1 (online) adds the rounds and their min/max/spread rows.
-
-exit status:
-  0    every request of every run completed: the figures stand
-  1    the report is printed (and written) but is NOT trustworthy: a request failed or
-       its stream was cut before [DONE] (a server that died), a server completed no
-       request, --check-outputs found differing tokens, or the Proxima runs did not
-       report Proxima active (offline: or the stock runs did)
-  2    bad input or environment (one line), nothing measured
-  130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): with --json, what was
-       measured so far is kept ("partial": true: the runs or rounds finished)
-
-vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
-(= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
-(no rate, as without it), --dataset-name W (one of the workloads above), --save-result
-[--result-filename F] [--result-dir D] (= --json), --disable-tqdm, --endpoint PATH.
-
-online:  proxima bench --base-url http://127.0.0.1:8000 --label stock \\
-           --base-url http://127.0.0.1:8001 --label proxima --workload chat
-offline: proxima bench --offline --model CONFIG_DIR --load-format dummy \\
-           --workload pressure --kv-cache-memory-bytes 4026531840 --repeat 3 --check-outputs"""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = TABLE
-    src = parser.add_argument_group("requests (shared with `proxima replay`)")
-    which = src.add_mutually_exclusive_group()
-    which.add_argument("--workload", choices=WORKLOADS, default=None,
-                       help="synthetic workload (default: chat)")
-    which.add_argument("--dataset-name", metavar="W", default=None,
-                       help="vllm bench serve's name for --workload (default: chat)")
-    which.add_argument("--trace", metavar="FILE",
-                       help="JSON Lines trace (see proxima.workloads; default: none)")
-    src.add_argument("--requests", "-n", "--num-prompts", dest="requests", type=int, metavar="N",
-                     help=f"number of requests (default: the workload's: chat 100, sharegpt "
-                          f"1000, multiturn 400, pressure 500, bursts 800; with --trace: all its lines; "
-                          f"at most {MAX_REQUESTS:,})")
-    src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
-    src.add_argument("--max-model-len", type=int, metavar="TOKENS",
-                     help=f"longest prompt+output the workload may build (default 8192; at "
-                          f"most {MAX_MODEL_LEN:,}); offline: also passed to LLM")
-    src.add_argument("--model", default=None,
-                     help="online: the served model name (default: the first server's first "
-                          "model, as vllm bench serve does); offline: a model path or config "
-                          "dir (required)")
-
-    on = parser.add_argument_group("online mode (OpenAI-compatible servers)")
-    on.add_argument("--base-url", action="append", metavar="URL",
-                    help="server to load, e.g. http://127.0.0.1:8000; give twice to compare "
-                         "(the first is the baseline of the ratio; required online)")
-    on.add_argument("--label", action="append", metavar="NAME",
-                    help="name of each --base-url in the report, in the same order "
-                         "(default: A, B, ...)")
-    on.add_argument("--concurrency", "-c", "--max-concurrency", dest="concurrency", type=int,
-                    metavar="C",
-                    help="at most C requests in flight: a closed loop, or with --request-rate "
-                         "a cap (default: the workload's, else all at once)")
-    on.add_argument("--request-rate", type=float, metavar="R",
-                    help="open loop: Poisson arrivals at R requests/s, seeded; inf = no rate, "
-                         "as without it (default: closed loop)")
-    on.add_argument("--endpoint", metavar="E",
-                    help="completions (prompt as token ids; default) or chat (prompt as text); "
-                         "or vllm bench serve's /v1/completions, /v1/chat/completions")
-    on.add_argument("--timeout", type=float, metavar="S",
-                    help="per-request timeout in seconds (default 600)")
-
-    off = parser.add_argument_group("offline mode (vLLM LLM in this process, stock vs Proxima)")
-    off.add_argument("--offline", action="store_true",
-                     help="run vLLM in-process instead (needs a GPU; default: online)")
-    off.add_argument("--load-format", help="e.g. dummy: random weights, config.json only "
-                                           "(default: vLLM's, auto)")
-    off.add_argument("--kv-cache-memory-bytes", metavar="SIZE",
-                     help="fix the KV cache size, e.g. to force preemption: bytes, or KiB MiB "
-                          "GiB TiB / KB MB GB TB, any case, not a bare G (default: vLLM "
-                          "sizes it from --gpu-memory-utilization)")
-    off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
-                     help="share of GPU memory for vLLM (default: vLLM's, 0.9)")
-    off.add_argument("--tensor-parallel-size", type=int, metavar="TP", help="GPUs (default 1)")
-    off.add_argument("--enforce-eager", action="store_true", default=None,
-                     help="no torch.compile / CUDA graphs (default: off)")
-    off.add_argument("--elastic", action="store_true", default=None,
-                     help="the Proxima runs with elastic KV memory (vLLM 0.26: PROXIMA_ELASTIC=1, "
-                          "Proxima's connector; stock runs unchanged) (default: off)")
-    off.add_argument("--elastic-options", metavar="K=V,...",
-                     help="with --elastic: elastic KV options, e.g. min_bytes=2GiB,"
-                          "release_delay_s=5 (sizes: bytes or KiB MiB GiB TiB, KB MB GB TB; "
-                          "see proxima serve --help; default: none)")
-    off.add_argument("--check-outputs", action="store_true", default=None,
-                     help="compare generated token ids of every run with the first stock run "
-                          "(default: off)")
-    off.add_argument("--arrivals", choices=ARRIVALS, default=None, help=(
-        "held (default): vLLM's scheduler is paused while generate() queues the requests, so "
-        "the engine's first step sees all of them in every run; as-sent: the engine starts "
-        "on the first request to arrive, as a plain LLM.generate does (how many the first "
-        "steps see then depends on timing, and with it the preemption count)"))
-
-    parser.add_argument("--repeat", type=int, metavar="K", help=(
-        "offline: run each allocator K times, alternating; online: K rounds over all "
-        "servers, round r with seed + r - 1, every other round in reverse server order; "
-        "medians and the run-to-run spread are reported (default 1)"))
-
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
-    out.add_argument("--save-result", action="store_true",
-                     help="vllm bench serve's way to write the JSON: to --result-filename, "
-                          "else proxima-{rate}qps[-concurrency{C}]-{model}-{date}.json, in "
-                          "--result-dir (default: off)")
-    out.add_argument("--result-filename", metavar="NAME", help="with --save-result (default: "
-                                                                "the name above)")
-    out.add_argument("--result-dir", metavar="DIR", help="with --save-result (default: the "
-                                                         "current directory)")
-    out.add_argument("--plot", metavar="PATH.png", help="write a PNG (needs matplotlib; "
-                                                        "default: none)")
-    out.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
-                     help="no progress bar (default: a bar per server on stderr)")
-
-
-def _resolve_aliases(args) -> None:
-    """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
-    if args.trace is not None and not args.trace.strip():
-        raise UserError(f"--trace needs a file name, got {args.trace!r}")
-    if args.dataset_name is not None:
-        name = args.dataset_name
-        if name in WORKLOADS:
-            args.workload = name
-        elif name in VLLM_DATASETS:
-            raise UserError(f"--dataset-name {name}: proxima bench does not build vLLM's "
-                            f"{name!r} dataset; it generates {', '.join(WORKLOADS)} (seeded, "
-                            f"nothing downloaded) or reads --trace FILE (JSON Lines of "
-                            f"prompt_len/output_len)")
-        else:
-            raise UserError(f"--dataset-name {name!r} is not a workload: choose one of "
-                            f"{', '.join(WORKLOADS)}, or pass --trace FILE")
-    if args.endpoint is not None:
-        endpoint = ENDPOINT_PATHS.get(args.endpoint.rstrip("/"), args.endpoint)
-        if endpoint not in ("completions", "chat"):
-            raise UserError(f"--endpoint must be completions or chat (or /v1/completions, "
-                            f"/v1/chat/completions), got {args.endpoint!r}")
-        args.endpoint = endpoint
-    if args.request_rate is not None and math.isinf(args.request_rate) and args.request_rate > 0:
-        args.request_rate = None        # vllm bench serve's default: no pacing
-    if (args.result_filename or args.result_dir) and not args.save_result:
-        raise UserError("--result-filename / --result-dir only apply with --save-result "
-                        "(as in vllm bench serve); or use --json PATH")
-    if args.save_result and args.json:
-        raise UserError("give --json PATH or --save-result, not both (they write the same file)")
+from proxima.workloads import RequestSpec, Workload, check_sizes, load_trace, make_workload
 
 
 def _save_result_path(args, model: str, concurrency: int | None) -> str:
@@ -221,10 +49,6 @@ def _save_result_path(args, model: str, concurrency: int | None) -> str:
                             f"({exc.strerror or exc})") from None
         name = os.path.join(args.result_dir, name)
     return name
-
-
-def _given(args, names) -> list[str]:
-    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
 
 
 def request_list(args, seed: int | None = None) -> tuple[Workload, list[RequestSpec]]:
@@ -296,7 +120,7 @@ def _workload_info(args, workload: Workload, specs, mode: str) -> dict:
 
 
 def run_online_mode(args) -> int:
-    stray = _given(args, OFFLINE_ONLY)
+    stray = given(args, OFFLINE_ONLY)
     if stray:
         raise UserError(f"{', '.join(stray)} only apply with --offline")
     if not args.base_url:
@@ -326,7 +150,8 @@ def run_online_mode(args) -> int:
     targets = _targets(args)
     workload, specs = request_list(args)
     try:
-        from proxima.bench.online import check_servers, merge_rounds, run_online
+        from proxima.bench.online import check_servers, run_online
+        from proxima.bench.online_summary import merge_rounds
     except ModuleNotFoundError as exc:
         raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
     concurrency = args.concurrency
@@ -398,7 +223,7 @@ def _elastic_options(args) -> dict | None:
 
 
 def run_offline_mode(args) -> int:
-    stray = _given(args, ONLINE_ONLY)
+    stray = given(args, ONLINE_ONLY)
     if stray:
         raise UserError(f"{', '.join(stray)} do not apply with --offline (no server is used)")
     if not args.model:
@@ -515,5 +340,5 @@ def _emit(rep: dict, args) -> int:
 
 
 def run(args) -> int:
-    _resolve_aliases(args)
+    resolve_aliases(args)
     return run_offline_mode(args) if args.offline else run_online_mode(args)

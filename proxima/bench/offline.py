@@ -19,7 +19,8 @@ Why the order and the environment matter:
   The stock runs among themselves give the noise band (``spread_pct``).
 * The engine is shut down and collected before the next is built: two engines would not
   fit on one GPU with default memory settings.
-* Arrivals are held (``--arrivals held``, the default; :func:`hold_arrivals`): the engine's
+* Arrivals are held (``--arrivals held``, the default;
+  :func:`~proxima.bench.offline_engine.hold_arrivals`): the engine's
   first step sees every request, so the scheduler makes the same decisions in every run
   and a difference between the allocators cannot hide in the timing of request arrival.
 
@@ -28,36 +29,36 @@ output and total tokens/s, preemptions (``vllm:num_preemptions`` via ``get_metri
 difference across the run), the KV-cache block count, and contiguity read from the
 status file (``PROXIMA_STATS_FILE``, sampled while the run goes): Proxima's pool writes it,
 and stock runs get ``PROXIMA_OBSERVE=1``, whose read-only observer writes the stock block
-tables' blocks per run (V1 engine; elsewhere stock contiguity is n/a). ``--check-outputs`` compares every run's token
-ids with the first stock run's, request by request.
+tables' blocks per run (V1 engine; elsewhere stock contiguity is n/a; the sampling and
+those figures: :mod:`proxima.bench.offline_status`). ``--check-outputs`` compares every
+run's token ids with the first stock run's, request by request.
 
-Everything except :func:`default_build_llm` is plain Python, so the orchestration and the
+Everything except vLLM's ``LLM`` itself (built, read and stopped in
+:mod:`proxima.bench.offline_engine`) is plain Python, so the orchestration and the
 arithmetic are tested on CPU with a stand-in ``build_llm``.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from proxima.bench.offline_engine import collect, default_build_llm, default_sampling_params, \
+    hold_arrivals, kv_blocks_of, metric_total, scoped_env, shutdown
+from proxima.bench.offline_status import StatusSampler, contiguity, elastic_figures
 from proxima.bench.stats import median, spread
 from proxima.engines.activation import ELASTIC_ENV, ENV as ALLOCATOR_ENV, OBSERVE_ENV
-from proxima.engines.status import STATS_ENV, read_status
+from proxima.engines.status import STATS_ENV
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
 ALLOCATORS = ("stock", "proxima")
 ARRIVALS = ("held", "as-sent")
-STATUS_POLL_S = 0.5
-FINAL_SNAPSHOT_WAIT_S = 1.0
 MAX_DIFFERING_SHOWN = 5
 # Set for the engines of a bench run unless the user set them (restored afterwards).
 ENGINE_DEFAULTS = {
@@ -138,112 +139,6 @@ def llm_kwargs(config: OfflineConfig) -> dict:
     return kwargs
 
 
-def metric_total(metrics: Sequence, name: str) -> int | None:
-    """Sum of a counter over its label sets in ``LLM.get_metrics()``; None if absent."""
-    values = [m.value for m in metrics if getattr(m, "name", None) == name
-              and isinstance(getattr(m, "value", None), (int, float))]
-    return int(sum(values)) if values else None
-
-
-def kv_blocks_of(llm) -> int | None:
-    """The KV-cache block count the engine settled on at start-up.
-
-    Read from the front end's config (the engine core reports it back at start), else
-    from the ``vllm:cache_config_info`` metric's ``num_gpu_blocks`` label."""
-    try:
-        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        if blocks:
-            return int(blocks)
-    except AttributeError:
-        pass
-    try:
-        for m in llm.get_metrics():
-            if m.name == "vllm:cache_config_info" and m.labels.get("num_gpu_blocks") not in (None, "None"):
-                return int(m.labels["num_gpu_blocks"])
-    except Exception:  # noqa: BLE001 - metrics are a best-effort extra
-        pass
-    return None
-
-
-class StatusSampler:
-    """Reads the Proxima status file every ``STATUS_POLL_S`` while a run goes.
-
-    The engine writes a snapshot at most once a second; the last one may be taken when
-    few requests are still running, so contiguity is averaged over all snapshots of the
-    run rather than read from the last. Each distinct snapshot (by its ``time``) is kept
-    once."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.snapshots: list[dict] = []
-        self._seen: set = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="proxima-status", daemon=True)
-
-    def __enter__(self) -> "StatusSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        # The engine writes a last snapshot when its last request is freed, which can land
-        # just after generate() returns here: wait briefly for it (seen on the H200: one of
-        # 200 finished requests missing from the stock tally without this).
-        deadline = time.monotonic() + FINAL_SNAPSHOT_WAIT_S
-        while not self._take() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def _take(self) -> bool:
-        """Keep the current snapshot if it is new; True when it was."""
-        snap = read_status(self.path)
-        if snap is not None and snap.get("time") not in self._seen:
-            self._seen.add(snap.get("time"))
-            self.snapshots.append(snap)
-            return True
-        return False
-
-    def _loop(self) -> None:
-        while not self._stop.wait(STATUS_POLL_S):
-            self._take()
-
-
-def contiguity(snapshots: Sequence[dict]) -> dict:
-    """Contiguity figures from status snapshots; every value None when there are none.
-
-    ``blocks_per_run``: a request's blocks divided by its runs of consecutive ids (1.0 =
-    fully scattered), averaged. Preferred source (``blocks_per_run_source: "finished"``):
-    the engine's tally over every request at completion, its whole KV just before it is
-    freed (``finished_blocks_per_run`` of the last snapshot; counters are cumulative and
-    each run has its own engine). Otherwise (``"running"``, e.g. the V0 engine): the mean
-    over all ``running_blocks_per_run`` entries of all snapshots, sampled at most once a
-    second. ``largest_free_run`` and ``fragmentation``: the allocator's, last snapshot."""
-    finished = next((s["finished_blocks_per_run"] for s in reversed(snapshots)
-                     if isinstance(s.get("finished_blocks_per_run"), dict)), {})
-    values = [float(v) for s in snapshots
-              for v in (s.get("running_blocks_per_run") or [])
-              if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if finished.get("count") and isinstance(finished.get("mean"), (int, float)):
-        source, mean, samples = "finished", float(finished["mean"]), int(finished["count"])
-    elif values:
-        source, mean, samples = "running", sum(values) / len(values), len(values)
-    else:
-        source, mean, samples = None, None, 0
-    last_alloc = next((s["allocator"] for s in reversed(snapshots)
-                       if isinstance(s.get("allocator"), dict)), {})
-    checks = [s["invariants_ok"] for s in snapshots if isinstance(s.get("invariants_ok"), bool)]
-    return {
-        "active": any(s.get("active") is True for s in snapshots) if snapshots else None,
-        "snapshots": len(snapshots),
-        "blocks_per_run": mean,
-        "blocks_per_run_samples": samples,
-        "blocks_per_run_source": source,
-        "largest_free_run": last_alloc.get("largest_free_run"),
-        "fragmentation": last_alloc.get("fragmentation"),
-        "invariants_ok": all(checks) if checks else None,
-    }
-
-
 def compare_tokens(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]],
                    request_ids: Sequence[str]) -> dict:
     """Request-by-request equality of generated token ids (order = the request list)."""
@@ -252,117 +147,6 @@ def compare_tokens(reference: Sequence[Sequence[int]], other: Sequence[Sequence[
     differing = [rid for rid, a, b in zip(request_ids, reference, other) if list(a) != list(b)]
     return {"identical": len(reference) - len(differing), "differing": len(differing),
             "first_differing": differing[:MAX_DIFFERING_SHOWN]}
-
-
-def default_build_llm(kwargs: dict):
-    """Build vLLM's ``LLM`` (imported here: the rest of this module needs no vLLM)."""
-    from vllm import LLM
-    if isinstance(kwargs.get("kv_transfer_config"), dict):
-        from vllm.config import KVTransferConfig
-
-        kwargs = dict(kwargs, kv_transfer_config=KVTransferConfig(**kwargs["kv_transfer_config"]))
-    try:
-        return LLM(**kwargs)
-    except ValueError as exc:               # vLLM's own argument checks, e.g. KV too small
-        raise UserError(f"vLLM refused the settings: {' '.join(str(exc).split())}") from None
-
-
-def require_device() -> None:
-    """One line before the first engine where vLLM finds no GPU platform (vLLM itself
-    fails deep inside its config with "Device string must not be empty"). vLLM detects
-    the platform through NVML, without initialising CUDA in this process."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return
-    unspecified = getattr(current_platform, "is_unspecified", None)
-    if (callable(unspecified) and unspecified()) or getattr(current_platform, "device_type",
-                                                            None) == "" \
-            or str(getattr(current_platform, "_enum", "")).endswith("UNSPECIFIED"):  # vLLM 0.6
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        raise UserError(f"--offline runs vLLM's engine on a GPU and vLLM finds none{why}: run "
-                        f"on a machine with an NVIDIA GPU, or benchmark running servers with "
-                        f"--base-url URL")
-
-
-# Checked by run_offline before the first run (stand-in builders in tests carry none).
-default_build_llm.check_device = require_device
-
-
-def default_sampling_params(max_tokens: int):
-    from vllm import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          detokenize=False)
-
-
-def shutdown(llm) -> None:
-    """Stop the engine-core processes (they hold the GPU memory, not this process)."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-
-
-def collect() -> None:
-    """Drop what this process still holds before the next engine is built."""
-    gc.collect()
-    torch = sys.modules.get("torch")       # never import (or initialise CUDA) just for this
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-@contextmanager
-def scoped_env(values: dict[str, str], defaults: dict[str, str] | None = None):
-    """Set ``values`` (and ``defaults`` where unset) for the block, then restore exactly."""
-    defaults = defaults or {}
-    saved = {k: os.environ.get(k) for k in [*values, *defaults]}
-    os.environ.update(values)
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def hold_arrivals(llm) -> bool:
-    """Make the engine's first step of the next ``llm.generate`` see every request.
-
-    ``LLM.generate`` sends its requests one by one to the engine-core process, which starts
-    scheduling on the first to arrive, so how many the first steps see depends on timing;
-    under memory pressure that split alone moves the preemption count (197 to 215 for the
-    same 500 requests, docs/benchmarks.md §3.1), whichever allocator runs. Here vLLM's own
-    ``pause_scheduler("keep")`` utility holds the scheduler, generate() queues everything,
-    and ``resume_scheduler`` runs just before generate() starts its engine loop (utility
-    calls and requests travel in order on one socket, so every request is queued by then).
-    An engine stepped in this process (vLLM 0.6's V0 ``LLMEngine``) needs nothing: generate()
-    queues every request before its first step. Returns False, changing nothing, where this
-    vLLM lacks what holding needs."""
-    engine = getattr(llm, "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    if core is None and callable(getattr(engine, "step", None)):
-        return True
-    run_engine = getattr(llm, "_run_engine", None)
-    if not callable(getattr(core, "call_utility", None)) or not callable(run_engine):
-        return False
-    try:
-        core.call_utility("pause_scheduler", "keep", False)
-    except Exception as exc:     # an engine without the utility answers with an error
-        print(f"proxima bench: cannot hold arrivals ({exc}); requests go as sent",
-              file=sys.stderr, flush=True)
-        return False
-
-    def resume_then_run(*args, **kwargs):
-        del llm._run_engine                  # once: later calls find LLM's own method
-        core.call_utility("resume_scheduler")
-        return run_engine(*args, **kwargs)
-
-    llm._run_engine = resume_then_run
-    return True
 
 
 def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec],
@@ -419,20 +203,6 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
         "elastic": elastic_figures(sampler.snapshots) if elastic else None,
     }
     return figures, tokens
-
-
-def elastic_figures(snapshots: Sequence[dict]) -> dict | None:
-    """Mapped KV bytes over a run from the status snapshots (mean, peak, last) and the
-    policy's counters at the end; None when the engine reported no elastic section."""
-    sections = [s["elastic"] for s in snapshots if isinstance(s.get("elastic"), dict)]
-    if not sections:
-        return None
-    mapped = [e.get("mapped_bytes") or 0 for e in sections]
-    last = sections[-1]
-    return {"mapped_bytes_mean": sum(mapped) / len(mapped), "mapped_bytes_peak": max(mapped),
-            "mapped_bytes_last": mapped[-1], "pool_bytes": last.get("pool_bytes"),
-            **{k: last.get(k) for k in ("grows", "shrinks", "failed_grows", "bytes_returned",
-                                        "evicted_cached", "policy")}}
 
 
 def summarize(runs: Sequence[dict]) -> dict:

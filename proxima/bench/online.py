@@ -11,16 +11,8 @@ Invariants that make two servers comparable:
   is successful only when its stream ended with ``data: [DONE]``: a stream cut short (the
   server died, the connection closed) is an error, never a short completion.
 
-What is measured per request (``time.perf_counter``, from just before the POST):
-TTFT is the arrival of the first chunk that carries output tokens; inter-token latency
-(ITL) the gaps between consecutive token-carrying chunks (vLLM streams one chunk per
-engine step, normally one token); end-to-end the end of the stream. Output tokens are
-counted from the server's ``usage`` (``stream_options.continuous_usage_stats``, a vLLM
-extension, gives a running count on every chunk) and, for servers without usage, one per
-non-empty chunk; ``output_tokens_source`` says which.
-
-The body carries vLLM's ``ignore_eos: true`` and ``temperature: 0`` so every request
-generates exactly ``max_tokens`` tokens: ``short_outputs`` counts those that did not.
+What is measured per request, and the request's body: :mod:`proxima.bench.online_request`;
+the figures of a server and of several rounds: :mod:`proxima.bench.online_summary`.
 """
 
 from __future__ import annotations
@@ -31,14 +23,15 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from proxima import interrupts
-from proxima.bench.stats import latency_summary, median, spread
+from proxima.bench.online_request import RequestRecord, request_body, send_one
+from proxima.bench.online_summary import summarize
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
@@ -47,7 +40,6 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # "vllm:num_preemptions" as "..._total"; older servers exposed the bare name.
 PREEMPTION_METRICS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 PREFLIGHT_TIMEOUT_S = 10.0
-MAX_ERROR_SAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -55,21 +47,6 @@ class Target:
     """One server under test: a label for the report and its normalised base URL."""
     label: str
     base_url: str
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw for one request. Times are seconds; None = did not happen."""
-    request_id: str
-    expected_tokens: int
-    ok: bool = False
-    error: str | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int | None = None
-    tokens_from_usage: bool = False
 
 
 def normalize_base_url(url: str) -> str:
@@ -81,46 +58,6 @@ def normalize_base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise UserError(f"--base-url must look like http://HOST:PORT, got {url!r}")
     return text
-
-
-def chat_text(token_ids: Sequence[int]) -> str:
-    """A deterministic text standing for a token-id prompt (the chat endpoint takes text).
-
-    Each id becomes one pseudo-word of consonant-vowel syllables, so equal id lists give
-    equal texts and shared id prefixes give shared text prefixes (prefix caching still
-    hits). The server's tokenizer decides the real prompt length: the report shows the
-    server-counted ``prompt_tokens``, not the workload's."""
-    cons, vows = "bdfghklmnprstvz", "aeiou"
-    syllables = [c + v for c in cons for v in vows]           # 75 syllables
-    base = len(syllables)
-    words = []
-    for tid in token_ids:
-        word = ""
-        value = int(tid)
-        while True:
-            word += syllables[value % base]
-            value //= base
-            if not value:
-                break
-        words.append(word)
-    return " ".join(words)
-
-
-def request_body(spec: RequestSpec, endpoint: str, model: str) -> dict:
-    """The JSON body for one request: identical for every server."""
-    body = {
-        "model": model,
-        "max_tokens": spec.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": chat_text(spec.prompt_token_ids)}]
-    else:
-        body["prompt"] = list(spec.prompt_token_ids)
-    return body
 
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -207,96 +144,6 @@ async def read_preemptions(session: aiohttp.ClientSession, base_url: str) -> int
         return None
 
 
-def _sse_payloads(buffer: bytearray):
-    """Pop complete SSE ``data:`` payloads (as str) from the front of ``buffer``."""
-    while True:
-        end = buffer.find(b"\n")
-        if end < 0:
-            return
-        line = bytes(buffer[:end]).strip()
-        del buffer[:end + 1]
-        if line.startswith(b"data:"):
-            yield line[5:].strip().decode("utf-8", "replace")
-
-
-def _chunk_text(choice: dict) -> str:
-    if "text" in choice:
-        return choice.get("text") or ""
-    delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "") \
-        + (delta.get("reasoning") or "")
-
-
-async def send_one(session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec,
-                   timeout_s: float) -> RequestRecord:
-    """Send one streaming request; every failure ends up in ``record.error``."""
-    rec = RequestRecord(spec.request_id, spec.max_tokens)
-    start = time.perf_counter()
-    last = None
-    chunk_tokens = 0
-    usage_tokens = None
-    try:
-        async with session.post(url, json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                text = (await resp.text()).strip().replace("\n", " ")
-                rec.error = f"HTTP {resp.status}: {text[:160]}"
-                return rec
-            buffer = bytearray()
-            done = False
-            async for data in resp.content.iter_any():
-                buffer += data
-                for payload in _sse_payloads(buffer):
-                    if payload == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        err = chunk["error"]
-                        msg = err.get("message", err) if isinstance(err, dict) else err
-                        rec.error = f"error in stream: {str(msg)[:160]}"
-                        return rec
-                    usage = chunk.get("usage") or {}
-                    if usage.get("prompt_tokens") is not None:
-                        rec.prompt_tokens = int(usage["prompt_tokens"])
-                    new_tokens = 0
-                    if usage.get("completion_tokens") is not None:
-                        count = int(usage["completion_tokens"])
-                        new_tokens = count - (usage_tokens or 0)
-                        usage_tokens = count
-                    choices = chunk.get("choices") or []
-                    if not choices:
-                        continue            # the final usage-only chunk
-                    if "completion_tokens" not in usage and _chunk_text(choices[0]):
-                        new_tokens = 1
-                        chunk_tokens += 1
-                    if new_tokens > 0:
-                        now = time.perf_counter()
-                        if last is None:
-                            rec.ttft = now - start
-                        else:
-                            rec.itl.append(now - last)
-                        last = now
-                if done:
-                    break
-            if not done:                # not a short completion: the answer was cut
-                rec.output_tokens = usage_tokens if usage_tokens is not None else chunk_tokens
-                rec.error = ("stream cut before [DONE] (the connection closed mid-answer: "
-                             "did the server die?)")
-                return rec
-        rec.e2e = time.perf_counter() - start
-        rec.tokens_from_usage = usage_tokens is not None
-        rec.output_tokens = usage_tokens if usage_tokens is not None else chunk_tokens
-        rec.ok = True
-    except asyncio.TimeoutError:
-        rec.error = f"timed out after {timeout_s:g} s (--timeout)"
-    except (aiohttp.ClientError, OSError) as exc:
-        rec.error = f"{type(exc).__name__}: {str(exc)[:160]}"
-    except ValueError as exc:               # a data: line that is not JSON
-        rec.error = f"bad stream chunk: {str(exc)[:160]}"
-    return rec
-
-
 def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Start times (s from the first request) of a Poisson process at ``rate`` req/s.
 
@@ -365,43 +212,7 @@ async def load_one_server(target: Target, specs: Sequence[RequestSpec], model: s
         after = await read_preemptions(session, target.base_url)
     bar.close()
     preemptions = None if before is None or after is None else after - before
-    return summarize(target, records, duration, preemptions)
-
-
-def summarize(target: Target, records: Sequence[RequestRecord], duration: float,
-              preemptions: int | None) -> dict:
-    """One server's figures. Throughput counts successful requests over the wall time
-    from the first dispatch to the last completion (failed requests included in time)."""
-    ok = [r for r in records if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    prompt_known = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
-    prompt_tokens = sum(prompt_known) if ok and len(prompt_known) == len(ok) else None
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
-    sources = {r.tokens_from_usage for r in ok}
-    return {
-        "base_url": target.base_url,
-        "requests": len(records),
-        "completed": len(ok),
-        "errors": len(records) - len(ok),
-        "error_samples": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:MAX_ERROR_SAMPLES]),
-        "duration_s": duration,
-        "requests_per_s": per_s(len(ok)),
-        "output_tokens_per_s": per_s(out_tokens),
-        "total_tokens_per_s": per_s(out_tokens + prompt_tokens) if prompt_tokens is not None else None,
-        "output_tokens": out_tokens,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens_source": ("usage" if sources == {True} else "chunks" if sources == {False}
-                                 else "mixed" if sources else None),
-        "short_outputs": sum(1 for r in ok if r.output_tokens != r.expected_tokens),
-        "ttft_ms": latency_summary([r.ttft for r in ok if r.ttft is not None]),
-        "itl_ms": latency_summary([gap for r in ok for gap in r.itl]),
-        "e2e_ms": latency_summary([r.e2e for r in ok]),
-        "preemptions": preemptions,
-    }
+    return summarize(target.base_url, records, duration, preemptions)
 
 
 async def resolve_model(targets: Sequence[Target], model: str | None) -> str:
@@ -498,44 +309,3 @@ def run_online(targets: Sequence[Target], specs: Sequence[RequestSpec], model: s
                                  timeout_s, progress))
 
 
-SUMMED = ("requests", "completed", "errors", "output_tokens", "short_outputs")
-
-
-def merge_rounds(rounds: Sequence[dict[str, dict]]) -> dict[str, dict]:
-    """Several rounds (each ``{label: summarize(...)}``) -> one result per label.
-
-    Counts are summed over rounds (``preemptions`` too, None if any round lacks it); rates,
-    durations and each latency percentile are the median over rounds; ``rounds`` and
-    ``output_tokens_per_s_spread`` (the label's noise band) are added and every round's own
-    figures are kept in ``per_round``. A single round is returned as it is."""
-    if len(rounds) == 1:
-        return dict(rounds[0])
-    merged = {}
-    for label in rounds[0]:
-        per = [r[label] for r in rounds]
-        out = {"base_url": per[0]["base_url"], "rounds": len(per)}
-        for key, first in per[0].items():
-            if key in ("base_url", "error_samples", "output_tokens_source"):
-                continue
-            values = [p.get(key) for p in per]
-            if key in SUMMED:
-                out[key] = sum(v or 0 for v in values)
-            elif key == "preemptions":
-                out[key] = None if any(v is None for v in values) else sum(values)
-            elif isinstance(first, dict):
-                out[key] = {q: (sum(p[key].get(q) or 0 for p in per) if q == "n" else
-                                median(p[key].get(q) for p in per)) for q in first}
-            else:
-                out[key] = median(values)
-        samples: dict[str, int] = {}
-        for p in per:
-            for err, n in p["error_samples"].items():
-                samples[err] = samples.get(err, 0) + n
-        out["error_samples"] = dict(sorted(samples.items(), key=lambda kv: -kv[1])
-                                    [:MAX_ERROR_SAMPLES])
-        sources = {p["output_tokens_source"] for p in per}
-        out["output_tokens_source"] = sources.pop() if len(sources) == 1 else "mixed"
-        out["output_tokens_per_s_spread"] = spread(p["output_tokens_per_s"] for p in per)
-        out["per_round"] = per
-        merged[label] = out
-    return merged

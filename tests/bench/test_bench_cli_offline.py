@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxima.bench import offline, report
+from proxima.bench import offline, offline_engine, offline_status, report
 from proxima.bench.cli import offline_report
 from proxima.engines.status import write_status
 from proxima.workloads import make_workload
@@ -284,21 +284,21 @@ def test_contiguity_pools_every_snapshot():
               "allocator": {"largest_free_run": 40, "fragmentation": 0.5},
               "invariants_ok": True},
              {"time": 3, "running_blocks_per_run": [5.0, "x", True]}]
-    c = offline.contiguity(snaps)
+    c = offline_status.contiguity(snaps)
     assert c["blocks_per_run"] == 3.0 and c["blocks_per_run_samples"] == 3
     assert c["blocks_per_run_source"] == "running"
     assert c["largest_free_run"] == 40 and c["fragmentation"] == 0.5
     assert c["active"] is True and c["snapshots"] == 3 and c["invariants_ok"] is True
-    assert offline.contiguity([])["blocks_per_run"] is None
-    assert offline.contiguity([])["active"] is None
+    assert offline_status.contiguity([])["blocks_per_run"] is None
+    assert offline_status.contiguity([])["active"] is None
 
 
 def test_metric_total_sums_label_sets_and_tells_absent():
     m = [SimpleNamespace(name="vllm:num_preemptions", value=3),
          SimpleNamespace(name="vllm:num_preemptions", value=4),
          SimpleNamespace(name="vllm:other", value=100)]
-    assert offline.metric_total(m, "vllm:num_preemptions") == 7
-    assert offline.metric_total(m[2:], "vllm:num_preemptions") is None
+    assert offline_engine.metric_total(m, "vllm:num_preemptions") == 7
+    assert offline_engine.metric_total(m[2:], "vllm:num_preemptions") is None
 
 
 def test_compare_tokens_refuses_mismatched_lengths():
@@ -373,22 +373,22 @@ def test_contiguity_prefers_the_tally_of_finished_requests():
              {"time": 2, "running_blocks_per_run": [3.0],
               "finished_blocks_per_run": {"count": 5, "mean": 12.5}},
              {"time": 3, "running_blocks_per_run": []}]       # an older writer: no tally
-    c = offline.contiguity(snaps)
+    c = offline_status.contiguity(snaps)
     assert (c["blocks_per_run"], c["blocks_per_run_samples"], c["blocks_per_run_source"]) \
         == (12.5, 5, "finished")
     none_finished = [{"time": 1, "running_blocks_per_run": [2.0],
                       "finished_blocks_per_run": {"count": 0, "mean": None}}]
-    assert offline.contiguity(none_finished)["blocks_per_run_source"] == "running"
-    assert offline.contiguity([])["blocks_per_run_source"] is None
+    assert offline_status.contiguity(none_finished)["blocks_per_run_source"] == "running"
+    assert offline_status.contiguity([])["blocks_per_run_source"] is None
 
 
 def test_the_sampler_waits_for_a_last_snapshot_written_just_after_the_run(tmp_path, monkeypatch):
     import threading
     import time
 
-    monkeypatch.setattr(offline, "STATUS_POLL_S", 0.05)
+    monkeypatch.setattr(offline_status, "STATUS_POLL_S", 0.05)
     path = tmp_path / "status.json"
-    with offline.StatusSampler(path) as sampler:
+    with offline_status.StatusSampler(path) as sampler:
         write_status({"n": 1}, path=path)
         time.sleep(0.3)
         late = threading.Timer(0.3, lambda: write_status({"n": 2}, path=path))
@@ -410,7 +410,7 @@ def test_hold_arrivals_holds_one_generate_only(stand_in, monkeypatch):
     llm = StandInLLM({})
     prompts = [{"prompt_token_ids": [1, 2]}] * 3
     params = [{"max_tokens": 2}] * 3
-    assert offline.hold_arrivals(llm) is True
+    assert offline_engine.hold_arrivals(llm) is True
     llm.generate(prompts, params)
     assert "_run_engine" not in vars(llm)                    # LLM's own method again
     llm.generate(prompts, params)
@@ -431,7 +431,7 @@ def test_without_the_pause_utility_requests_go_as_sent(stand_in, monkeypatch, ca
         def refuse(method, *args):
             raise RuntimeError(f"Call to {method} method failed: no such method")
         llm.llm_engine.engine_core.call_utility = refuse
-    assert offline.hold_arrivals(llm) is False
+    assert offline_engine.hold_arrivals(llm) is False
     assert "_run_engine" not in vars(llm)
     if utilities == "raises":
         assert "cannot hold arrivals (Call to pause_scheduler method failed" in \
@@ -461,7 +461,7 @@ def test_an_in_process_engine_holds_arrivals_by_itself():
             raise AssertionError("not called here")
 
     llm = V0ShapedLLM()
-    assert offline.hold_arrivals(llm) is True
+    assert offline_engine.hold_arrivals(llm) is True
     assert "_run_engine" not in vars(llm)
 
 
@@ -488,10 +488,10 @@ def test_elastic_figures_come_from_the_status_snapshots():
     snaps = [{"elastic": {"mapped_bytes": 2, "pool_bytes": 10, "grows": 1}},
              {"time": 1}, {"elastic": {"mapped_bytes": 6, "pool_bytes": 10, "grows": 2,
                                        "shrinks": 1}}]
-    figures = offline.elastic_figures(snaps)
+    figures = offline_status.elastic_figures(snaps)
     assert figures["mapped_bytes_mean"] == 4 and figures["mapped_bytes_peak"] == 6
     assert figures["grows"] == 2 and figures["shrinks"] == 1
-    assert offline.elastic_figures([{"time": 1}]) is None
+    assert offline_status.elastic_figures([{"time": 1}]) is None
 
 
 def test_stock_runs_reporting_proxima_active_are_exit_1(tmp_path, stand_in, monkeypatch,

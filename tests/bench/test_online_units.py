@@ -7,8 +7,8 @@ import statistics
 import pytest
 
 from proxima.bench import stats
-from proxima.bench.online import (chat_text, normalize_base_url, parse_preemptions,
-                                  poisson_offsets, request_body)
+from proxima.bench.online import normalize_base_url, parse_preemptions, poisson_offsets
+from proxima.bench.online_request import chat_text, request_body
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 

@@ -28,7 +28,8 @@ else:
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
 
-from proxima.allocator.planner import CACHED, FIXED, FREE, LIVE, PoolView, plan_pack  # noqa: E402
+from proxima.allocator.planner import plan_pack  # noqa: E402
+from proxima.allocator.plans import CACHED, FIXED, FREE, LIVE, PoolView  # noqa: E402
 from proxima.engines import compaction_worker  # noqa: E402
 from proxima.kernels.layout import flash_attn_kv_caches  # noqa: E402
 

@@ -150,7 +150,8 @@ def set_mode(compactor, mode: str) -> None:
 def forced_plan(compactor):
     """Empty the most occupied granule that can be emptied, within what is left of the
     step's budget (its cached blocks too when there is room, else its live blocks only)."""
-    from proxima.allocator.planner import Plan, plan_evacuate
+    from proxima.allocator.planner import plan_evacuate
+    from proxima.allocator.plans import Plan
 
     view = compactor.view()
     budget = compactor.budget_left()

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxima.allocator.placement import plan_placement
-from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PlanError, PoolView,
-                                       check_plan, plan_evacuate, plan_pack, schedule_phases)
+from proxima.allocator.planner import plan_evacuate, plan_pack
+from proxima.allocator.plans import (CACHED, FIXED, FREE, LIVE, Plan, PlanError, PoolView,
+                                     check_plan, schedule_phases)
 
 
 # ----------------------------------------------------------------------------- the model

@@ -126,7 +126,7 @@ def preemptions(llm) -> int | None:
 def generate(llm, requests, held=True):
     from vllm import SamplingParams
 
-    from proxima.bench.offline import hold_arrivals
+    from proxima.bench.offline_engine import hold_arrivals
 
     if held:
         hold_arrivals(llm)          # the first step sees every request: same schedule
