@@ -140,7 +140,7 @@ class Compactor(PlanApplication, AllocationPlacement):
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
         self.blocks_per_step = _Sample()
-        pool.proxima_compaction = self
+        pool.proxima.compaction = self
         _compactors.add(self)
 
     def set_enabled(self, on: bool) -> None:
@@ -276,8 +276,9 @@ class Compactor(PlanApplication, AllocationPlacement):
     def _sync_step(self) -> None:
         """Start a new step's state at its first event (allocations come before
         :meth:`begin_step`, both inside one ``Scheduler.schedule``)."""
-        step = getattr(self.pool, "proxima_steps", None)
-        self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
+        state = self.pool.proxima
+        step = state.steps
+        self.kv_manager = state.kv_manager or self.kv_manager
         if step != self._step_id:
             self._step_id = step
             self._gain = self.pack_gate is None or self.pack_gate()
@@ -285,7 +286,7 @@ class Compactor(PlanApplication, AllocationPlacement):
             self._pinned = set()
             self._plan_seconds = 0.0
             self._step_new = set()
-            live = self.pool.proxima_expected_tokens
+            live = state.expected_tokens
             self._maps.drop_except(live)
 
     def on_worker_times(self, times: Iterable[tuple[int, float]]) -> None:

@@ -362,7 +362,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.compactor.pack_gate = self.policy.could_shrink
         if hasattr(hook, "tick"):
             self.step_hook = hook
-        gpu_block_pool.proxima_elastic = self.status
+        gpu_block_pool.proxima.elastic = self.status
         logger.info("Proxima elastic KV: %d granules of %d blocks (%.1f MiB each), %d mapped "
                     "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
                     self.bytes_per_granule / 2**20, startup, initial, opts.policy,
@@ -392,8 +392,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def _forecast(self) -> int:
         """Blocks the requests the scheduler holds may still need (prompt + max_tokens,
         minus what is live): the memory to have before the scheduler runs short."""
-        pool = self._pool
-        expected = getattr(pool, "proxima_expected_blocks", 0)
+        state = getattr(self._pool, "proxima", None)
+        expected = state.expected_blocks if state is not None else 0
         return max(0, expected - self.queue.live_blocks()) if expected else 0
 
     def _step_reserve(self) -> int:
@@ -439,8 +439,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         # compactor to evacuate granules before it releases them)
         compactor = self.compactor
         if compactor is not None:
-            compactor.begin_step(getattr(compactor.pool, "proxima_kv_manager", None),
-                                 scheduler_output)
+            compactor.begin_step(compactor.pool.proxima.kv_manager, scheduler_output)
             compactor.step()
         # ---
         if self.queue is not None:
@@ -466,7 +465,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                                 # writes it: the step does not wait)
         elif (self.options.idle_sleep_s and scheduler_output.total_num_scheduled_tokens == 0
               and self.shared is not None and self.shared.wants_step() and not self.channel.pending
-              and not getattr(self._pool, "proxima_expected_tokens", None)):
+              and not self._pool.proxima.expected_tokens):
             # An idle engine kept stepping (a release's delay, its first step, another engine's
             # demand): sleep a little per empty step, not spin (new requests wait that long).
             time.sleep(self.shared.idle_pause(self.options.idle_sleep_s))
