@@ -65,7 +65,7 @@ class AllocationPlacement:
                 self._maps.lone[b.block_id] = 0
         prev = req_blocks[first - 1] if first > 0 else None
         ids = [b.block_id for b in steer]
-        total = self.pool.proxima_expected_tokens.get(request_id)
+        total = self.pool.proxima.expected_tokens.get(request_id)
         need = max(k, -(-total // mgr.block_size) - first) if total else k
         owners = self._owners()               # the lone blocks, marked in the maps
         movable = owners if k > 1 else ()

@@ -140,7 +140,7 @@ class Compactor(PlanApplication, AllocationPlacement):
         self.plan_ms = _Sample()
         self.gpu_ms = _Sample()
         self.blocks_per_step = _Sample()
-        pool.proxima_compaction = self
+        pool.proxima.compaction = self
         _compactors.add(self)
 
     def set_enabled(self, on: bool) -> None:
@@ -232,7 +232,7 @@ class Compactor(PlanApplication, AllocationPlacement):
         return True
 
     def evacuate(self, granules: Iterable[int], *, cached_too: bool = True) -> bool:
-        """The elastic policy's hook before a shrink: move the content out of ``granules``
+        """Before a shrink (:meth:`empty_granules`): move the content out of ``granules``
         (within what is left of this step's budget). True when they now hold no block in
         use (and, with ``cached_too``, no cached KV): they can be unmapped this step."""
         granules = list(granules)
@@ -249,35 +249,35 @@ class Compactor(PlanApplication, AllocationPlacement):
             self.counters["evacuations_done"] += 1
         return clear and applied
 
-    def release_hook(self):
-        """The elastic policy's compactor (:class:`proxima.memory.policy.GrowShrinkPolicy`):
-        ``fn(queue, wanted)`` empties up to ``wanted`` mapped granules that still hold live
-        blocks -- the fewest live blocks first, as far as this step's budget goes -- and
-        returns how many it emptied (0: none; the shrink then takes what is free)."""
-        def empty(queue, wanted: int) -> int:
-            if not self.enabled or wanted < 1:
-                return 0
-            view = self.view()
-            live = view.live_per_granule()
-            null_g = self.pool.null_block.block_id // self.granule_blocks
-            order = sorted((g for g in range(view.num_granules)
-                            if live[g] and g != null_g
-                            and (self.allocatable is None or self.allocatable(g))),
-                           key=lambda g: (live[g], -g))
-            emptied = 0
-            for g in order[:wanted]:
-                if self.budget_blocks - len(self._relocations) < live[g]:
-                    break
-                if self.evacuate([g]):
-                    emptied += 1
-            return emptied
-        return empty
+    def empty_granules(self, queue, wanted: int) -> int:
+        """Asked by the elastic controller (:mod:`proxima.engines.elastic_control`) when the
+        policy's shrink finds too few releasable granules: empty up to ``wanted`` mapped
+        granules of ``queue`` that still hold live blocks -- the fewest live blocks first, as
+        far as this step's budget goes -- and return how many it emptied (0: none; the
+        shrink then takes what is free)."""
+        if not self.enabled or wanted < 1:
+            return 0
+        view = self.view()
+        live = view.live_per_granule()
+        null_g = self.pool.null_block.block_id // self.granule_blocks
+        order = sorted((g for g in range(view.num_granules)
+                        if live[g] and g != null_g
+                        and (self.allocatable is None or self.allocatable(g))),
+                       key=lambda g: (live[g], -g))
+        emptied = 0
+        for g in order[:wanted]:
+            if self.budget_blocks - len(self._relocations) < live[g]:
+                break
+            if self.evacuate([g]):
+                emptied += 1
+        return emptied
 
     def _sync_step(self) -> None:
         """Start a new step's state at its first event (allocations come before
         :meth:`begin_step`, both inside one ``Scheduler.schedule``)."""
-        step = getattr(self.pool, "proxima_steps", None)
-        self.kv_manager = getattr(self.pool, "proxima_kv_manager", None) or self.kv_manager
+        state = self.pool.proxima
+        step = state.steps
+        self.kv_manager = state.kv_manager or self.kv_manager
         if step != self._step_id:
             self._step_id = step
             self._gain = self.pack_gate is None or self.pack_gate()
@@ -285,7 +285,7 @@ class Compactor(PlanApplication, AllocationPlacement):
             self._pinned = set()
             self._plan_seconds = 0.0
             self._step_new = set()
-            live = self.pool.proxima_expected_tokens
+            live = state.expected_tokens
             self._maps.drop_except(live)
 
     def on_worker_times(self, times: Iterable[tuple[int, float]]) -> None:

@@ -45,21 +45,22 @@ a granule whose map failed or has not finished (:mod:`proxima.memory.background`
 Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
 Proxima's block pool, its free queue becomes granule-aware
 (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
-packed) and :class:`proxima.memory.policy.GrowShrinkPolicy` grows and shrinks it at each
-step boundary (``policy: auto``); a :class:`StepHook` given as the ``compactor`` option
-runs at every step boundary too (the tests' forced cycles, ``tests/support/forced.py``). A
-stock pool gets the channel only (``policy: off``: the whole pool stays mapped).
+packed) and :class:`proxima.engines.elastic_control.ElasticController` orders each step
+boundary's work: KV compaction, then :class:`proxima.memory.policy.GrowShrinkPolicy`
+(``policy: auto``; a shrink short of releasable granules gets them emptied by the compactor
+first), then the ``compactor`` option's step hook (the tests' forced cycles,
+``tests/support/forced.py``). This connector carries the result. A stock pool gets the
+channel only (``policy: off``: the whole pool stays mapped).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -70,13 +71,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.engines import compaction_options, compaction_v1, compaction_worker, elastic_v1
+from proxima.engines import compaction_options, compaction_worker, elastic_v1
+from proxima.engines.elastic_control import ElasticController
 from proxima.engines.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
-from proxima.memory.policy import GrowShrinkPolicy
-from proxima.memory.sharing import SharedPolicyStep
 from proxima.memory.layout import check_block_major, granule_blocks
 from proxima.memory.ops import OpBatch, Report, merge_reports
 
@@ -123,74 +123,12 @@ def predicted_granule_blocks(kv_cache_config, granule_bytes: int) -> int:
     return granule_blocks(region_block_strides(sizes, kv_cache_config.num_blocks), granule_bytes)
 
 
-def open_gpu_ledger(options, world_size: int = 1):
-    """``(ledger, gpu_memory)`` for :class:`~proxima.memory.sharing.SharedPolicyStep`: on a
-    GPU, the ledger of the GPU this engine's worker uses (a one-GPU engine: tensor or
-    pipeline parallel engines span several and keep none) and NVML's free/total memory of
-    it (NVML needs no CUDA context in this, the scheduler's, process); ``(None, None)``
-    elsewhere (CPU; the replay sets its stand-in's own). ``options``: the
-    :class:`~proxima.engines.elastic_v1.ElasticOptions`. Any failure is said once and the
-    engine runs without (cached blocks then go back after ``cache_hold_s``)."""
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda():
-            return None, None
-        if world_size != 1:
-            logger.info("Proxima elastic KV: no GPU ledger for an engine on %d GPUs",
-                        world_size)
-            return None, None
-        from vllm.utils.import_utils import import_pynvml
-
-        from proxima.memory.ledger import Ledger, ledger_path
-
-        nvml = import_pynvml()
-        nvml.nvmlInit()                  # kept initialised (NVML counts its inits)
-        handle = nvml.nvmlDeviceGetHandleByIndex(
-            current_platform.device_id_to_physical_device_id(0))
-        uuid = nvml.nvmlDeviceGetUUID(handle)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-
-        def gpu_memory() -> tuple[int, int]:
-            info = nvml.nvmlDeviceGetMemoryInfo(handle)
-            return int(info.free), int(info.total)
-
-        ledger = None
-        if options.ledger:
-            ledger = Ledger(ledger_path(uuid, options.ledger_dir),
-                            model=options.ledger_model or "", port=options.ledger_port or 0,
-                            nonkv=options.ledger_nonkv_bytes)
-            logger.info("Proxima elastic KV: sharing demand with the GPU's other engines "
-                        "through %s", ledger.path)
-        return ledger, gpu_memory
-    except Exception as exc:            # noqa: BLE001 - the engine serves without it
-        logger.warning("Proxima elastic KV: no GPU ledger (%s: %s); cached blocks are "
-                       "given back after cache_hold_s only", type(exc).__name__, exc)
-        return None, None
-
-
 def _current_stream() -> int:
     """The CUDA stream the forward is about to run on (zero-fills of new granules go
     there, ahead of it); 0 where CUDA was never started (CPU tests)."""
     import torch
 
     return torch.cuda.current_stream().cuda_stream if torch.cuda.is_initialized() else 0
-
-
-class StepHook(Protocol):
-    """What the ``compactor`` option's factory may return besides a compactor: an object
-    the connector drives at every step boundary, after the grow/shrink policy (the tests'
-    forced map/unmap cycles: ``tests/support/forced.py``)."""
-
-    def tick(self, step: int, reserve: int, forecast: Callable[[], int]) -> object:
-        """``reserve``: blocks the next steps may allocate; ``forecast``: the blocks the
-        held requests may still need."""
-
-    def pending(self) -> bool:
-        """Work in flight: the engine keeps stepping while True."""
-
-    def stats(self) -> dict:
-        """Figures added to the connector's status."""
 
 
 class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
@@ -202,11 +140,8 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config)
         self._composed = compaction_options.composed_in_multiconnector()
         self.channel: ElasticChannel | None = None
-        self.queue = None                   # the pool's granule-aware free queue
-        self.policy: GrowShrinkPolicy | None = None
-        self.shared: SharedPolicyStep | None = None   # the policy stepped with the ledger
-        self.compactor = None               # compaction_v1.Compactor (scheduler)
-        self.step_hook: StepHook | None = None   # from the compactor option (tests)
+        #: the scheduler side's decisions (None: worker, or policy off)
+        self.controller: ElasticController | None = None
         self.clock = time.monotonic         # the policy's clock (the replay sets a fake one)
         self.steps = 0
         self._stats_written = 0.0           # when the stats file was last written (monotonic)
@@ -214,8 +149,6 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_ms: deque[float] = deque(maxlen=256)       # ms between step starts
         self._build_ms: deque[float] = deque(maxlen=256)      # ms in build_connector_meta
         self._pool = None
-        self._last_allocated = 0
-        self._step_allocs: deque[int] = deque(maxlen=64)
         self._memory = None
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._background = None             # proxima.memory.background.BackgroundOps
@@ -243,6 +176,25 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             if compaction is not None:
                 compaction_worker.install_worker_hook()
             # ---
+
+    # the scheduler side's parts, as the controller holds them (None: worker, policy off)
+    queue = property(lambda self: getattr(self.controller, "queue", None),
+                     doc="the pool's granule-aware free queue")
+    policy = property(lambda self: getattr(self.controller, "policy", None),
+                      doc="the grow/shrink policy (policy auto)")
+    shared = property(lambda self: getattr(self.controller, "shared", None),
+                      doc="the policy stepped with the GPU's ledger (policy auto)")
+    compactor = property(lambda self: getattr(self.controller, "compactor", None),
+                         doc="KV compaction's Compactor (scheduler side)")
+
+    @property
+    def step_hook(self):
+        """The ``compactor`` option's step hook (tests)."""
+        return getattr(self.controller, "step_hook", None)
+
+    @step_hook.setter
+    def step_hook(self, hook) -> None:
+        self.controller.step_hook = hook
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -335,71 +287,20 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             raise UserError(f"{elastic_v1.CONNECTOR} with policy {opts.policy!r} needs "
                             f"Proxima's block pool (PROXIMA_ALLOCATOR=1); with a stock pool "
                             f"only policy 'off' works")
-        self.queue = queue = use_granules(g, opts.eviction_policy(), mapped=startup)
+        queue = use_granules(g, opts.eviction_policy(), mapped=startup)
         ch.state[startup:] = bytes([UNMAPPED]) * (ch.num_granules - startup)
         ch.listeners.append(self._on_map)
         if initial < startup:                    # warm-up needed more than the initial size
             queue.release(range(initial, startup))
             ch.unmap(initial, startup - initial)
-        # --- KV compaction (issue 14): None when off
-        self.compactor = compaction_v1.scheduler_side(
-            self._vllm_config, self._kv_cache_config, gpu_block_pool, ch,
-            opts.compaction, self._composed)
-        # ---
-        hook = self._load_hook()
-        if opts.policy == "auto":
-            if callable(hook):
-                release = hook
-            else:                                # KV compaction empties granules on demand
-                release = self.compactor.release_hook() if self.compactor is not None else None
-            self.policy = GrowShrinkPolicy(
-                queue, ch, self.bytes_per_granule, opts.policy_options(),
-                clock=lambda: self.clock(), forecast=self._forecast, compactor=release)
-            self.shared = SharedPolicyStep(
-                self.policy, *open_gpu_ledger(opts, self._vllm_config.parallel_config.world_size),
-                keep_blocks=opts.reserve_blocks)
-            if self.compactor is not None:       # auto mode packs only what could be released
-                self.compactor.pack_gate = self.policy.could_shrink
-        if hasattr(hook, "tick"):
-            self.step_hook = hook
-        gpu_block_pool.proxima_elastic = self.status
+        self.controller = ElasticController(
+            opts, self._vllm_config, kvc, gpu_block_pool, queue, ch, self.bytes_per_granule,
+            self._composed, clock=lambda: self.clock())
+        gpu_block_pool.proxima.elastic = self.status
         logger.info("Proxima elastic KV: %d granules of %d blocks (%.1f MiB each), %d mapped "
                     "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
                     self.bytes_per_granule / 2**20, startup, initial, opts.policy,
                     queue.eviction)
-
-    def _load_hook(self):
-        """The ``compactor`` option's object, ``factory(queue, channel, **kwargs)`` (see
-        :class:`proxima.engines.elastic_v1.ElasticOptions`); None when not given."""
-        spec = self.options.compactor
-        if not spec:
-            return None
-        kwargs = dict(spec) if isinstance(spec, dict) else {"factory": spec}
-        path = kwargs.pop("factory")
-        import importlib
-
-        module, _, name = path.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {path!r} cannot be loaded "
-                            f"({exc}); give module:factory") from None
-        try:
-            return factory(self.queue, self.channel, **kwargs)
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"{elastic_v1.CONNECTOR}: compactor {path!r}: {exc}") from None
-
-    def _forecast(self) -> int:
-        """Blocks the requests the scheduler holds may still need (prompt + max_tokens,
-        minus what is live): the memory to have before the scheduler runs short."""
-        pool = self._pool
-        expected = getattr(pool, "proxima_expected_blocks", 0)
-        return max(0, expected - self.queue.live_blocks()) if expected else 0
-
-    def _step_reserve(self) -> int:
-        """Twice the most blocks one of the last 64 steps allocated (two steps may be in
-        flight with async scheduling)."""
-        return 2 * max(self._step_allocs, default=0)
 
     def _on_map(self, granules: range, ok: bool) -> None:
         if ok:
@@ -434,27 +335,9 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
     def _build(self, scheduler_output) -> KVConnectorMetadata:
         if self.options.verify:
             self._verify(scheduler_output)
-        # --- KV compaction (issue 14): plan and apply on the scheduler's structures now,
-        # before the step's output leaves and before the policy runs (it may ask the
-        # compactor to evacuate granules before it releases them)
+        if self.controller is not None:     # compaction, then the policy, then a step hook
+            self.controller.step(scheduler_output, self.steps)
         compactor = self.compactor
-        if compactor is not None:
-            compactor.begin_step(getattr(compactor.pool, "proxima_kv_manager", None),
-                                 scheduler_output)
-            compactor.step()
-        # ---
-        if self.queue is not None:
-            allocated = self.queue.allocated_total
-            self._step_allocs.append(allocated - self._last_allocated)
-            self._last_allocated = allocated
-        if self.policy is not None:
-            reserve = max(self.options.reserve_blocks, self._step_reserve())
-            if reserve != self.policy.options.reserve_blocks:    # (a replace validates)
-                self.policy.options = dataclasses.replace(self.policy.options,
-                                                          reserve_blocks=reserve)
-            self.shared.step()
-        if self.step_hook is not None:
-            self.step_hook.tick(self.steps, self._step_reserve(), self._forecast)
         batch = self.channel.build()
         work = compactor.take_work() if compactor is not None else None
         if self.options.stats_file and time.monotonic() - self._stats_written >= STATS_EVERY_S:
@@ -466,7 +349,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                                 # writes it: the step does not wait)
         elif (self.options.idle_sleep_s and scheduler_output.total_num_scheduled_tokens == 0
               and self.shared is not None and self.shared.wants_step() and not self.channel.pending
-              and not getattr(self._pool, "proxima_expected_tokens", None)):
+              and not self._pool.proxima.expected_tokens):
             # An idle engine kept stepping (a release's delay, its first step, another engine's
             # demand): sleep a little per empty step, not spin (new requests wait that long).
             time.sleep(self.shared.idle_pause(self.options.idle_sleep_s))
@@ -540,7 +423,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self.policy.set_limits(lo, hi, clear_max=hi is None)
             except ValueError as exc:
                 return {"error": str(exc), **self.status()}
-            self.shared.step()
+            self.controller.step_policy()
             logger.info("Proxima elastic KV: limits set to min %d, max %s bytes", lo,
                         "pool" if hi is None else hi)
         return self.status()

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from proxima import config
 from proxima.engines import activation, patches
 from proxima.errors import UserError
-from proxima.memory.policy import PolicyOptions
+from proxima.memory.policy_options import PolicyOptions
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -98,7 +98,7 @@ class ElasticOptions:
     callable result is the grow/shrink policy's compactor, ``fn(queue, granules_wanted) ->
     emptied``, asked before a shrink that finds too few empty granules (None: KV
     compaction's own when it is on); a result with ``tick`` is driven at every step
-    boundary (see :class:`proxima.engines.elastic_connector.StepHook`; the tests' forced
+    boundary (see :class:`proxima.engines.elastic_control.StepHook`; the tests' forced
     cycles, ``tests/support/forced.py``).
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).

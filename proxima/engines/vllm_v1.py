@@ -24,10 +24,11 @@ import logging
 
 from proxima.allocator import AllocationHint
 from proxima.engines import activation
-from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
+from proxima.engines.contiguity import idle, running_blocks_per_run
 from proxima.engines import patches
 from proxima.engines.free_queue import ProximaFreeQueue  # noqa: F401 - vLLM's queue's stand-in
 from proxima.engines.patches import Patch
+from proxima.engines.pool_state import PoolState
 from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
@@ -55,14 +56,8 @@ def _block_pool_class():
                 block.prev_free_block = block.next_free_block = None
             self.free_block_queue = ProximaFreeQueue(
                 self.blocks, reserved=(self.null_block.block_id,))
-            self.proxima_expected_tokens: dict[str, int] = {}   # request id -> tokens
-            self.proxima_expected_blocks = 0                    # their sum, in blocks
-            self.proxima_managers: list = []   # the per-group managers seen allocating
-            self.proxima_steps = 0
-            self.proxima_tick = None           # elastic mode: the queue's clock
-            self.proxima_finished = FinishedTally()
-            self.proxima_status = StatusWriter(STATUS_INTERVAL_S)
-            self.proxima_compaction = None      # a compaction_v1.Compactor, when one is on
+            # Proxima's one attribute on the pool: everything it keeps per pool
+            self.proxima = PoolState(StatusWriter(STATUS_INTERVAL_S))
             import vllm
 
             logger.info("%s: %d blocks of %d tokens (vLLM %s, V1 engine)", activation.LOG_LINE,
@@ -104,9 +99,9 @@ def _block_pool_class():
                 granule_blocks=granule_blocks, eviction=eviction or EvictionPolicy(),
                 mapped=mapped,
                 evict=self._maybe_evict_cached_block if self.enable_caching else None)
-            queue.tick(self.proxima_steps)
+            queue.tick(self.proxima.steps)
             self.free_block_queue = queue
-            self.proxima_tick = queue.tick
+            self.proxima.tick = queue.tick
             if self.enable_caching:
                 # Lookups that miss tell the queue which early evictions were reused.
                 self.get_cached_block = self._proxima_get_cached_block
@@ -125,8 +120,8 @@ def _block_pool_class():
             return found
 
         def proxima_stats(self) -> dict:
-            queue = self.free_block_queue
-            per_request = running_blocks_per_run(self.proxima_managers)
+            queue, state = self.free_block_queue, self.proxima
+            per_request = running_blocks_per_run(state.managers)
             import vllm
 
             out = {
@@ -135,17 +130,16 @@ def _block_pool_class():
                 "allocator": queue.buddy.stats(), "num_evictable": queue.num_evictable,
                 "num_free_blocks": queue.num_free_blocks, "demoted_total": queue.demoted,
                 "running_blocks_per_run": per_request,
-                "finished_blocks_per_run": self.proxima_finished.as_status(),
-                "alloc_seconds_total": queue.alloc_seconds, "steps": self.proxima_steps,
-                **({"compaction": self.proxima_compaction.stats()}
-                   if self.proxima_compaction is not None else {}),
+                "finished_blocks_per_run": state.finished.as_status(),
+                "alloc_seconds_total": queue.alloc_seconds, "steps": state.steps,
+                **({"compaction": state.compaction.stats()}
+                   if state.compaction is not None else {}),
             }
             granule_stats = getattr(queue, "granule_stats", None)
             if granule_stats is not None:
                 out["granules"] = granule_stats()
-            elastic = getattr(self, "proxima_elastic", None)
-            if elastic is not None:
-                out["elastic"] = elastic()
+            if state.elastic is not None:
+                out["elastic"] = state.elastic()
             return out
 
         def publish_status(self, check: bool = False, now: bool = False,
@@ -154,7 +148,7 @@ def _block_pool_class():
             unless ``check`` (invariants checked now) or ``now``. Every snapshot carries the
             last invariant verdict, renewed at most once a minute (``StatusWriter``, which
             also says when it is on disk: ``wait``)."""
-            self.proxima_status.publish(self.proxima_stats, self.free_block_queue.buddy,
+            self.proxima.status.publish(self.proxima_stats, self.free_block_queue.buddy,
                                         force=now, check=check, wait=wait)
 
     return ProximaBlockPool
@@ -189,8 +183,9 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
         queue = pool.free_block_queue
         if not getattr(queue, "takes_hints", False):      # a stock queue: no hints
             return original(self, request_id, num_tokens, *args, **kwargs)
+        state = pool.proxima
         last = req_blocks[-1] if req_blocks else None
-        total = pool.proxima_expected_tokens.get(request_id)
+        total = state.expected_tokens.get(request_id)
         if total is None:
             room = None
         else:
@@ -206,15 +201,15 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
         # blocks that end together).
         queue.hint = AllocationHint.of(
             None if last is None or last.is_null else last.block_id, room,
-            2 * pool.proxima_expected_blocks <= pool.num_gpu_blocks,
-            pool.proxima_steps + (total - num_tokens if total and total > num_tokens else 0))
+            2 * state.expected_blocks <= pool.num_gpu_blocks,
+            state.steps + (total - num_tokens if total and total > num_tokens else 0))
         try:
             new_blocks = original(self, request_id, num_tokens, *args, **kwargs)
         finally:
             queue.hint = None
-            if pool.proxima_status.path is not None and self not in pool.proxima_managers:
-                pool.proxima_managers.append(self)      # the status reads their tables
-        compaction = pool.proxima_compaction
+            if state.status.path is not None and self not in state.managers:
+                state.managers.append(self)      # the status reads their tables
+        compaction = state.compaction
         if compaction is not None and new_blocks:
             # KV compaction may place the new blocks elsewhere (proxima.engines.compaction_v1)
             return compaction.on_allocate(self, request_id, new_blocks)
@@ -229,11 +224,10 @@ def _wrap_add_request(original):
     def add_request(self, request) -> None:
         # Remember how long the request may grow (prompt + max_tokens): the growth hint.
         pool = self.kv_cache_manager.block_pool
-        expected = getattr(pool, "proxima_expected_tokens", None)
-        if expected is not None and request.request_id not in expected:
-            tokens = request.num_prompt_tokens + request.max_tokens
-            expected[request.request_id] = tokens
-            pool.proxima_expected_blocks += -(-tokens // pool.hash_block_size)
+        state = getattr(pool, "proxima", None)
+        if state is not None:
+            state.expect(request.request_id, request.num_prompt_tokens + request.max_tokens,
+                         pool.hash_block_size)
         return original(self, request)
 
     add_request.__wrapped__ = original
@@ -253,15 +247,14 @@ def _wrap_free(original):
                 return original(self, request)
             finally:
                 queue.free_class = 0
-        if not request.is_finished() or getattr(pool, "proxima_expected_tokens", None) is None:
+        state = getattr(pool, "proxima", None)
+        if not request.is_finished() or state is None:
             return original(self, request)          # preemption, or a stock pool
-        tokens = pool.proxima_expected_tokens.pop(request.request_id, None)
-        if tokens is not None:
-            pool.proxima_expected_blocks -= -(-tokens // pool.hash_block_size)
-        if pool.proxima_status.path is None:
+        state.forget(request.request_id, pool.hash_block_size)
+        if state.status.path is None:
             return original(self, request)
         managers = self.coordinator.single_type_managers
-        pool.proxima_finished.add(managers, request.request_id)
+        state.finished.add(managers, request.request_id)
         original(self, request)
         if idle(managers):
             pool.publish_status(now=True)
@@ -274,14 +267,15 @@ def _wrap_free(original):
 def _wrap_new_step_starts(original):
     def new_step_starts(self) -> None:
         pool = self.block_pool
-        if hasattr(pool, "proxima_steps"):
-            pool.proxima_steps += 1        # the metrics' "allocator seconds per step"
-            if pool.proxima_tick is not None:
-                pool.proxima_tick(pool.proxima_steps)
-            if pool.proxima_status.path is not None:
+        state = getattr(pool, "proxima", None)
+        if state is not None:
+            state.steps += 1               # the metrics' "allocator seconds per step"
+            if state.tick is not None:
+                state.tick(state.steps)
+            if state.status.path is not None:
                 pool.publish_status()      # at most once a second (once a step, not per
                                            # allocation: the clock read is the whole cost)
-            pool.proxima_kv_manager = self  # the managers' block lists, for KV compaction
+            state.kv_manager = self        # the managers' block lists, for KV compaction
         return original(self)
 
     new_step_starts.__wrapped__ = original

@@ -33,9 +33,11 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   on the H200, 125 grows in a 60 s steady run without it): release granules without live
   blocks, those with the fewest cached blocks first (their
   cached blocks are evicted, as stock would evict them when reusing the memory: counted
-  in ``evicted_cached``), never below ``min_bytes`` or wanted. Before a shrink that finds
-  too few such granules, ``compactor`` (None by default; issue 14's compaction) may be
-  asked to empty some.
+  in ``evicted_cached``), never below ``min_bytes`` or wanted. A shrink that finds too
+  few such granules, stepped with ``moves=True``, stops and returns the shortfall: the
+  caller (:mod:`proxima.engines.elastic_control`) may empty granules by moving blocks
+  (issue 14's compaction), then :meth:`GrowShrinkPolicy.finish_shrink` releases what is
+  free, in the same step. The policy calls nothing above it.
 
 **The release rule** (issue 33, item 3). A granule without live blocks either holds no
 cached block (*empty*: releasing it costs nothing) or holds cached blocks a later request
@@ -85,107 +87,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from dataclasses import replace
+from typing import Callable
 
-from proxima.config import ELASTIC_OPTIONS
 from proxima.memory.arena import runs
 from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ElasticChannel
+from proxima.memory.policy_options import PolicyOptions, PolicyStats, PoolView
 
 logger = logging.getLogger("vllm.proxima")
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-class PoolView(Protocol):
-    """What the policy reads of the block pool (Proxima's elastic free queue has it)."""
-
-    num_free_blocks: int                      # free + cached blocks of mapped granules
-
-    def live_blocks(self) -> int: ...
-    def hot_cached_blocks(self) -> int: ...          # cached blocks young enough to be hit
-    def releasable(self) -> list[tuple[int, int]]: ...   # (granule, cached), cheapest first
-    def num_releasable(self) -> int: ...                 # len(releasable()), cheaply
-    def release(self, granules) -> int: ...              # returns cached blocks evicted
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    """``min_bytes`` / ``max_bytes``: bounds of the mapped KV memory (max None: the whole
-    reserved pool); ``headroom``: free fraction of the live blocks kept mapped;
-    ``reserve_blocks``: blocks kept free whatever the load (what one step may allocate);
-    ``release_delay_s``: how long free memory must be in excess before it is released;
-    ``retry_s``: how long after a failed grow the next is tried, doubled after each
-    failure in a row up to ``retry_max_s``; ``forecast``: count what
-    the held requests may still need (prompt + max_tokens) as wanted free memory;
-    ``band``: the hysteresis, a fraction of the mapped granules (at least one granule):
-    a grow maps this much beyond what is wanted, a shrink waits for twice this much in
-    excess and keeps this much (0: a granule, the rule before the band);
-    ``cache_hold_s``: how long granules holding cached blocks are kept once in excess
-    while nobody asks for the memory (see the module's release rule; at most
-    ``release_delay_s``: the rule before the ledger); ``gpu_free_low``: the share of the
-    GPU's memory below which its free memory is short (other processes may be waiting)."""
-
-    min_bytes: int = 0
-    max_bytes: int | None = None
-    headroom: float = 0.10
-    reserve_blocks: int = 0
-    release_delay_s: float = 10.0
-    retry_s: float = 1.0
-    forecast: bool = True
-    retry_max_s: float = 30.0
-    band: float = 0.05
-    cache_hold_s: float = 60.0
-    gpu_free_low: float = 0.05
-    idle_release_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("min_bytes", "reserve_blocks"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.max_bytes is not None and (type(self.max_bytes) is not int
-                                           or self.max_bytes < self.min_bytes):
-            raise ValueError(f"max_bytes must be None or an integer >= min_bytes "
-                             f"({self.min_bytes}), got {self.max_bytes!r}")
-        for name in ("headroom", "release_delay_s", "retry_s", "band", "retry_max_s",
-                     "cache_hold_s", "gpu_free_low"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            ELASTIC_OPTIONS[name](name, value)     # finite, in its bounds (ConfigError)
-        if self.idle_release_s is not None:
-            if not isinstance(self.idle_release_s, (int, float)) or \
-                    isinstance(self.idle_release_s, bool):
-                raise ValueError(f"idle_release_s must be a number or None, got "
-                                 f"{self.idle_release_s!r}")
-            ELASTIC_OPTIONS["idle_release_s"]("idle_release_s", self.idle_release_s)
-
-
-@dataclass
-class PolicyStats:
-    grows: int = 0                 # grow decisions (MAP ops sent)
-    granules_grown: int = 0        # granules asked for
-    failed_grows: int = 0          # grows the GPU could not back (granules)
-    failed_grow_attempts: int = 0  # maps that failed (a batch's failed range each)
-    shrinks: int = 0               # shrink decisions (UNMAP ops sent)
-    granules_released: int = 0
-    bytes_returned: int = 0        # released granules x bytes per granule
-    evicted_cached: int = 0        # cached blocks evicted by releases
-    compactor_calls: int = 0
-    yields: int = 0                # steps that gave memory to another engine's demand
-    kept_cached: int = 0           # looks at a due release that kept cached granules
-    short: bool = False            # the last grow could not be backed
-    events: list = field(default_factory=list)   # (time, "grow"/"shrink"/"fail", granules)
-
-    def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "events"}
-        return out
 
 
 class GrowShrinkPolicy:
@@ -198,8 +107,6 @@ class GrowShrinkPolicy:
         options: :class:`PolicyOptions`.
         clock: seconds, monotonic (tests pass a fake).
         forecast: ``fn() -> blocks`` the held requests may still need (None: 0).
-        compactor: ``fn(pool, granules_wanted) -> granules emptied`` asked before a shrink
-            that finds too few releasable granules (issue 14's hook; None: not asked).
         free_bytes: ``fn() -> bytes or None``, what the driver says this engine could map
             now (None: not known); grows are capped at it (an attribute: may be set later).
     """
@@ -208,7 +115,6 @@ class GrowShrinkPolicy:
                  options: PolicyOptions = PolicyOptions(), *,
                  clock: Callable[[], float] = time.monotonic,
                  forecast: Callable[[], int] | None = None,
-                 compactor: Callable[[PoolView, int], int] | None = None,
                  free_bytes: Callable[[], int | None] | None = None) -> None:
         if bytes_per_granule < 1:
             raise ValueError(f"bytes_per_granule must be >= 1, got {bytes_per_granule}")
@@ -218,7 +124,6 @@ class GrowShrinkPolicy:
         self.options = options
         self.clock = clock
         self.forecast = forecast
-        self.compactor = compactor
         self.free_bytes = free_bytes
         self.stats = PolicyStats()
         self._fails = 0                      # failed grows in a row (the backoff's power)
@@ -227,6 +132,7 @@ class GrowShrinkPolicy:
         self._due_at: float | None = None     # when the waiting release may act next
         self._idle_since: float | None = None  # when the engine last became idle
         self._idle_wait = False               # an idle release is still to come
+        self._shrinking: tuple | None = None  # a shrink waiting for moves (finish_shrink)
         self.unmet_bytes = 0                  # what a grow wants and the GPU cannot give
         #: what the GPU's other engines leave this one (bytes; None: not known), a bound on
         #: the maximum kept by :class:`proxima.memory.sharing.SharedPolicyStep`
@@ -296,15 +202,22 @@ class GrowShrinkPolicy:
         return bool(self.pool.live_blocks() or (self.forecast is not None and self.forecast()))
 
     def step(self, *, others_unmet_bytes: int = 0, gpu_free_bytes: int | None = None,
-             gpu_total_bytes: int | None = None) -> None:
+             gpu_total_bytes: int | None = None, moves: bool = False) -> int:
         """One step boundary: grow, or shrink after the delay, or nothing.
 
         ``others_unmet_bytes``: what the other Proxima engines on this GPU want and cannot
         map (the ledger's view, :mod:`proxima.memory.ledger`; 0: nobody waits).
         ``gpu_free_bytes`` / ``gpu_total_bytes``: the driver's figures for the GPU (None:
-        not known, taken as not short). See the module's release rule."""
+        not known, taken as not short). See the module's release rule.
+
+        ``moves``: the caller can empty granules by moving blocks. Then a shrink that finds
+        fewer releasable granules than it wants releases nothing yet and returns how many
+        more it wants; the caller empties what it can and calls :meth:`finish_shrink` in
+        this step. Returns 0 otherwise (the step is done)."""
         ch, G = self.channel, self.channel.granule_blocks
         now = self.clock()
+        if self._shrinking is not None:       # a shortfall nobody answered: release now
+            self.finish_shrink()
         self._unstepped = False
         mapped = ch.count(MAPPED)
         pending = ch.count(MAPPING)
@@ -333,12 +246,12 @@ class GrowShrinkPolicy:
             if free_now is not None:          # never ask for what the driver says is not there
                 grow = min(grow, free_now // self.bytes_per_granule)
                 if grow <= 0:
-                    return
+                    return 0
             freed = (free_now is not None and self._free_at_fail is not None
                      and free_now > self._free_at_fail)
             if now >= self._retry_at or freed:
                 self._grow(grow, now)
-            return
+            return 0
         # shrink: excess beyond wanted and two bands (or above the maximum) for the delay,
         # down to a band above wanted; an idle engine keeps no band
         keep = band if busy else 0
@@ -349,7 +262,7 @@ class GrowShrinkPolicy:
             excess = max(excess, over)
         if excess <= 0:
             self._excess_since = self._due_at = None
-            return
+            return 0
         if self._excess_since is None:
             self._excess_since = now
         o, waited = self.options, now - self._excess_since
@@ -362,17 +275,37 @@ class GrowShrinkPolicy:
             count, cached_ok = excess, True       # idle long enough: everything goes now
         elif waited < o.release_delay_s:
             self._due_at = self._excess_since + o.release_delay_s
-            return
+            return 0
         elif self._due_at is not None and now < self._due_at:
-            return             # cached granules held: look again when due (or when asked)
+            return 0           # cached granules held: look again when due (or when asked)
         else:
             short = (gpu_free_bytes is not None and gpu_total_bytes
                      and gpu_free_bytes < o.gpu_free_low * gpu_total_bytes)
             count = excess
             cached_ok = over > 0 or bool(short) or waited >= o.cache_hold_s
-        done = self._shrink(count, now, cached_ok)
-        if done and others_unmet_bytes > 0:
+        self._shrinking = (count, excess, now, cached_ok, others_unmet_bytes > 0)
+        found = self._candidates(cached_ok)
+        if moves and len(found) < count:
+            self.stats.compactor_calls += 1
+            return count - len(found)
+        self.finish_shrink(found)
+        return 0
+
+    def finish_shrink(self, found: list[int] | None = None) -> None:
+        """Release what the step's shrink decided: up to its count of the granules
+        releasable now (``found``: already looked up; None: looked up here, after the
+        caller's moves), and keep the waiting release's state. Nothing when no shrink
+        waits."""
+        if self._shrinking is None:
+            return
+        count, excess, now, cached_ok, asked = self._shrinking
+        self._shrinking = None
+        if found is None:     # looked up again even when no granule was emptied: the
+            found = self._candidates(cached_ok)     # moves may have filled a candidate
+        done = self._release(sorted(found[:count]), now)
+        if done and asked:
             self.stats.yields += 1
+        o = self.options
         if done >= excess or (cached_ok and done < count):
             self._excess_since = self._due_at = None    # nothing left that could go
         else:          # cached granules kept: they go when asked, short, or after the hold
@@ -452,25 +385,18 @@ class GrowShrinkPolicy:
             self.stats.granules_grown += len(todo)
             self.stats.events.append((now, "grow", len(todo)))
 
-    def _shrink(self, count: int, now: float, cached_ok: bool = True) -> int:
-        """Release up to ``count`` granules without live blocks (``cached_ok`` False: only
-        those without cached blocks either); returns how many went."""
-        pool = self.pool
+    def _candidates(self, cached_ok: bool) -> list[int]:
+        """Mapped granules without live blocks (``cached_ok`` False: without cached blocks
+        either), cheapest first."""
+        state = self.channel.state
+        return [g for g, cached in self.pool.releasable()
+                if state[g] == MAPPED and (cached_ok or not cached)]
 
-        def candidates():
-            return [g for g, cached in pool.releasable()
-                    if self.channel.state[g] == MAPPED and (cached_ok or not cached)]
-
-        found = candidates()
-        if len(found) < count and self.compactor is not None:
-            self.stats.compactor_calls += 1
-            self.compactor(pool, count - len(found))
-            # asked again even when it emptied none: its moves may have filled a candidate
-            found = candidates()
-        chosen = sorted(found[:count])
+    def _release(self, chosen: list[int], now: float) -> int:
+        """Release ``chosen`` (sorted granule ids); returns how many went."""
         if not chosen:
             return 0
-        evicted = pool.release(chosen)
+        evicted = self.pool.release(chosen)
         for run in runs(chosen):
             self.channel.unmap(run.start, len(run))
         s = self.stats

@@ -5,7 +5,9 @@ policy stepped with what it says, this engine's record written.
 stand-in, and the tests' two engines on one simulated GPU) calls at each step boundary in
 place of :meth:`GrowShrinkPolicy.step`. The policy stays pure -- it gets the others'
 unmet demand and the driver's free memory as arguments -- and the ledger stays a file;
-this is the glue between them. Pure Python.
+this is the glue between them. Pure Python. A shrink short of releasable granules is
+handed back to the caller (``step(moves=True)`` returns the shortfall), which empties
+granules and then calls :meth:`SharedPolicyStep.finish_shrink`.
 
 An engine whose grow failed reads the ledger too, and tries again at once when the others'
 mapped memory went down (one gave some back) instead of after ``retry_s``.
@@ -136,7 +138,10 @@ class SharedPolicyStep:
         claims = sum(r.nonkv + r.min for r in view.others)
         self.policy.room_bytes = max(0, total - self.nonkv - claims)
 
-    def step(self) -> None:
+    def step(self, moves: bool = False) -> int:
+        """The policy's step with the ledger's view; returns its shortfall (``moves``: see
+        :meth:`GrowShrinkPolicy.step`): then the caller empties granules and calls
+        :meth:`finish_shrink`, and this engine's record is written there."""
         policy = self.policy
         if self.nonkv and self.ledger is not None and self.gpu_memory is not None:
             self._bound()
@@ -159,7 +164,16 @@ class SharedPolicyStep:
             self._others_mapped = None
         self.watching = self.watching and others > 0
         self.others_unmet_bytes = others
-        policy.step(others_unmet_bytes=others, gpu_free_bytes=free, gpu_total_bytes=total)
+        short = policy.step(others_unmet_bytes=others, gpu_free_bytes=free,
+                            gpu_total_bytes=total, moves=moves)
+        if not short:
+            self.post()
+        return short
+
+    def finish_shrink(self) -> None:
+        """The policy releases what its shrink found short of, once the caller's moves are
+        done (:meth:`GrowShrinkPolicy.finish_shrink`); then this engine's record."""
+        self.policy.finish_shrink()
         self.post()
 
     def post(self) -> None:

@@ -200,7 +200,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     compactor = None
     if compaction is not None and elastic_run is not None:
-        compactor = pool.proxima_compaction     # built by the connector: it plans in schedule()
+        compactor = pool.proxima.compaction     # built by the connector: it plans in schedule()
     elif compaction is not None:
         if not proxima:
             raise ValueError("compaction needs Proxima's block pool (proxima=True)")

@@ -55,7 +55,7 @@ def format_table(report: dict) -> str:
                      f" (granules of {p.get('granule_blocks')} blocks)")
     elastic = p.get("elastic")
     if isinstance(elastic, dict) and elastic.get("mapped_bytes") is not None:
-        from proxima.memory.policy import format_bytes
+        from proxima.memory.policy_options import format_bytes
 
         mean = p.get("mean_mapped_bytes")
         lines.append(f"elastic ({elastic.get('policy')}): mean mapped "

@@ -105,7 +105,7 @@ def check_elastic(status: dict | None, wanted: bool) -> Check:
                                     "memory in its status",
                       "run vLLM 0.26.0 with PROXIMA_ALLOCATOR=1 (proxima serve --elastic sets "
                       "both); see the engine log for the Proxima elastic KV line")
-    from proxima.memory.policy import format_bytes
+    from proxima.memory.policy_options import format_bytes
 
     def size(key):
         value = elastic.get(key)

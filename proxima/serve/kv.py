@@ -202,7 +202,7 @@ def _show(target: str, body: dict, timeout: float, as_json: bool) -> int:
 
 
 def format_status(data: dict) -> str:
-    from proxima.memory.policy import format_bytes
+    from proxima.memory.policy_options import format_bytes
 
     lines = [f"elastic KV memory (policy {one_line(data.get('policy', '?'), 40)}, granules of "
              f"{data.get('granule_blocks', '?')} blocks = "

@@ -369,7 +369,7 @@ def test_a_live_scheduler_has_what_the_adapter_reads(proxima_v1):
         if not hasattr(request, name):
             broken(f"vllm.v1.request.Request.{name}", "Proxima's add_request wrapper reads it")
     s.add_request(request)
-    if pool.proxima_expected_tokens != {"r": 60}:
+    if pool.proxima.expected_tokens != {"r": 60}:
         broken("vllm.v1.core.sched.scheduler.Scheduler.add_request",
                "Proxima's wrapper did not see the request (prompt 40 + max_tokens 20)")
     steps = 0
@@ -381,10 +381,10 @@ def test_a_live_scheduler_has_what_the_adapter_reads(proxima_v1):
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
             pooler_output=[]))
-    if pool.proxima_steps != steps:
+    if pool.proxima.steps != steps:
         broken("vllm.v1.core.kv_cache_manager.KVCacheManager.new_step_starts",
-               f"called {pool.proxima_steps} times in {steps} scheduler steps, not once each")
-    if pool.proxima_expected_tokens or pool.get_num_free_blocks() != 63:
+               f"called {pool.proxima.steps} times in {steps} scheduler steps, not once each")
+    if pool.proxima.expected_tokens or pool.get_num_free_blocks() != 63:
         broken("vllm.v1.core.kv_cache_manager.KVCacheManager.free",
                "a finished request was not freed through it")
     pool.free_block_queue.buddy.check()

@@ -10,7 +10,8 @@ import pytest
 
 from proxima.memory.channel import MAPPED, MAPPING, UNMAPPED, ElasticChannel
 from proxima.memory.ops import Report
-from proxima.memory.policy import GrowShrinkPolicy, PolicyOptions, format_bytes
+from proxima.memory.policy import GrowShrinkPolicy, PolicyOptions
+from proxima.memory.policy_options import format_bytes
 
 G = 4          # blocks per granule
 B = 1 << 20    # bytes per granule
@@ -231,19 +232,31 @@ def test_the_compactor_is_asked_when_too_few_granules_are_empty():
     ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
     for g in range(1, 6):
         pool.live[g] = 1                             # every granule pinned by one block
-    asked = []
-
-    def compactor(p, wanted):
-        asked.append(wanted)
-        for g in (4, 5):                             # it moves two granules' blocks away
-            p.live[g] = 0
-        p.live[1] += 2
-        return 2
-
-    policy.compactor = compactor
-    policy.step()
-    assert asked and sorted(pool.released) == [4, 5]
+    wanted = policy.step(moves=True)                 # the shrink stops short, releasing nothing
+    assert wanted > 0 and pool.released == [] and ch.count(MAPPED) == 6
+    for g in (4, 5):                                 # the caller moves two granules' blocks away
+        pool.live[g] = 0
+    pool.live[1] += 2
+    policy.finish_shrink()                           # and the policy releases them, this step
+    assert sorted(pool.released) == [4, 5]
     assert policy.stats.compactor_calls == 1
+
+
+def test_without_moves_a_short_shrink_releases_what_it_finds():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
+    for g in range(1, 5):
+        pool.live[g] = 1                             # only granule 5 is empty
+    assert policy.step() == 0
+    assert pool.released == [5] and policy.stats.compactor_calls == 0
+
+
+def test_a_shortfall_left_unanswered_is_released_at_the_next_step():
+    ch, pool, policy, now, demand = setup(mapped=6, release_delay_s=0.0)
+    for g in range(1, 5):
+        pool.live[g] = 1
+    assert policy.step(moves=True) > 0 and pool.released == []
+    policy.step()
+    assert pool.released[:1] == [5]
 
 
 def test_format_bytes():

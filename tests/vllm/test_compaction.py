@@ -369,7 +369,7 @@ def test_evacuate_lets_a_granule_that_holds_live_blocks_be_unmapped():
 
 def test_the_elastic_policy_asks_compaction_to_empty_granules_before_a_shrink():
     """Policy auto: when a shrink finds too few granules without live blocks (here: the
-    maximum is lowered mid-run), it asks the compactor (Compactor.release_hook) to empty
+    maximum is lowered mid-run), the controller asks the compactor (Compactor.empty_granules) to empty
     some, and releases them in the same step;
     every slot still reads what was written (given-back memory reads as NaN)."""
     elastic = {"min_bytes": 4 * GRANULE * PAGE, "release_delay_s": 0.0, "headroom": 0.0}

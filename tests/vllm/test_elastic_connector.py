@@ -729,7 +729,7 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
 
 def test_no_gpu_no_ledger():
     """On CPU the connector keeps no GPU ledger (the replay sets its stand-in's own)."""
-    from proxima.engines.elastic_connector import open_gpu_ledger
+    from proxima.engines.elastic_control import open_gpu_ledger
 
     assert open_gpu_ledger(elastic_v1.ElasticOptions(), 1) == (None, None)
 

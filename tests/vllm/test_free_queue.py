@@ -139,8 +139,8 @@ def partial_hit_tables(proxima: bool):
         manager.allocate_slots(r, r.num_tokens)
     pool = manager.block_pool
     if proxima:                   # what the wrapped Scheduler.add_request records for "b"
-        pool.proxima_expected_tokens["b"] = 256
-        pool.proxima_expected_blocks += 8
+        pool.proxima.expected_tokens["b"] = 256
+        pool.proxima.expected_blocks += 8
     group = manager.coordinator.single_type_managers[0]
     shared = list(group.req_to_blocks["a"])
     group.add_local_computed_blocks("b", shared, 48, 0)
