@@ -1,4 +1,5 @@
-"""Where the caller would like its next ids: :class:`AllocationHint`, passed explicitly.
+"""Where the caller would like its next ids: a hint ``(after, room, spread, end)``, passed
+explicitly.
 
 A hint is what a block pool knows about the request it serves and the allocator does not:
 its last id, how many ids it may still need, whether the pool has room for everyone, and
@@ -6,6 +7,13 @@ when the request is expected to finish. The allocator functions take it as an ar
 (:meth:`~proxima.allocator.runs.RunAllocator.allocate`); the engine's free queue, which
 vLLM calls as ``popleft_n(n)`` with no room for another argument, holds the one hint set
 for its next pops (``queue.hint``) and passes it on.
+
+Its value is a tuple of the four fields in that order: :class:`AllocationHint` (fields by
+name, defaults) or a plain tuple, which readers take alike (they unpack it). The scheduler's
+hot path builds plain ones (:meth:`AllocationHint.of`, :func:`continued`): a plain tuple
+comes from the interpreter's free list, an ``AllocationHint`` is a new object of a tuple
+subclass, ~0.25 us more on the CPU VM, which a queue that built two per allocation paid
+on every allocation (``docs/results/allocator-bench-*/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -15,8 +23,7 @@ from typing import NamedTuple
 
 class AllocationHint(NamedTuple):
     """Placement wishes for one allocation; every field is a preference, never a
-    reservation. Immutable: a tuple with named fields, built once per allocation on the
-    scheduler's hot path (about 2.5 times cheaper to build than a frozen dataclass).
+    reservation. Immutable; the same hint as the plain tuple of its fields (module doc).
 
     Attributes:
         after: None or the caller's last id (an allocated id): the new ids continue its
@@ -35,23 +42,27 @@ class AllocationHint(NamedTuple):
     spread: bool = False
     end: int = 0
 
-    @classmethod
-    def of(cls, after: int | None, room: int | None, spread: bool, end: int) -> "AllocationHint":
-        """The same hint as ``AllocationHint(after, room, spread, end)``, built without
-        the generated constructor's argument handling (every field given, in order): the
-        form for the scheduler's hot path (about half the cost)."""
-        return _new(cls, (after, room, spread, end))
+    @staticmethod
+    def of(after: int | None, room: int | None, spread: bool, end: int) -> tuple:
+        """The hint ``AllocationHint(after, room, spread, end)`` as a plain tuple, the
+        form for the scheduler's hot path (module doc): every field given, in order."""
+        return (after, room, spread, end)
 
     def continued(self, last: int, n: int) -> "AllocationHint":
-        """The hint for the next ids of the same allocation, after ``n`` ids ending at
-        ``last`` were handed out (vLLM takes a copy-on-write block, then the new blocks:
-        one run): ``after`` moves to ``last`` and ``room`` loses ``n``. A hint with
-        neither ``after`` nor ``room`` is returned unchanged."""
-        after, room, spread, end = self
-        if after is None and room is None:
-            return self
-        return _new(AllocationHint, (last, None if room is None else
-                                     (room - n if room > n else 0), spread, end))
+        """:func:`continued` of this hint, as an ``AllocationHint``."""
+        hint = continued(self, last, n)
+        return hint if hint is self else _new(AllocationHint, hint)
+
+
+def continued(hint: tuple, last: int, n: int) -> tuple:
+    """The hint for the next ids of the same allocation, after ``n`` ids ending at ``last``
+    were handed out (vLLM takes a copy-on-write block, then the new blocks: one run):
+    ``after`` moves to ``last`` and ``room`` loses ``n`` (never below 0), as a plain tuple.
+    A hint with neither ``after`` nor ``room`` is returned unchanged."""
+    after, room, spread, end = hint
+    if after is None and room is None:
+        return hint
+    return (last, None if room is None else (room - n if room > n else 0), spread, end)
 
 
 _new = tuple.__new__

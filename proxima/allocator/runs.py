@@ -5,7 +5,7 @@ contiguous runs as it can.
 by the order of their length (:class:`~proxima.allocator.free_runs.FreeRuns`, Linux's
 ``free_area`` holding runs instead of aligned blocks), hands out ids, never memory (the
 caller maps them to its blocks), and takes what its caller knows about the next ids as
-an explicit :class:`~proxima.allocator.hint.AllocationHint`.
+an explicit hint (:mod:`proxima.allocator.hint`).
 
 Placement (:meth:`RunAllocator.allocate`):
 
@@ -55,13 +55,14 @@ class RunAllocator(FreeRuns):
 
     # --------------------------------------------------------------- operations
 
-    def allocate(self, n: int, hint: AllocationHint | None = None) -> list[int]:
+    def allocate(self, n: int, hint: AllocationHint | tuple | None = None) -> list[int]:
         """Hand out ``n`` distinct free ids, as few contiguous runs as possible.
 
         Args:
             n: number of ids, an int ``0 <= n <= num_free``.
-            hint: None or an :class:`~proxima.allocator.hint.AllocationHint`; this reads
-                ``after``, ``room`` and ``spread`` (``end`` is the elastic queue's):
+            hint: None or a hint: an :class:`~proxima.allocator.hint.AllocationHint` or
+                the plain tuple ``(after, room, spread, end)`` (the same hint); this
+                reads ``after``, ``room`` and ``spread`` (``end`` is the elastic queue's):
 
                 * ``after``: ``None`` or the caller's last id (an ALLOCATED id): if
                   ``after+1 .. after+n`` are all free, exactly those are returned (the
@@ -87,11 +88,13 @@ class RunAllocator(FreeRuns):
         if hint is None:
             after = room = None
             spread = False
-        elif type(hint) is AllocationHint:
-            after, room, spread, _ = hint          # unpacked: cheaper than three lookups
         else:
-            raise AllocationError(f"hint must be None or an AllocationHint, got "
-                                  f"{short_repr(hint)}")
+            if type(hint) is not tuple and type(hint) is not AllocationHint:
+                raise _not_a_hint(hint)
+            try:
+                after, room, spread, _ = hint      # unpacked: cheaper than three lookups
+            except ValueError:
+                raise _not_a_hint(hint) from None
         if (type(n) is not int or n < 1
                 or (room is not None and (type(room) is not int or room < 0))
                 or (spread is not False and spread is not True)):
@@ -308,6 +311,11 @@ class RunAllocator(FreeRuns):
         return AllocationError(f"after={after} is {what}: it must be the caller's last "
                                f"allocated id")
 
+
+
+def _not_a_hint(hint) -> AllocationError:
+    return AllocationError(f"hint must be None, an AllocationHint or a tuple (after, room, "
+                           f"spread, end), got {short_repr(hint)}")
 
 
 def _not_ids(ids) -> AllocationError:

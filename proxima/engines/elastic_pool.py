@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from proxima.allocator.eviction import EvictionPolicy, ReuseHorizon
+from proxima.allocator.hint import continued
 from proxima.allocator.granules import CLASSES, FINISHED, GranuleIndex
 from proxima.engines.free_queue import ProximaFreeQueue, _clock
 
@@ -123,7 +124,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
         if hint is None:
             after, end = None, self.last_end
         else:
-            after, end = hint.after, hint.end
+            after, _, _, end = hint                 # (after, room, spread, end)
             self.last_end = end
         G = gi.granule_blocks
         if self._revived:
@@ -157,7 +158,7 @@ class GranuleFreeQueue(ProximaFreeQueue):
             self.demoted += need
             ids += victims
         if hint is not None:                        # the run continues in the next pop
-            self.hint = hint.continued(ids[-1], n)
+            self.hint = continued(hint, ids[-1], n)
         free = buddy.num_free
         if free < self._walk_low:
             self._walk_low = free

@@ -108,12 +108,13 @@ class ProximaFreeQueue:
     cached blocks (``append_n``); within the hash-less part stock keeps the most
     recently freed first, the buddy keeps no order (walked by ascending id).
 
-    ``hint`` (an :class:`~proxima.allocator.hint.AllocationHint` or None) is the one
+    ``hint`` (None or a hint ``(after, room, spread, end)``: an
+    :class:`~proxima.allocator.hint.AllocationHint` or a plain tuple) is the one
     place a hint waits for the next pops: vLLM's own ``BlockPool.get_new_blocks`` calls
     ``popleft_n(n)`` with no room for another argument, so the manager wrapper sets
     ``queue.hint`` around one ``allocate_new_blocks`` and clears it after; :meth:`popleft_n`
-    passes it to the allocator and replaces it by its continuation
-    (:meth:`~proxima.allocator.hint.AllocationHint.continued`: ``after`` is the last block
+    passes it to the allocator and replaces it by its continuation, a plain tuple
+    (:func:`~proxima.allocator.hint.continued`: ``after`` is the last block
     handed out, ``room`` less what was handed out), so the calls of one
     ``allocate_new_blocks`` (vLLM's copy-on-write block for a partial prefix hit, then the
     new blocks) form one run.
@@ -130,7 +131,7 @@ class ProximaFreeQueue:
             block.prev_free_block = block.next_free_block = None
         self.buddy = RunAllocator(len(blocks), reserved=reserved)
         self._lru = _LruTier()              # cached free blocks, least recently used first
-        self.hint: AllocationHint | None = None      # for the next pops (class doc)
+        self.hint: AllocationHint | tuple | None = None     # for the next pops (class doc)
         self.alloc_seconds = 0.0
         self.demoted = 0
         # The cursor walker's state (iter_blocks_after): the block it holds, stock's
@@ -163,16 +164,19 @@ class ProximaFreeQueue:
             # straight out (sorted, starting after the caller's last block).
             victims = self._pop_lru(n - buddy.num_free)     # checks there are enough first
             ids = sorted(buddy.allocate_all() + victims)
-            if hint is not None and hint.after is not None:
-                i = bisect_right(ids, hint.after)
+            if hint is not None and hint[0] is not None:       # hint[0]: after
+                i = bisect_right(ids, hint[0])
                 ids = ids[i:] + ids[:i]
         else:
             ids = buddy.allocate(n, hint)
         free = buddy.num_free
         if free < self._walk_low:
             self._walk_low = free                   # stock's hash-less stack ran this low
-        if hint is not None:                        # the run continues in the next pop
-            self.hint = hint.continued(ids[-1], n)
+        if hint is not None:                        # the run continues in the next pop:
+            after, room, spread, end = hint         # continued(hint, ids[-1], n) inline
+            if after is not None or room is not None:
+                self.hint = (ids[-1], None if room is None else (room - n if room > n else 0),
+                             spread, end)
         self.num_free_blocks -= n
         blocks = self._blocks
         out = [blocks[ids[0]]] if n == 1 else list(map(blocks.__getitem__, ids))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 
-from proxima.allocator import AllocationHint
 from proxima.engines import activation
 from proxima.engines.contiguity import idle, running_blocks_per_run
 from proxima.engines import patches
@@ -199,7 +198,7 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
         # room), else pack (RunAllocator.allocate); end: the step this request is expected
         # to finish at, now + the tokens it may still generate (elastic placement groups
         # blocks that end together).
-        queue.hint = AllocationHint.of(
+        queue.hint = (                  # (after, room, spread, end): a plain tuple is a hint
             None if last is None or last.is_null else last.block_id, room,
             2 * state.expected_blocks <= pool.num_gpu_blocks,
             state.steps + (total - num_tokens if total and total > num_tokens else 0))

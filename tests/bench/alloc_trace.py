@@ -75,8 +75,6 @@ def setup_proxima(num_blocks: int):
 
 
 def replay_proxima(ops, a) -> Tally:
-    from proxima.allocator import AllocationHint
-
     held: dict[int, list[int]] = {}
     last_freed: list[int] = []
     allocated = freed = taken = 0
@@ -86,9 +84,9 @@ def replay_proxima(ops, a) -> Tally:
             _, rid, n, total = op
             ids = held.get(rid)
             if ids is None:
-                held[rid] = a.allocate(n, AllocationHint.of(None, total, False, 0))
+                held[rid] = a.allocate(n, (None, total, False, 0))
             else:
-                ids += a.allocate(n, AllocationHint.of(ids[-1], total - len(ids), False, 0))
+                ids += a.allocate(n, (ids[-1], total - len(ids), False, 0))
             allocated += n
         elif kind == "free":
             ids = held.pop(op[1])
@@ -151,8 +149,6 @@ def setup_proxima_queue(num_blocks: int):
 
 
 def replay_proxima_queue(ops, q) -> Tally:
-    from proxima.allocator import AllocationHint
-
     held: dict[int, list] = {}
     last_freed: list = []
     allocated = freed = taken = 0
@@ -162,10 +158,10 @@ def replay_proxima_queue(ops, q) -> Tally:
             _, rid, n, total = op
             got = held.get(rid)
             if got is None:
-                q.hint = AllocationHint.of(None, total, False, 0)
+                q.hint = (None, total, False, 0)
                 held[rid] = q.popleft_n(n)
             else:
-                q.hint = AllocationHint.of(got[-1].block_id, total - len(got), False, 0)
+                q.hint = (got[-1].block_id, total - len(got), False, 0)
                 got += q.popleft_n(n)
             q.hint = None
             allocated += n

@@ -74,8 +74,10 @@ def record(requests: int = 400, num_blocks: int = 20480) -> dict:
 
     def hint(q):                # (after, room, end, spread); a pop without a hint places
         h = q.hint              # as one with neither after nor room and the last end
-        return (None, None, q.last_end, False) if h is None else (h.after, h.room, h.end,
-                                                                   h.spread)
+        if h is None:
+            return (None, None, q.last_end, False)
+        after, room, spread, end = h                # a hint is this tuple (allocator.hint)
+        return (after, room, end, spread)
     patches = {
         "__init__": __init__,
         "tick": recorded("tick", lambda q, a, o, p: ("tick", a[0])),

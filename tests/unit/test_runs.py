@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from proxima.allocator import AllocationError, AllocationHint, RunAllocator
+from proxima.allocator.hint import continued
 from tests.unit.reference import free_runs, held_blocks, maximal_aligned_chunks
 
 
@@ -344,3 +345,33 @@ def test_a_hint_continues_after_the_ids_handed_out():
     assert AllocationHint(room=3).continued(2, 3) == AllocationHint(after=2, room=0)
     plain = AllocationHint(end=5)                            # no run to continue
     assert plain.continued(9, 1) is plain
+    assert continued((4, 10, True, 7), 9, 5) == (9, 5, True, 7)       # the plain form
+    assert type(continued(hint, 9, 5)) is tuple
+
+
+def test_a_plain_tuple_is_the_same_hint_as_an_allocation_hint():
+    """The hot path's form (AllocationHint.of, the queue's continuation) places every id
+    where the named form does, over a mix of new runs with room, growth and frees."""
+    named, plain = RunAllocator(300, reserved=[0]), RunAllocator(300, reserved=[0])
+    assert AllocationHint.of(3, 8, True, 2) == AllocationHint(3, 8, True, 2)
+    assert type(AllocationHint.of(3, 8, True, 2)) is tuple
+    held = []
+    for i in range(60):
+        if held and i % 3 == 0:
+            ids = held.pop(i % len(held))
+            named.free(ids)
+            plain.free(ids)
+            continue
+        if held and i % 2:
+            run = held[i % len(held)]
+            fields = (run[-1], 6, i % 4 == 1, i)
+        else:
+            run, fields = None, (None, 2 + i % 9, i % 4 == 0, i)
+        n = 1 + i % 3
+        got = named.allocate(n, AllocationHint(*fields))
+        assert plain.allocate(n, AllocationHint.of(*fields)) == got
+        if run is None:
+            held.append(got)
+        else:
+            run += got
+    assert named.free_runs() == plain.free_runs()

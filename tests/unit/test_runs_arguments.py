@@ -124,11 +124,13 @@ def test_allocate_refuses_a_bad_room_or_spread(pool, data):
 
 @SETTINGS
 @given(pool=pools(), data=st.data())
-def test_allocate_refuses_a_hint_that_is_not_an_allocation_hint(pool, data):
+def test_allocate_refuses_a_hint_that_is_not_a_hint(pool, data):
+    # a hint is an AllocationHint or the plain tuple (after, room, spread, end)
     a, held = pool
     n = data.draw(st.integers(0, a.num_free))
     bad = data.draw(st.sampled_from([v for v in NOT_INTS if v is not None]
-                                    + [(None, 4, False, 0), {"room": 4}]))
+                                    + [(None, 4, False), (None, 4, False, 0, 1),
+                                       [None, 4, False, 0], {"room": 4}]))
     refused(a, lambda p: p.allocate(n, bad), bad)
 
 
