@@ -126,7 +126,7 @@ def child(allocator: str, out: Path) -> int:
     os.environ["PROXIMA_STATS_FILE"] = str(status_file)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    from proxima.engines.status import read_status
+    from proxima.vllm.status import read_status
     from proxima.models import TINY_LLAMA_DIR
     from vllm import LLM, SamplingParams
 

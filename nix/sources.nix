@@ -25,7 +25,7 @@
 
   # vLLM of the card stack: v0.6.3.post1, the last vLLM release built for CUDA 12.1 and
   # torch 2.4 (0.6.4 moved to torch 2.5.1 and CUDA 12.4) and the newest release of the V0-only
-  # 0.6 line that proxima/engines/vllm_v0.py supports. nixos-24.11 ships vLLM 0.6.2; 0.6.3.post1
+  # 0.6 line that proxima/vllm/vllm_v0.py supports. nixos-24.11 ships vLLM 0.6.2; 0.6.3.post1
   # is its bug-fix successor (same V0 block manager interface). nixos-25.05 moved to vLLM 0.8.
   #
   # Pinned by the release's source distribution on PyPI, which is cut from the upstream tag

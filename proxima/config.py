@@ -6,7 +6,7 @@ Every size and number an option or a ``PROXIMA_*`` variable takes is read here, 
 serve --elastic --kv-min/--kv-max/--elastic-options``; ``PROXIMA_ELASTIC_OPTIONS``; the
 elastic connector's options and its run-time limits (``POST /proxima/kv``). The elastic
 options have one table (:data:`ELASTIC_OPTIONS`) and one check (:func:`elastic_options`),
-which the connector's :class:`~proxima.engines.elastic_v1.ElasticOptions`, the grow/shrink
+which the connector's :class:`~proxima.vllm.elastic_v1.ElasticOptions`, the grow/shrink
 :class:`~proxima.memory.policy.PolicyOptions` and every command use. A bad value is one
 :class:`ConfigError` (a :class:`~proxima.errors.UserError`: a command prints it as one line
 and exits 2; and a ``ValueError``) naming the option, the value seen and what is accepted.
@@ -224,7 +224,7 @@ def _must(what: str, ok: Callable[[Any], bool]) -> Callable:
 
 _BOOL = _must("true or false", lambda v: isinstance(v, bool))
 
-#: The elastic KV options (:class:`proxima.engines.elastic_v1.ElasticOptions` documents
+#: The elastic KV options (:class:`proxima.vllm.elastic_v1.ElasticOptions` documents
 #: them and holds their defaults): name -> ``check(name, value) -> value`` (sizes as bytes).
 def _factory(hook) -> bool:
     """A compactor hook: ``module:factory``, or ``{"factory": "module:factory", ...}`` (its

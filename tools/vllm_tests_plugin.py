@@ -55,7 +55,7 @@ def pytest_configure(config) -> None:
     os.environ.setdefault("PROXIMA_ALLOW_UNTESTED_VLLM", "1")
     from vllm.v1.core.block_pool import BlockPool
 
-    from proxima.engines import vllm_v1
+    from proxima.vllm import vllm_v1
 
     vllm_v1.activate()
     _stock, _proxima = BlockPool, vllm_v1.ProximaBlockPool

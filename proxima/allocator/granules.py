@@ -36,7 +36,7 @@ Public state for other planners (issue 14's compaction reads it): :attr:`live`,
 :meth:`state_of`, :meth:`empty_granules`, :meth:`summary`. :meth:`check` verifies every
 invariant in O(N + granules) (:mod:`proxima.allocator.granule_check`).
 
-Pure Python, standard library only; the owner (``proxima.engines.elastic_pool``) calls the
+Pure Python, standard library only; the owner (``proxima.vllm.elastic_pool``) calls the
 transition methods in the order things happen and picks ids with the queries.
 """
 

@@ -17,7 +17,7 @@ ids (granule ``g`` = ids ``[g * G, (g + 1) * G)``). Each id has a *kind* (:class
 
 and a set of *pinned* ids (of any kind) that a plan neither reads nor writes: the caller
 names there the blocks written in the same step before the copy point (new blocks, vLLM's
-copy-on-write endpoints, ...), see :mod:`proxima.engines.compaction_v1`. *Scratch* ids
+copy-on-write endpoints, ...), see :mod:`proxima.vllm.compaction_v1`. *Scratch* ids
 are FIXED ids whose content nobody reads (vLLM's null block): a plan may park a content
 there for a while, and leaves them empty.
 

@@ -52,8 +52,8 @@ from proxima.bench.offline_engine import collect, default_build_llm, default_sam
     hold_arrivals, kv_blocks_of, metric_total, scoped_env, shutdown
 from proxima.bench.offline_status import StatusSampler, contiguity, elastic_figures
 from proxima.bench.stats import median, spread
-from proxima.engines.activation import ELASTIC_ENV, ENV as ALLOCATOR_ENV, OBSERVE_ENV
-from proxima.engines.status import STATS_ENV
+from proxima.vllm.activation import ELASTIC_ENV, ENV as ALLOCATOR_ENV, OBSERVE_ENV
+from proxima.vllm.status import STATS_ENV
 from proxima.errors import UserError
 from proxima.workloads import RequestSpec
 
@@ -154,7 +154,7 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
              rep: int) -> tuple[dict, list[list[int]]]:
     """One engine, one ``generate`` over all requests; returns (figures, token ids)."""
     status_path = status_dir / f"{allocator}-{rep}.json"
-    # Stock runs are observed (read-only, see proxima.engines.observe_v1) for their contiguity.
+    # Stock runs are observed (read-only, see proxima.vllm.observe_v1) for their contiguity.
     flags = {ALLOCATOR_ENV: "1" if allocator == "proxima" else "0", STATS_ENV: str(status_path),
              OBSERVE_ENV: "0" if allocator == "proxima" else "1"}
     kwargs = llm_kwargs(config)
@@ -163,7 +163,7 @@ def run_once(allocator: str, config: OfflineConfig, specs: Sequence[RequestSpec]
     if elastic:
         # The engine core's plugin activates elastic mode; the connector must also be in
         # this process's engine config (its plugin was loaded once, by the first run).
-        from proxima.engines.elastic_v1 import connector_config
+        from proxima.vllm.elastic_v1 import connector_config
 
         kwargs["kv_transfer_config"] = connector_config(config.elastic_options)
     with scoped_env(flags):                 # the engine core copies them when it starts

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from proxima.engines.status import read_status
+from proxima.vllm.status import read_status
 
 STATUS_POLL_S = 0.5
 FINAL_SNAPSHOT_WAIT_S = 1.0

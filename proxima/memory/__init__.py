@@ -23,7 +23,7 @@ same reason), and create/map/set-access/unmap/release is the whole life of a pag
 From kvcached (ovg-project/kvcached), which maps KV pages on demand: it maps a page when an
 allocation first needs one and unmaps a page when its last block is freed, keeping a small
 reserve of mapped free pages; its commands reach the workers through its own IPC, while
-here they ride vLLM's step (:mod:`proxima.engines.elastic_connector`) and growth is
+here they ride vLLM's step (:mod:`proxima.vllm.elastic_connector`) and growth is
 confirmed before blocks are handed out.
 """
 

@@ -5,7 +5,7 @@ Pure Python (no torch, no vLLM), one instance per engine, driven at step boundar
 * the pool or a policy calls :meth:`ElasticChannel.unmap` / :meth:`map`
   (between steps, or while the scheduler builds a step);
 * :meth:`build` drains what was asked into the step's :class:`~proxima.memory.ops.OpBatch`
-  (vLLM: the KV connector's metadata, see :mod:`proxima.engines.elastic_connector`);
+  (vLLM: the KV connector's metadata, see :mod:`proxima.vllm.elastic_connector`);
 * :meth:`on_report` takes the workers' :class:`~proxima.memory.ops.Report` back.
 
 Granule states, as the scheduler must see them:

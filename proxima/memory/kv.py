@@ -43,7 +43,7 @@ class KvMemory:
     :class:`CannotGrow` if even those cannot be backed -- at start-up that is the same
     failure as stock vLLM running out of memory.
 
-    ``spare_granules`` (KV compaction's scratch, :mod:`proxima.engines.compaction_v1`):
+    ``spare_granules`` (KV compaction's scratch, :mod:`proxima.vllm.compaction_v1`):
     granules reserved and mapped after the pool's last one, block ids from
     ``pool_granules * granule_blocks`` on in every region. They lie past the end of the
     tensors (:meth:`tensors` covers ``num_blocks`` blocks, what vLLM sees) and no op maps

@@ -13,7 +13,7 @@ pickle cheaply through vLLM's executor:
   in use or holds cached KV.
 
 (Block moves do not travel here: KV compaction's copies go with the step's
-``CompactionWork``, :mod:`proxima.engines.compaction_worker`.)
+``CompactionWork``, :mod:`proxima.vllm.compaction_worker`.)
 
 Granules are counted in block ids: granule ``g`` is blocks ``[g * G, (g + 1) * G)`` with
 ``G`` = ``granule_blocks`` (see :mod:`proxima.memory.layout`).

@@ -35,7 +35,7 @@ The rule, in blocks (a granule is ``G`` blocks, ``bytes_per_granule`` bytes):
   cached blocks are evicted, as stock would evict them when reusing the memory: counted
   in ``evicted_cached``), never below ``min_bytes`` or wanted. A shrink that finds too
   few such granules, stepped with ``moves=True``, stops and returns the shortfall: the
-  caller (:mod:`proxima.engines.elastic_control`) may empty granules by moving blocks
+  caller (:mod:`proxima.vllm.elastic_control`) may empty granules by moving blocks
   (issue 14's compaction), then :meth:`GrowShrinkPolicy.finish_shrink` releases what is
   free, in the same step. The policy calls nothing above it.
 

@@ -12,7 +12,7 @@ Every input is checked before the first scheduler is built (the flags and their 
 complete.
 
 The driver is the one of the installed vLLM's engine generation (``driver_v1``,
-``driver_v0``: the version policy of :mod:`proxima.engines.activation` picks it); both
+``driver_v0``: the version policy of :mod:`proxima.vllm.activation` picks it); both
 return one :class:`~proxima.replay.result.ReplayResult` per run.
 """
 
@@ -40,9 +40,9 @@ TIMELINE_POINTS = 100                 # free-space samples wanted per run (--plo
 
 def _engine():
     """The replay driver for the installed vLLM's engine generation, once the version
-    policy accepted it (:mod:`proxima.engines.activation`: tested, or untested with
+    policy accepted it (:mod:`proxima.vllm.activation`: tested, or untested with
     ``PROXIMA_ALLOW_UNTESTED_VLLM=1``)."""
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     activation.check_environment()
     activation.check_combination()      # vLLM's child processes load the plugin with this env

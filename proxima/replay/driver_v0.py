@@ -23,7 +23,7 @@ import gc
 import time
 from typing import Callable, Optional
 
-from proxima.engines import vllm_v0
+from proxima.vllm import vllm_v0
 from proxima.replay.result import ReplayResult, contiguity
 from proxima.workloads import Workload
 

@@ -3,7 +3,7 @@
 No model runs. Each step the "model runner" samples one token for every request whose
 prefill is complete (``ignore_eos``: requests run to ``max_tokens``). The scheduler, the
 KV-cache manager, the block pool and prefix caching are vLLM's own code; Proxima changes
-only the free-block queue (see proxima.engines.vllm_v1).
+only the free-block queue (see proxima.vllm.vllm_v1).
 
 The measurement hooks (final block tables, preemption counts, prefix-cache stats, each
 request's queue wait and time to first token) are the same for both allocators.
@@ -64,8 +64,8 @@ def build_scheduler(*, proxima: bool, num_blocks: int, block_size: int = 16,
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from proxima.engines.vllm_v1_compat import kv_cache_tensors
-    from proxima.engines import vllm_v1
+    from proxima.vllm.vllm_v1_compat import kv_cache_tensors
+    from proxima.vllm import vllm_v1
 
     if model_dir is None:
         model_dir = tempfile.mkdtemp(prefix="proxima-tiny-llama-")
@@ -130,7 +130,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 
     ``granule_blocks``: sample granule occupancy every step (:mod:`proxima.replay.reclaim`:
     reclaimable fraction and packed ideal, in ``details``). ``compaction``: a
-    :class:`proxima.engines.activation.CompactionMode` (Proxima only): KV compaction is
+    :class:`proxima.vllm.activation.CompactionMode` (Proxima only): KV compaction is
     planned and applied to the scheduler's structures after every ``schedule()``, as the
     engine does; the copies are not made (no KV on CPU) but counted, in blocks and in
     bytes of ``bytes_per_block`` (default: Llama-3.1-8B's 2 MiB over 32 layers), within
@@ -141,8 +141,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request, RequestStatus
 
-    from proxima.engines import vllm_v1
-    from proxima.engines.status import percentiles
+    from proxima.vllm import vllm_v1
+    from proxima.vllm.status import percentiles
 
     elastic_kw = {}
     if elastic is not None and proxima:
@@ -204,8 +204,8 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
     elif compaction is not None:
         if not proxima:
             raise ValueError("compaction needs Proxima's block pool (proxima=True)")
-        from proxima.engines.compaction_options import DEFAULT_BUDGET_BYTES
-        from proxima.engines.compaction_v1 import Compactor
+        from proxima.vllm.compaction_options import DEFAULT_BUDGET_BYTES
+        from proxima.vllm.compaction_v1 import Compactor
 
         # one granule of scratch blocks past the pool, as an elastic engine has
         compactor = Compactor(
@@ -369,7 +369,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
 def _latency(finished, arrived: dict, first_scheduled: dict, first_token: dict,
              percentiles) -> dict:
     """Queue wait and time to first token of the finished requests, in steps of the step
-    clock: p50 and p99 (the status files' :func:`~proxima.engines.status.percentiles`),
+    clock: p50 and p99 (the status files' :func:`~proxima.vllm.status.percentiles`),
     the mean, the most."""
     out = {}
     for name, start in (("queue_wait", first_scheduled), ("ttft", first_token)):

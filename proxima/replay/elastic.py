@@ -1,7 +1,7 @@
 """Elastic KV memory in the CPU replay: the real connector and policy, a stand-in worker.
 
 ``proxima replay --elastic`` builds the scheduler with Proxima's KV connector
-(:mod:`proxima.engines.elastic_connector`) exactly as an engine would: its scheduler side
+(:mod:`proxima.vllm.elastic_connector`) exactly as an engine would: its scheduler side
 makes the pool granule-aware and runs the grow/shrink policy at every step boundary. There
 is no GPU: :class:`ReplayWorker` answers each step's ops as the workers would (maps succeed
 while the simulated GPU has room: ``gpu_bytes``), so every decision -- what is mapped when,
@@ -63,7 +63,7 @@ UNMAP_GBPS_H200 = 69.0
 def check_runs_here(flag: str, driver, version: str, hint: str = "") -> None:
     """Refuse ``flag`` (one line) where the replay cannot run elastic KV: a vLLM of the V0
     engine, or one whose scheduler side Proxima does not read. ``hint`` ends the V0 line."""
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
     from proxima.errors import UserError
 
     if driver.ENGINE != "v1":
@@ -146,10 +146,10 @@ def kv_cache_groups(block_size: int):
 def kv_transfer_config(spec: ElasticReplay, granule_blocks: int, block_size: int,
                        compaction: dict | None = None):
     """The elastic connector's config for the replay; ``compaction``: its KV compaction
-    settings (:class:`proxima.engines.compaction_options.CompactionOptions`), None: off."""
+    settings (:class:`proxima.vllm.compaction_options.CompactionOptions`), None: off."""
     from vllm.config import KVTransferConfig
 
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     extra = spec.connector_extra(granule_blocks, block_size)
     extra["compaction"] = compaction or {"mode": "0"}
@@ -225,7 +225,7 @@ class ReplayWorker:
             self.unmap_seconds += unmap_s
         if not applied:
             return None
-        from proxima.engines.elastic_connector import ElasticWorkerMetadata
+        from proxima.vllm.elastic_connector import ElasticWorkerMetadata
 
         return ElasticWorkerMetadata(Report(tuple(applied), self.reported_mapped,
                                             self.channel.granule_blocks, self.map_seconds,
@@ -237,7 +237,7 @@ class ElasticRun:
     the stand-in worker, and what it reports."""
 
     def __init__(self, spec: ElasticReplay, scheduler, granule_blocks: int) -> None:
-        from proxima.engines.elastic_v1 import find_connector
+        from proxima.vllm.elastic_v1 import find_connector
 
         self.spec = spec
         self.connector = find_connector(scheduler.connector)

@@ -222,7 +222,7 @@ def validate(args) -> None:
     if args.compaction_budget_mib is not None and args.compaction is None:
         raise UserError("--compaction-budget-mib needs --compaction")
     if args.compaction is not None:
-        from proxima.engines.activation import compaction_mode
+        from proxima.vllm.activation import compaction_mode
 
         try:
             args.compaction = compaction_mode(args.compaction)

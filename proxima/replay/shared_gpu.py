@@ -240,7 +240,7 @@ class ElasticMemory:
 
     def __init__(self, name: str, spec: ElasticReplay, scheduler, gpu: Gpu, ledger_file,
                  clock) -> None:
-        from proxima.engines.elastic_v1 import find_connector
+        from proxima.vllm.elastic_v1 import find_connector
         from proxima.memory.ledger import Ledger
 
         self.spec = spec
@@ -305,7 +305,7 @@ def run_side(workloads: tuple[Workload, Workload], *, elastic: ElasticReplay | N
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-    from proxima.engines import vllm_v1
+    from proxima.vllm import vllm_v1
     from proxima.replay.driver_v1 import build_scheduler
 
     block_bytes = (elastic or ElasticReplay()).block_bytes(block_size)

@@ -96,8 +96,8 @@ def request_blocks(block_size: int) -> tuple[int, int]:
 
 def startup_granules(args, spec: ElasticReplay, gpu_blocks: int) -> int:
     """Granules one elastic engine maps at start-up: vLLM's warm-up (the connector's own
-    count, :func:`proxima.engines.elastic_v1.warmup_blocks`), --kv-min, --kv-initial."""
-    from proxima.engines.elastic_v1 import warmup_blocks
+    count, :func:`proxima.vllm.elastic_v1.warmup_blocks`), --kv-min, --kv-initial."""
+    from proxima.vllm.elastic_v1 import warmup_blocks
 
     vllm_config = SimpleNamespace(speculative_config=None, scheduler_config=SimpleNamespace(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
@@ -151,7 +151,7 @@ def validate(args, spec: ElasticReplay, max_blocks: int) -> None:
 
 # ------------------------------------------------------------------------- report
 def _pct(values: list) -> dict:
-    from proxima.engines.status import percentiles
+    from proxima.vllm.status import percentiles
 
     return percentiles(values)
 

@@ -8,7 +8,7 @@ and the engine takes minutes to start. The gate answers from the first second:
 - ``GET /proxima/selfcheck``: the self-check report as JSON (``passed`` is null while running).
 - ``GET /proxima/kv``, ``POST /proxima/kv`` (``{"min_bytes": ..., "max_bytes": ...}``):
   elastic KV memory -- mapped, used and reclaimable bytes, limits, counters -- read and set
-  in the engine core through vLLM's utility call (:func:`proxima.engines.elastic_v1.
+  in the engine core through vLLM's utility call (:func:`proxima.vllm.elastic_v1.
   engine_core_proxima_kv`); 503 while the engine is not ready, 404 without elastic KV,
   400 for a bad request.
 - ``/metrics``: vLLM's exposition once its app exists; before that the same registry directly,

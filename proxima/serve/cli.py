@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxima.engines.status import STATS_ENV
+from proxima.vllm.status import STATS_ENV
 from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME
 from proxima.serve import logs, validate
@@ -59,7 +59,7 @@ the GPU can take it). Proxima's options, taken out before vLLM sees the command 
                           (the minimum too), regrown on the next request (default: never)
   --gpu-memory-bytes SIZE size for a GPU of this many bytes (default: the GPU's memory):
                           leave the rest to other processes, or plan a fit on any machine
-  --elastic-options K=V,...  any other option of proxima.engines.elastic_v1.ElasticOptions
+  --elastic-options K=V,...  any other option of proxima.vllm.elastic_v1.ElasticOptions
                           (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...;
                           finite numbers: headroom, band 0 to 100; release_delay_s, retry_s
                           0 to 86400 seconds; idle_sleep_s 0 to 1)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if elastic is not None:
         import json
 
-        from proxima.engines import activation
+        from proxima.vllm import activation
 
         os.environ[activation.ELASTIC_ENV] = "1"
         if elastic:
@@ -184,14 +184,14 @@ def run(args: argparse.Namespace) -> int:
         # engine process itself (MQLLMEngine), and the engine's workers use spawn, as here.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     else:
-        from proxima.engines.vllm_v1_compat import cli_env_setup
+        from proxima.vllm.vllm_v1_compat import cli_env_setup
 
         cli_env_setup()  # what `vllm serve` does: spawn, not fork, for engine processes
     if elastic is not None:
         if vllm_args.card_stack():
             raise UserError("--elastic needs vLLM's V1 engine (vLLM 0.26.0); this is the card "
                             "stack's vLLM 0.6: drop --elastic")
-        from proxima.engines import elastic_v1
+        from proxima.vllm import elastic_v1
 
         reason = elastic_v1.unsupported_reason()
         if reason:
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if elastic is not None:
         import json
 
-        from proxima.engines import activation
+        from proxima.vllm import activation
 
         sized = autosize.apply(vargs, argv, elastic, facts, gpu_bytes, demo)
         if sized is not None:

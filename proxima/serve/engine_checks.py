@@ -1,5 +1,5 @@
 """The self-check lines that need a running engine: proxima-active, allocator-invariants,
-elastic-kv, canary. The first two read the engine's status file (:mod:`proxima.engines.status`), the
+elastic-kv, canary. The first two read the engine's status file (:mod:`proxima.vllm.status`), the
 only window the API server has into the engine-core process."""
 
 from __future__ import annotations

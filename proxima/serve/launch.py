@@ -99,7 +99,7 @@ class V1Launcher:
 
     async def build_app(self, engine, args):
         """What vLLM's ``build_and_serve`` does before it binds a socket (gunicorn has it)."""
-        from proxima.engines.vllm_v1_compat import api_server_app
+        from proxima.vllm.vllm_v1_compat import api_server_app
 
         build_app, init_app_state = api_server_app()     # where this vLLM keeps them
 
@@ -179,8 +179,8 @@ LAUNCHERS = {"v1": V1Launcher, "v0": V0Launcher}
 
 def launcher_for(vllm_version: str | None = None):
     """The launcher of the installed vLLM's engine generation (the version policy's
-    :func:`~proxima.engines.activation.engine_for`)."""
-    from proxima.engines import activation
+    :func:`~proxima.vllm.activation.engine_for`)."""
+    from proxima.vllm import activation
 
     version = vllm_version or activation.installed_version("vllm")
     return LAUNCHERS[activation.engine_for(version)]()

@@ -1,7 +1,7 @@
 """Proxima's Prometheus metrics, read from the engine's status file at each scrape.
 
 The block pool lives in the engine-core process; the API server only sees the JSON snapshot
-the engine writes (:mod:`proxima.engines.status`). A custom collector turns the latest
+the engine writes (:mod:`proxima.vllm.status`). A custom collector turns the latest
 snapshot into metric families when ``/metrics`` is scraped, so there is nothing to update
 and nothing stale to reset. Registered once per process in the registry vLLM's ``/metrics``
 serves (prometheus_client's default registry in a one-API-server setup).
@@ -17,7 +17,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeHistogramMetricFam
                                     GaugeMetricFamily, Metric)
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
-from proxima.engines.status import read_status
+from proxima.vllm.status import read_status
 
 # Blocks per run of a running request: 1 = every block its own run (scattered), N = all of a
 # request's N blocks in one run. Powers of two up to the longest runs worth telling apart.
@@ -33,7 +33,7 @@ class ProximaCollector(Collector):
 
     def __init__(self, path: Callable[[], Path | None] | None = None,
                  clock: Callable[[], float] = time.time):
-        from proxima.engines.status import stats_path
+        from proxima.vllm.status import stats_path
 
         self._path = path or stats_path
         self._clock = clock

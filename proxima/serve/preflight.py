@@ -7,13 +7,13 @@ Each function turns facts (from :mod:`proxima.serve.gpuprobe` or package metadat
 from __future__ import annotations
 
 from proxima import __version__ as PROXIMA_VERSION
-from proxima.engines import activation
-from proxima.engines.activation import installed_version
+from proxima.vllm import activation
+from proxima.vllm.activation import installed_version
 from proxima.serve import gpuprobe
 from proxima.serve.report import Check, failed, ok, skipped
 
 # Which vLLM and torch are tested, and what the override allows: the one version policy,
-# proxima/engines/activation.py (the engine adapters ask the same).
+# proxima/vllm/activation.py (the engine adapters ask the same).
 INSTALL_HINT = activation.install_hint()
 NO_GPU_FIX = "run on a machine with a GPU, or with docker run --gpus all"
 # The oldest Linux driver branch that runs each CUDA major release (minor-version compatibility).

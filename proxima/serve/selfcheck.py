@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxima.engines.status import STATS_ENV, read_status
+from proxima.vllm.status import STATS_ENV, read_status
 from proxima.errors import UserError
 from proxima.serve.report import Check, Report, failed, ok, skipped
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"(the server is still in phase {data.get('phase')!r})")
         return 0 if data.get("passed") is True else 1
 
-    from proxima.engines.activation import check_environment
+    from proxima.vllm.activation import check_environment
     from proxima.serve.preflight import run_preflight
     from proxima.serve.validate import check_allocator_env
 
@@ -165,7 +165,7 @@ def engine_checks(model: str | None) -> list[Check]:
     """Start a small engine in a child process (as vLLM does), read its status, generate once."""
     from proxima.models import TINY_LLAMA_DIR
     from proxima.serve import startup_errors
-    from proxima.engines import activation
+    from proxima.vllm import activation
     from proxima.serve.engine_checks import (check_active, check_elastic, check_invariants,
                                              pick_invariants_status)
     from proxima.serve.tee import OutputTee

@@ -34,7 +34,7 @@ def apply_compaction(found: bool, elastic_on: bool, environ=os.environ) -> None:
     """``--compaction`` -> ``PROXIMA_COMPACTION=1`` (an ``every:K`` already set is kept)."""
     if not found:
         return
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     if not elastic_on:
         raise UserError("--compaction needs --elastic (block moves travel on the elastic KV "

@@ -28,8 +28,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Callable
 
-from proxima.engines import activation
-from proxima.engines.status import read_status, stats_path
+from proxima.vllm import activation
+from proxima.vllm.status import read_status, stats_path
 from proxima.serve import startup_errors
 from proxima.serve.launch import launcher_for
 from proxima.serve.engine_checks import (check_active, check_elastic, check_invariants,

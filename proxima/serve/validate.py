@@ -15,8 +15,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxima.engines import activation
-from proxima.engines.activation import installed_version
+from proxima.vllm import activation
+from proxima.vllm.activation import installed_version
 from proxima.errors import UserError
 from proxima.serve.preflight import INSTALL_HINT
 

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         return parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from proxima.engines.vllm_v1_compat import serve_cli_args
+    from proxima.vllm.vllm_v1_compat import serve_cli_args
 
     try:
         parser = serve_cli_args().make_arg_parser(FlexibleArgumentParser(prog="proxima serve"))
@@ -83,7 +83,7 @@ def _parser_error(message: str):
 
 
 def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    from proxima.engines.vllm_v1_compat import serve_cli_args
+    from proxima.vllm.vllm_v1_compat import serve_cli_args
 
     validate_parsed_serve_args = serve_cli_args().validate_parsed_serve_args
     parser = parser or build_parser()

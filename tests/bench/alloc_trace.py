@@ -143,7 +143,7 @@ def replay_vllm(ops, q) -> Tally:
 
 
 def setup_proxima_queue(num_blocks: int):
-    from proxima.engines.vllm_v1 import ProximaFreeQueue
+    from proxima.vllm.vllm_v1 import ProximaFreeQueue
 
     return ProximaFreeQueue(_kv_blocks(num_blocks), reserved=(0,))
 

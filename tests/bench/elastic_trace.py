@@ -3,7 +3,7 @@
 :func:`record` runs the CPU replay of issue 13's proof (d) -- ShareGPT-like requests in a
 closed loop of 256 through vLLM's real scheduler (async scheduling) on an elastic Proxima
 pool, the default policy -- and records, in order, every call vLLM's block pool and the
-elastic connector make on the :class:`~proxima.engines.elastic_pool.GranuleFreeQueue`: the
+elastic connector make on the :class:`~proxima.vllm.elastic_pool.GranuleFreeQueue`: the
 hand-outs (``popleft_n`` with the growth hint and expected end set for it, and the ids it
 returned), the frees (``append_n`` with the blocks' hashes, ``prepend_n``), prefix-cache
 hits (``remove``), lookup misses, ticks, releases and maps.
@@ -42,7 +42,7 @@ def replay_d(which: str, requests: int, num_blocks: int):
 
 def record(requests: int = 400, num_blocks: int = 20480) -> dict:
     """The queue's calls in the replay of ``requests`` requests (a dict: ``init``, ``ops``)."""
-    from proxima.engines import elastic_pool
+    from proxima.vllm import elastic_pool
 
     Q = elastic_pool.GranuleFreeQueue
     ops: list[tuple] = []
@@ -107,7 +107,7 @@ def setup(trace: dict):
     """A fresh queue and its blocks, as the recording's start found them."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from proxima.engines.elastic_pool import GranuleFreeQueue
+    from proxima.vllm.elastic_pool import GranuleFreeQueue
 
     init = dict(trace["init"])
     blocks = [KVCacheBlock(i) for i in range(init.pop("num_blocks"))]

@@ -16,7 +16,7 @@ import argparse
 import time
 
 from proxima.allocator import RunAllocator
-from proxima.engines import vllm_v1
+from proxima.vllm import vllm_v1
 from proxima.replay.driver_v1 import run_replay
 from proxima.workloads import WORKLOADS, make_workload
 

@@ -105,7 +105,7 @@ def _status_timers(acc: dict) -> list:
     import os
     import tempfile
 
-    from proxima.engines import status
+    from proxima.vllm import status
 
     os.environ["PROXIMA_STATS_FILE"] = os.path.join(tempfile.mkdtemp(), "status.json")
     saved = [(status.StatusWriter, "publish", status.StatusWriter.__dict__["publish"]),

@@ -17,7 +17,7 @@ import pytest
 
 from proxima.bench import offline, offline_engine, offline_status, report
 from proxima.bench.cli import offline_report
-from proxima.engines.status import write_status
+from proxima.vllm.status import write_status
 from proxima.workloads import make_workload
 
 
@@ -98,7 +98,7 @@ class StandInLLM:
             write_status({"active": True, "running_blocks_per_run": [4.0, 8.0],
                           "allocator": {"largest_free_run": 512, "fragmentation": 0.1},
                           "invariants_ok": True}, path=Path(self.stats_path))
-        elif self.observed == "1":     # what proxima.engines.observe_v1 writes for stock
+        elif self.observed == "1":     # what proxima.vllm.observe_v1 writes for stock
             write_status({"active": False, "observer": True,
                           "running_blocks_per_run": [1.0, 2.0]}, path=Path(self.stats_path))
         self.preempted += 7 if self.allocator == "0" else 5

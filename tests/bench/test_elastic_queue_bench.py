@@ -25,7 +25,7 @@ ROUNDS = 5
 
 @pytest.fixture(scope="module")
 def trace():
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     reason = elastic_v1.unsupported_reason("scheduler")
     if reason:

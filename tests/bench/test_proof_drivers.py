@@ -643,7 +643,7 @@ def test_compaction_throughput_rounds_interleave_and_stop_on_the_budget(tmp_path
     assert Compactor.modes[:2] == [False, True]                # off, then the policy
     s = details["summary"]
     assert s["ratio"] == 1.0 and s["stall_gpu_ms_first_call"] == 0.5 and ok
-    from proxima.engines import compaction_worker
+    from proxima.vllm import compaction_worker
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert Scheduler.schedule.__name__ == "schedule"          # the probe put them back

@@ -24,7 +24,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="the contract is checked against an installed vLLM")
 
-from proxima.engines import activation  # noqa: E402
+from proxima.vllm import activation  # noqa: E402
 
 VERSION = vllm.__version__
 ENGINE = activation.engine_for(VERSION)
@@ -36,7 +36,7 @@ BLOCK = 16
 @pytest.fixture
 def proxima_v1(monkeypatch):
     monkeypatch.setenv(activation.ALLOW_UNTESTED_ENV, "1")
-    from proxima.engines import vllm_v1
+    from proxima.vllm import vllm_v1
 
     vllm_v1.deactivate()
     vllm_v1.activate()
@@ -340,7 +340,7 @@ def test_v0_has_no_prefix_cache_reset_for_proxima_to_follow():
                                 path.read_text(errors="replace")))
     if found:
         pytest.fail(f"vLLM {VERSION} changed its V0 engine: reset_prefix_cache is defined in "
-                    f"{', '.join(found)}; Proxima's V0 allocators (proxima/engines/"
+                    f"{', '.join(found)}; Proxima's V0 allocators (proxima/vllm/"
                     f"vllm_v0_allocators.py)"
                     f" were never checked against a reset (a fresh pool, caching off, a "
                     f"second reset, blocks in use: tests/contract/test_reset_prefix_cache.py"

@@ -3,11 +3,11 @@
 Runs against whatever vLLM is installed, tested or not (the tested stack, the card stack,
 a candidate release: ``PROXIMA_STACK=... ./dev test tests/contract``), and checks the
 section of the adapter that vLLM's engine generation selects
-(:func:`proxima.engines.activation.engine_for`). Every check fails with one message naming
+(:func:`proxima.vllm.activation.engine_for`). Every check fails with one message naming
 the vLLM symbol that changed and what Proxima needs of it, so moving to a new vLLM starts
 from a list, not from a traceback deep in the scheduler.
 
-V1 adapter (proxima/engines/vllm_v1.py) and the stock observer (observe_v1.py) rely on:
+V1 adapter (proxima/vllm/vllm_v1.py) and the stock observer (observe_v1.py) rely on:
   vllm.v1.core.kv_cache_coordinator.BlockPool      the name activation replaces
   vllm.v1.core.block_pool.BlockPool                __init__ (passed through), the attributes
                                                    it sets, reset_prefix_cache()
@@ -25,14 +25,14 @@ V1 adapter (proxima/engines/vllm_v1.py) and the stock observer (observe_v1.py) r
   vllm.v1.core.sched.scheduler.Scheduler.add_request, AsyncScheduler inheriting it
   vllm.v1.core.kv_cache_manager.KVCacheManager.free / new_step_starts, .coordinator
 Elastic KV's and compaction's worker side (elastic_v1, compaction_worker; what differs between
-0.26 and 0.33 is proxima/engines/vllm_v1_compat.py):
+0.26 and 0.33 is proxima/vllm/vllm_v1_compat.py):
   vllm.v1.worker.gpu.attn_utils._allocate_kv_cache (0.26) / allocate_kv_cache (0.33)
                                                    the function replaced, with its arguments,
                                                    called by that name from init_kv_cache
   vllm.v1.worker.gpu.model_runner.GPUModelRunner.update_requests, called by execute_model
                                                    before block_tables.apply_staged_writes
   KVConnectorBase_V1's methods ProximaElasticConnector overrides, with their signatures
-V0 adapter (proxima/engines/vllm_v0.py, vllm_v0_allocators.py):
+V0 adapter (proxima/vllm/vllm_v0.py, vllm_v0_allocators.py):
   vllm.core.block_manager.SelfAttnBlockSpaceManager
   (the name activation replaces) and the signatures of every vLLM method it overrides.
 """
@@ -49,7 +49,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="the contract is checked against an installed vLLM")
 
-from proxima.engines import activation  # noqa: E402
+from proxima.vllm import activation  # noqa: E402
 
 VERSION = vllm.__version__
 ENGINE = activation.engine_for(VERSION)
@@ -123,7 +123,7 @@ def untested_allowed(monkeypatch):
 
 @pytest.fixture
 def proxima_v1(untested_allowed):
-    from proxima.engines import vllm_v1
+    from proxima.vllm import vllm_v1
 
     vllm_v1.deactivate()
     vllm_v1.activate()
@@ -177,7 +177,7 @@ def test_proxima_block_pool_keeps_block_pools_signatures(proxima_v1):
 
 @v1
 def test_the_free_queue_method_set_is_the_one_proxima_implements():
-    from proxima.engines.vllm_v1 import ProximaFreeQueue
+    from proxima.vllm.vllm_v1 import ProximaFreeQueue
 
     stock = symbol("vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue")
     where = "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue"
@@ -204,7 +204,7 @@ def test_the_free_queue_method_set_is_the_one_proxima_implements():
 def test_vllm_touches_a_pools_free_queue_only_through_what_proxima_has():
     """Every attribute any vLLM module reads on a block pool's free_block_queue (directly,
     or through a local alias, as the simple CPU offload's cursor walk does)."""
-    from proxima.engines.vllm_v1 import ProximaFreeQueue
+    from proxima.vllm.vllm_v1 import ProximaFreeQueue
 
     ours = set(dir(ProximaFreeQueue)) | {"num_free_blocks"}
     root = Path(vllm.__file__).parent
@@ -273,7 +273,7 @@ def test_allocate_new_blocks_does_nothing_for_a_request_holding_blocks_enough():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from proxima.engines import vllm_v1
+    from proxima.vllm import vllm_v1
 
     if VERSION not in vllm_v1.PLAIN_ALLOCATE_RELEASES:
         pytest.skip(f"the fast path is off on vLLM {VERSION} (not in PLAIN_ALLOCATE_RELEASES)")
@@ -394,7 +394,7 @@ def test_a_live_scheduler_has_what_the_adapter_reads(proxima_v1):
 
 @v0
 def test_v0_block_manager_name_and_overrides(untested_allowed):
-    from proxima.engines import vllm_v0, vllm_v0_allocators as allocators
+    from proxima.vllm import vllm_v0, vllm_v0_allocators as allocators
 
     symbol("vllm.core.block_manager.SelfAttnBlockSpaceManager")
     for cls in (allocators.ProximaNaiveBlockAllocator,
@@ -413,7 +413,7 @@ def test_v0_scheduler_builds_the_manager_activation_installs(untested_allowed):
     from vllm.config import CacheConfig, SchedulerConfig
     from vllm.core.scheduler import Scheduler
 
-    from proxima.engines import vllm_v0
+    from proxima.vllm import vllm_v0
 
     vllm_v0.deactivate()
     vllm_v0.activate()
@@ -540,7 +540,7 @@ KV_ALLOCATION_PARAMS = {"_allocate_kv_cache": ["kv_cache_config", "shared_layers
 
 @v1
 def test_the_kv_allocation_elastic_replaces_is_called_by_its_name():
-    from proxima.engines import vllm_v1_compat
+    from proxima.vllm import vllm_v1_compat
 
     site = vllm_v1_compat.kv_allocation()
     if site is None:
@@ -571,6 +571,6 @@ def test_the_runner_updates_block_tables_before_it_applies_their_writes():
 
 @v1
 def test_the_elastic_connector_keeps_the_connector_api_s_signatures():
-    from proxima.engines.elastic_connector import ProximaElasticConnector
+    from proxima.vllm.elastic_connector import ProximaElasticConnector
 
     check_overrides(ProximaElasticConnector, "ProximaElasticConnector")

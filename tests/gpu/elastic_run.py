@@ -49,7 +49,7 @@ def main() -> int:
         os.environ.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1")
         from vllm.config import KVTransferConfig
 
-        from proxima.engines import elastic_v1, plugin
+        from proxima.vllm import elastic_v1, plugin
 
         plugin.register()        # as vLLM's entry point would (Proxima may not be installed)
         # placement by granule with the whole pool mapped and strict LRU, plus forced safe

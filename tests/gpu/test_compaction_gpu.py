@@ -1,7 +1,7 @@
 """Issue 14 item 3's worker side on a GPU, without vLLM: a step's compaction work applied
 to a Llama-3.1-8B-shaped KV cache as vLLM 0.26's V2 runner holds it (FlashAttention's NHD
 pages, a persistent int32 block table), by the code the runner's hook calls
-(:func:`proxima.engines.compaction_worker.apply_on_worker`): a plan with a cycle through a
+(:func:`proxima.vllm.compaction_worker.apply_on_worker`): a plan with a cycle through a
 scratch block past the pool, planned by the planner, then checked byte for byte, the
 table rewritten, and the GPU time measured with CUDA events.
 
@@ -30,7 +30,7 @@ else:
 
 from proxima.allocator.planner import plan_pack  # noqa: E402
 from proxima.allocator.plans import CACHED, FIXED, FREE, LIVE, PoolView  # noqa: E402
-from proxima.engines import compaction_worker  # noqa: E402
+from proxima.vllm import compaction_worker  # noqa: E402
 from proxima.kernels.layout import flash_attn_kv_caches  # noqa: E402
 
 

@@ -24,8 +24,8 @@ def test_the_connector_opens_the_gpus_ledger_without_a_cuda_context(tmp_path):
         pytest.skip("needs an NVIDIA GPU")
     import torch
 
-    from proxima.engines.elastic_control import open_gpu_ledger
-    from proxima.engines.elastic_v1 import ElasticOptions
+    from proxima.vllm.elastic_control import open_gpu_ledger
+    from proxima.vllm.elastic_v1 import ElasticOptions
 
     ledger, gpu_memory = open_gpu_ledger(ElasticOptions(ledger_dir=str(tmp_path)), 1)
     assert ledger is not None and ledger.path.name.startswith("proxima-ledger-GPU-")

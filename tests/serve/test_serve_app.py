@@ -8,7 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from proxima.allocator import RunAllocator
-from proxima.engines.status import write_status
+from proxima.vllm.status import write_status
 from proxima.serve.app import create_app
 from proxima.serve.engine_checks import CANARY_HEADER
 from proxima.serve.preflight import installed_version
@@ -25,7 +25,7 @@ def args(serve_args):
 @pytest.fixture(scope="module")
 def vllm_app(args):
     """vLLM's real OpenAI app, built without an engine (routes that need none still work)."""
-    from proxima.engines.vllm_v1_compat import api_server_app
+    from proxima.vllm.vllm_v1_compat import api_server_app
 
     build_app = api_server_app()[0]
     if card_stack():

@@ -75,7 +75,7 @@ def test_gate_in_front_of_vllm06_app(serve_args, tmp_path, monkeypatch):
     from vllm.entrypoints.openai.api_server import build_app
 
     from proxima.allocator import RunAllocator
-    from proxima.engines.status import write_status
+    from proxima.vllm.status import write_status
     from proxima.serve import metrics
     from proxima.serve.app import create_app
     from proxima.serve.supervisor import READY

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from proxima.allocator import RunAllocator
-from proxima.engines.status import read_status, write_status
+from proxima.vllm.status import read_status, write_status
 from proxima.serve.engine_checks import (CANARY_HEADER, check_active, check_invariants,
                                          pick_invariants_status, run_canary)
 

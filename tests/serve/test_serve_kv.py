@@ -33,7 +33,7 @@ def args(serve_args):
 
 def engine_with(scheduler):
     """An engine client whose utility calls run in ``scheduler``'s 'engine core'."""
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     core = SimpleNamespace(scheduler=scheduler)
 
@@ -49,7 +49,7 @@ def engine_with(scheduler):
 def elastic_scheduler():
     if card_stack():
         pytest.skip("elastic KV memory needs vLLM's V1 engine")
-    from proxima.engines import elastic_v1, vllm_v1
+    from proxima.vllm import elastic_v1, vllm_v1
     from proxima.replay.driver_v1 import build_scheduler
 
     if elastic_v1.unsupported_reason("scheduler"):
@@ -103,7 +103,7 @@ def test_kv_route_without_engine_or_without_elastic(args):
     answer = client.get("/proxima/kv")
     assert answer.status_code == 503 and "not running" in answer.json()["error"]
     plain = SimpleNamespace(scheduler=SimpleNamespace(connector=None))
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     async def call(method, *a):
         return elastic_v1.engine_core_proxima_kv(plain, *a)
@@ -164,7 +164,7 @@ def test_proxima_kv_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 def test_metrics_carry_the_elastic_section(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from proxima.engines.status import write_status
+    from proxima.vllm.status import write_status
     from proxima.serve.metrics import ProximaCollector
 
     path = tmp_path / "status.json"

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxima.allocator import RunAllocator
-from proxima.engines.status import write_status
+from proxima.vllm.status import write_status
 from proxima.serve.metrics import ProximaCollector
 
 

@@ -14,7 +14,7 @@ through what the product already offers:
   module must be importable there: the repository root on ``sys.path`` (the tests run from
   it; the proof drivers insert it).
 * forced compaction (``every:K``: empty one granule every K steps) with :func:`set_mode`,
-  on a :class:`~proxima.engines.compaction_v1.Compactor` of this process (tests, and the
+  on a :class:`~proxima.vllm.compaction_v1.Compactor` of this process (tests, and the
   GPU proof with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 

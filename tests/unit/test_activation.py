@@ -1,4 +1,4 @@
-"""The one version and variable policy (proxima/engines/activation.py), without vLLM: the
+"""The one version and variable policy (proxima/vllm/activation.py), without vLLM: the
 tested table, the version-to-engine mapping, the override, every PROXIMA_* variable."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxima.engines import activation
-from proxima.engines.activation import ActivationError
+from proxima.vllm import activation
+from proxima.vllm.activation import ActivationError
 
 REPO = Path(__file__).resolve().parents[2]
 ALLOW = {activation.ALLOW_UNTESTED_ENV: "1"}
@@ -161,7 +161,7 @@ def test_both_adapters_expose_the_same_activation_interface():
     patches, idempotent), deactivate(), is_active(), all without arguments."""
     import inspect
 
-    from proxima.engines.plugin import adapter
+    from proxima.vllm.plugin import adapter
 
     for engine in activation.ENGINE_NAMES:
         module = adapter(engine)

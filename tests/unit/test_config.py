@@ -146,7 +146,7 @@ def test_bad_counts(value, problem):
 # ----------------------------------------------------------------------------- elastic
 
 def test_the_table_is_every_elastic_option_and_their_defaults_pass_it():
-    from proxima.engines.elastic_v1 import ElasticOptions
+    from proxima.vllm.elastic_v1 import ElasticOptions
     from proxima.memory.policy import PolicyOptions
 
     defaults = dataclasses.asdict(ElasticOptions())
@@ -245,7 +245,7 @@ def test_options_text_is_checked(text, message):
 
 
 def test_proxima_elastic_options_is_checked_with_every_variable():
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     assert activation.read(activation.ELASTIC_OPTIONS_ENV, {}) == {}
     assert activation.read(activation.ELASTIC_OPTIONS_ENV,

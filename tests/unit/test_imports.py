@@ -113,6 +113,50 @@ def test_the_allocator_core_imports_neither_torch_nor_vllm():
             assert all(t.startswith("proxima.allocator") for t in inside), (name, inside)
 
 
+def _package_imports(package: str) -> dict[str, tuple[set[str], set[str]]]:
+    """Every module of ``package``: (the Proxima modules it imports, its external packages)."""
+    modules = _modules()
+    known = set(modules)
+    out = {}
+    for name, path in modules.items():
+        if name == package or name.startswith(package + "."):
+            found = _imports(name, path, known)
+            out[name] = ({t for t in found if not t.startswith("ext:")},
+                         {t[4:] for t in found if t.startswith("ext:")})
+    return out
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_layers_point_down():
+    # proxima.vllm is the adapter layer (everything that touches vLLM); below it the
+    # allocator core and the kernels import nothing of Proxima's outside themselves, and
+    # proxima.memory imports neither vLLM nor the adapter layer
+    for package in ("proxima.allocator", "proxima.kernels"):
+        modules = _package_imports(package)
+        assert modules, package
+        for name, (inside, _) in modules.items():
+            assert all(_inside(t, package) for t in inside), (name, inside)
+    modules = _package_imports("proxima.memory")
+    assert modules
+    for name, (inside, external) in modules.items():
+        assert "vllm" not in external, name
+        assert not any(_inside(t, "proxima.vllm") for t in inside), (name, inside)
+
+
+def test_the_adapter_layer_imports_the_real_vllm():
+    # inside proxima/vllm/, ``import vllm`` must be vLLM itself: absolute imports only, so
+    # that the package's own name never shadows it
+    modules = _package_imports("proxima.vllm")
+    assert any("vllm" in external for _, external in modules.values())
+    for name in modules:
+        tree = ast.parse(_modules()[name].read_text())
+        relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+        assert relative == [], (name, relative)
+
+
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     # the test's own reading, on a module written for it
     known = {"proxima.a", "proxima.b", "proxima.pkg", "proxima.pkg.c"}

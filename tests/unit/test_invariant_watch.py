@@ -1,7 +1,7 @@
 """The engine's invariant verdict: renewed at most once a minute, carried in every snapshot."""
 
 from proxima.allocator import RunAllocator
-from proxima.engines import status
+from proxima.vllm import status
 
 
 def test_verdict_is_renewed_once_per_interval(monkeypatch):

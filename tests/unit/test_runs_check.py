@@ -10,7 +10,7 @@ import pytest
 
 from proxima.allocator import AllocationHint, InvariantError, RunAllocator
 from proxima.allocator.free_runs import ALLOCATED, FREE
-from proxima.engines.status import invariants_verdict
+from proxima.vllm.status import invariants_verdict
 
 
 def busy_pool() -> RunAllocator:
@@ -66,14 +66,14 @@ def test_check_fails_under_python_O():
     """Built on real errors, not ``assert``: under -O a corrupted pool still fails."""
     code = (
         "from proxima.allocator import RunAllocator, InvariantError\n"
-        "from proxima.engines.status import invariants_verdict\n"
+        "from proxima.vllm.status import invariants_verdict\n"
         "assert False, 'asserts are on: not running under -O'\n"
     )
     probe = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr            # -O really strips asserts
     code = (
         "from proxima.allocator import RunAllocator, InvariantError\n"
-        "from proxima.engines.status import invariants_verdict\n"
+        "from proxima.vllm.status import invariants_verdict\n"
         "a = RunAllocator(64, reserved=(0,))\n"
         "a.allocate(10)\n"
         "a._state[40] = 1            # allocated behind the allocator's back\n"

@@ -2,7 +2,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs a tested vLLM of the V1 engine (./dev test)")
 
-from proxima.engines import activation  # noqa: E402
+from proxima.vllm import activation  # noqa: E402
 
 _entry = activation.tested(vllm.__version__)
 if _entry is None or _entry.engine != "v1":
@@ -15,7 +15,7 @@ if _entry is None or _entry.engine != "v1":
 @pytest.fixture(autouse=True)
 def _stock_after_each_test():
     """Every test leaves vLLM's classes as it found them (stock)."""
-    from proxima.engines import observe_v1, vllm_v1
+    from proxima.vllm import observe_v1, vllm_v1
 
     vllm_v1.deactivate()
     observe_v1.deactivate()

@@ -4,7 +4,7 @@ The scheduler, KV-cache manager, block pool and prefix cache are vLLM's own code
 is Proxima's, compaction runs in the elastic connector's scheduler side as in an engine.
 The worker is a model of vLLM's V2 runner: per-request block tables updated from the
 scheduler output (new requests: full ids; running ones: appended ids), compaction's work
-applied with the real worker code (:func:`proxima.engines.compaction_worker.apply_on_worker`:
+applied with the real worker code (:func:`proxima.vllm.compaction_worker.apply_on_worker`:
 the block mover on CPU tensors, then the table writes), and a "forward" that writes every
 scheduled token's KV slot with a value that depends only on the token and its position,
 after checking that every slot the request already computed reads back what was written
@@ -19,10 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxima.engines import compaction_v1, compaction_worker, elastic_v1, vllm_v1
-from proxima.engines.compaction_options import CompactionOptions, scratch_first
-from proxima.engines.compaction_worker import apply_on_worker
-from proxima.engines.elastic_connector import ElasticMetadata
+from proxima.vllm import compaction_v1, compaction_worker, elastic_v1, vllm_v1
+from proxima.vllm.compaction_options import CompactionOptions, scratch_first
+from proxima.vllm.compaction_worker import apply_on_worker
+from proxima.vllm.elastic_connector import ElasticMetadata
 from proxima.replay.driver_v1 import _runner_output, build_scheduler
 from proxima.replay.elastic import ReplayWorker
 from tests.support import forced
@@ -453,7 +453,7 @@ def test_bad_compaction_options_are_one_clear_error(extra, message):
 
 
 def test_the_mode_comes_from_the_environment_unless_the_options_say(monkeypatch):
-    from proxima.engines.activation import ActivationError, CompactionMode
+    from proxima.vllm.activation import ActivationError, CompactionMode
 
     assert CompactionOptions.resolve(None) is None
     monkeypatch.setenv("PROXIMA_COMPACTION", "1")
@@ -465,7 +465,7 @@ def test_the_mode_comes_from_the_environment_unless_the_options_say(monkeypatch)
 
 
 def test_compaction_needs_elastic_mode_and_is_one_clear_error(monkeypatch):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
     monkeypatch.delenv("PROXIMA_ELASTIC", raising=False)

@@ -18,8 +18,8 @@ from collections import deque
 
 import pytest
 
-from proxima.engines import elastic_v1, vllm_v1
-from proxima.engines.elastic_connector import (ElasticMetadata, ElasticWorkerMetadata,
+from proxima.vllm import elastic_v1, vllm_v1
+from proxima.vllm.elastic_connector import (ElasticMetadata, ElasticWorkerMetadata,
                                                ProximaElasticConnector)
 from proxima.memory.channel import MAPPED
 from proxima.memory.kv import KvMemory
@@ -401,7 +401,7 @@ def test_activate_routes_engine_args_through_the_connector():
 def test_native_offloading_flag_is_refused_with_the_way_out():
     from vllm.engine.arg_utils import EngineArgs
 
-    from proxima.engines.activation import ActivationError
+    from proxima.vllm.activation import ActivationError
 
     elastic_v1.activate()
     args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True,
@@ -464,7 +464,7 @@ def test_the_workers_report_must_agree_with_the_predicted_granule():
 # ----------------------------------------------------------------------------- the switch
 
 def test_elastic_needs_the_allocator_and_is_one_clear_error(monkeypatch):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv(elastic_v1.ENV, "1")
     monkeypatch.delenv("PROXIMA_ALLOCATOR", raising=False)
@@ -633,7 +633,7 @@ def test_maps_in_the_background_land_steps_later_and_no_step_reads_an_unmapped_b
 def test_the_stats_file_follows_every_step_with_the_policys_recent_events(monkeypatch, tmp_path):
     # written when due on any step, not only on steps whose ops the workers report (a
     # stall with a map in flight must show in the file), with the last grows and shrinks
-    from proxima.engines import elastic_connector
+    from proxima.vllm import elastic_connector
     from proxima.ioutil import flush_live_files
 
     monkeypatch.setattr(elastic_connector, "STATS_EVERY_S", 0.0)
@@ -698,7 +698,7 @@ def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
 def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugin(monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
     monkeypatch.setenv(elastic_v1.ENV, "1")
@@ -729,7 +729,7 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
 
 def test_no_gpu_no_ledger():
     """On CPU the connector keeps no GPU ledger (the replay sets its stand-in's own)."""
-    from proxima.engines.elastic_control import open_gpu_ledger
+    from proxima.vllm.elastic_control import open_gpu_ledger
 
     assert open_gpu_ledger(elastic_v1.ElasticOptions(), 1) == (None, None)
 

@@ -3,8 +3,8 @@ the V2 runner's own reshape code, run on CPU tensors)."""
 
 import pytest
 
-from proxima.engines import elastic_v1, vllm_v1_compat
-from proxima.engines.elastic_connector import predicted_granule_blocks
+from proxima.vllm import elastic_v1, vllm_v1_compat
+from proxima.vllm.elastic_connector import predicted_granule_blocks
 from proxima.memory.kv import region_block_strides
 from proxima.memory.layout import LayoutError, check_block_major, granule_blocks
 

@@ -17,11 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from proxima.allocator import AllocationHint
 from proxima.allocator.eviction import EvictionPolicy
-from proxima.engines.elastic_pool import GranuleFreeQueue
+from proxima.vllm.elastic_pool import GranuleFreeQueue
 
 
 def elastic_supported():
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     reason = elastic_v1.unsupported_reason("scheduler")
     if reason:

@@ -7,7 +7,7 @@ deep inside the worker, and PROXIMA_ALLOW_UNPROVEN_ELASTIC=1 lets it through."""
 import pytest
 import vllm
 
-from proxima.engines import activation, elastic_v1
+from proxima.vllm import activation, elastic_v1
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_the_connector_s_worker_side_is_refused_where_unproven(monkeypatch):
     """The connector configured by hand (no plugin) meets the same refusal in the worker."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from proxima.engines.elastic_connector import ProximaElasticConnector
+    from proxima.vllm.elastic_connector import ProximaElasticConnector
     from proxima.errors import UserError
     from proxima.replay.driver_v1 import build_scheduler
     from vllm.config import KVTransferConfig
@@ -66,6 +66,6 @@ def test_the_connector_s_worker_side_is_refused_where_unproven(monkeypatch):
             ProximaElasticConnector(scheduler.vllm_config, KVConnectorRole.WORKER,
                                     scheduler.kv_cache_config)
     finally:
-        from proxima.engines import vllm_v1
+        from proxima.vllm import vllm_v1
 
         vllm_v1.deactivate()

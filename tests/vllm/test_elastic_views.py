@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxima.engines import elastic_v1
-from proxima.engines import vllm_v1_compat as compat
+from proxima.vllm import elastic_v1
+from proxima.vllm import vllm_v1_compat as compat
 from proxima.memory.kv import KvMemory
 from proxima.memory.layout import check_block_major
 from tests.memory.fake_driver import FakeDriver

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxima.allocator import AllocationHint, count_runs
-from proxima.engines import vllm_v1
+from proxima.vllm import vllm_v1
 
 
 def kv_blocks(n: int):
@@ -187,7 +187,7 @@ def offload_scheduler(proxima: bool, num_blocks: int, lazy: bool, cpu_blocks: in
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from proxima.engines.vllm_v1_compat import kv_cache_tensors
+    from proxima.vllm.vllm_v1_compat import kv_cache_tensors
     from proxima.replay.driver_v1 import TINY_LLAMA
 
     model_dir = tempfile.mkdtemp(prefix="proxima-tiny-llama-")

@@ -1,4 +1,4 @@
-"""The one patch registry (proxima.engines.patches) on vLLM's real classes: every patch
+"""The one patch registry (proxima.vllm.patches) on vLLM's real classes: every patch
 set Proxima has, applied and undone, leaves each attribute it touched the identical object
 it was before (or absent again), and nothing else of those classes changed."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxima.engines import activation, compaction_worker, elastic_v1, observe_v1, patches, vllm_v1
+from proxima.vllm import activation, compaction_worker, elastic_v1, observe_v1, patches, vllm_v1
 
 
 def _targets():

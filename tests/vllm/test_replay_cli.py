@@ -87,7 +87,7 @@ def test_preemption_mode_is_refused_on_the_v1_engine(capsys):
 def test_replay_asks_the_version_policy(monkeypatch, capsys):
     """An untested vLLM is refused before any work, unless PROXIMA_ALLOW_UNTESTED_VLLM=1
     (a bad value of which is an error of its own)."""
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     real = activation.installed_version
     monkeypatch.setattr(activation, "installed_version",
@@ -123,7 +123,7 @@ def test_every_replay_reports_the_reclaimable_granules_and_the_packed_ideal(tmp_
 
 
 def test_elastic_replay_runs_the_policy_and_reports_mapped_memory(tmp_path, capsys):
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     if elastic_v1.unsupported_reason("scheduler"):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
@@ -167,7 +167,7 @@ def test_elastic_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 
 def test_elastic_replay_is_one_line_where_this_vllm_describes_kv_differently(monkeypatch,
                                                                              capsys):
-    from proxima.engines import vllm_v1_compat
+    from proxima.vllm import vllm_v1_compat
 
     def unknown():
         raise AttributeError("KVCacheTensor has neither shared_by nor layers")
@@ -208,7 +208,7 @@ def test_the_compaction_budget_reaches_the_driver_in_bytes(tmp_path, capsys):
 
 
 def test_elastic_replay_with_compaction_runs_the_connectors_compactor(tmp_path, capsys):
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     if elastic_v1.unsupported_reason("scheduler"):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
@@ -232,7 +232,7 @@ def test_a_failed_parity_check_is_exit_1_and_the_results_are_still_written(tmp_p
     """The elastic side on a GPU with room for 128 blocks (--gpu-kv): its grows fail, it
     preempts more than stock, the parity check fails: exit 1, as --help and the docs say,
     with the table, the JSON and a line on stderr naming the failed check."""
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     if elastic_v1.unsupported_reason("scheduler"):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
@@ -264,7 +264,7 @@ def test_elastic_steps_row_says_which_steps_were_idle(tmp_path, capsys):
     """With 3 requests the elastic side keeps stepping through its release delay after the
     last one finished: its 501 steps hold 400 idle ones. The row marks them, compares the
     101 steps with requests (1.000, not 4.960), and the other figures stay as they were."""
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
 
     if elastic_v1.unsupported_reason("scheduler"):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))

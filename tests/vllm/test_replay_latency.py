@@ -11,7 +11,7 @@ import json
 import pytest
 
 from proxima.cli import main
-from proxima.engines import elastic_v1
+from proxima.vllm import elastic_v1
 from proxima.replay.table import LATENCY_PARITY, format_table, parity_checks
 from proxima.replay.result import LATENCY_FIELDS
 

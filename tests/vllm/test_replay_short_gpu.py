@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxima.engines import elastic_v1
+from proxima.vllm import elastic_v1
 
 if elastic_v1.unsupported_reason("scheduler"):
     pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)

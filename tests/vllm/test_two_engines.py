@@ -12,7 +12,7 @@ import json
 import pytest
 
 from proxima.cli import main
-from proxima.engines import elastic_v1
+from proxima.vllm import elastic_v1
 
 if elastic_v1.unsupported_reason("scheduler"):
     pytest.skip(elastic_v1.unsupported_reason("scheduler"), allow_module_level=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from proxima.engines import activation, vllm_v1
+from proxima.vllm import activation, vllm_v1
 from proxima.allocator import count_runs
 from proxima.replay.driver_v1 import build_scheduler, run_replay
 from proxima.workloads import RequestSpec, Workload, make_workload
@@ -52,7 +52,7 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch):
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.block_pool import BlockPool
 
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.delenv(activation.ENV, raising=False)
     register()
@@ -78,13 +78,13 @@ def test_plugin_entry_point_is_registered_with_vllm():
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("proxima") == "proxima.engines.plugin:register"
+    assert names.get("proxima") == "proxima.vllm.plugin:register"
 
 
 def test_untested_vllm_is_refused_unless_allowed(monkeypatch, proxima_log):
     import vllm
 
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv(activation.ENV, "1")
     monkeypatch.delenv(activation.ALLOW_UNTESTED_ENV, raising=False)
@@ -118,7 +118,7 @@ def test_the_v0_vllm_series_is_refused_by_the_v1_adapter(monkeypatch):
 
 
 def test_a_bad_stats_file_stops_the_plugin_before_anything_is_patched(monkeypatch, tmp_path):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv(activation.ENV, "1")
     monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "missing" / "status.json"))
@@ -221,7 +221,7 @@ def test_reset_prefix_cache_returns_every_block_to_the_buddy():
 
 
 # ------------------------------------------------------------------ what vLLM 0.33 added
-# (proxima/engines/vllm_v1_compat.py lists the differences; these run where vLLM has them)
+# (proxima/vllm/vllm_v1_compat.py lists the differences; these run where vLLM has them)
 
 def _has_block_pool_feature(name: str) -> bool:
     import inspect
@@ -362,9 +362,9 @@ def runs_of(ids: list[int]) -> int:
 def test_observer_measures_stock_without_changing_its_allocation(monkeypatch, tmp_path):
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
-    from proxima.engines import observe_v1
-    from proxima.engines.plugin import register
-    from proxima.engines.status import read_status
+    from proxima.vllm import observe_v1
+    from proxima.vllm.plugin import register
+    from proxima.vllm.status import read_status
     from proxima.ioutil import flush_live_files
 
     # Build the unobserved scheduler first, then switch the observer on, as vLLM's
@@ -415,8 +415,8 @@ def test_observer_measures_stock_without_changing_its_allocation(monkeypatch, tm
 
 
 def test_observer_is_off_with_proxima_on_and_refuses_bad_values(monkeypatch, tmp_path):
-    from proxima.engines import observe_v1
-    from proxima.engines.plugin import register
+    from proxima.vllm import observe_v1
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_STATS_FILE", str(tmp_path / "s.json"))
     monkeypatch.setenv(activation.OBSERVE_ENV, "yes")
@@ -431,8 +431,8 @@ def test_observer_is_off_with_proxima_on_and_refuses_bad_values(monkeypatch, tmp
 def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
     """The same 12 requests through stock (observed) and Proxima: both status files count
     every finished request, and Proxima's requests end in far fewer runs."""
-    from proxima.engines import observe_v1
-    from proxima.engines.status import read_status
+    from proxima.vllm import observe_v1
+    from proxima.vllm.status import read_status
 
     means = {}
     for proxima in (False, True):
@@ -455,7 +455,7 @@ def test_finished_tally_proxima_against_observed_stock(monkeypatch, tmp_path):
 
 def test_invariants_are_rechecked_on_the_live_pool(monkeypatch, tmp_path):
     from proxima.allocator.free_runs import ALLOCATED, FREE
-    from proxima.engines import status as status_mod
+    from proxima.vllm import status as status_mod
     from proxima.ioutil import flush_live_files
 
     path = tmp_path / "status.json"

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture
 def clean_activation(monkeypatch):
     """No PROXIMA_* variable set, vLLM's own block manager installed before and after."""
-    from proxima.engines import vllm_v0
+    from proxima.vllm import vllm_v0
     for name in ("PROXIMA_ALLOCATOR", "PROXIMA_OBSERVE", "PROXIMA_ALLOW_UNTESTED_VLLM",
                  "PROXIMA_STATS_FILE"):
         monkeypatch.delenv(name, raising=False)

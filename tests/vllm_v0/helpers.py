@@ -22,7 +22,7 @@ def installed_vllm() -> str | None:
 
 
 def card_stack_or_skip() -> None:
-    from proxima.engines.activation import engine_for
+    from proxima.vllm.activation import engine_for
 
     version = installed_vllm()
     if version is None or engine_for(version) != "v0":
@@ -51,7 +51,7 @@ class SeqFactory:
 def make_manager(proxima: bool, num_gpu_blocks: int, num_cpu_blocks: int = 64,
                  block_size: int = 16, enable_caching: bool = True):
     """A V0 block manager (Proxima's or vLLM's), as the Scheduler builds it."""
-    from proxima.engines import vllm_v0
+    from proxima.vllm import vllm_v0
     cls = vllm_v0.ProximaBlockSpaceManager if proxima else vllm_v0.stock_manager_class()
     return cls(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                num_cpu_blocks=num_cpu_blocks, watermark=0.01, sliding_window=None,

@@ -14,7 +14,7 @@ import vllm.core.block_manager as block_manager  # noqa: E402
 from vllm.config import CacheConfig, SchedulerConfig  # noqa: E402
 from vllm.core.scheduler import Scheduler  # noqa: E402
 
-from proxima.engines.activation import ActivationError  # noqa: E402
+from proxima.vllm.activation import ActivationError  # noqa: E402
 
 STOCK = block_manager.SelfAttnBlockSpaceManager
 
@@ -29,7 +29,7 @@ def build_scheduler(num_blocks: int = 128, block_size: int = 16) -> Scheduler:
 
 
 def test_tested_version_is_the_pinned_one():
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     entry = activation.tested(vllm.__version__)
     assert entry is not None and entry.engine == "v0"
@@ -37,7 +37,7 @@ def test_tested_version_is_the_pinned_one():
 
 @pytest.mark.parametrize("value", [None, "", "0"])
 def test_flag_off_is_stock(clean_activation, monkeypatch, value):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     if value is not None:
         monkeypatch.setenv("PROXIMA_ALLOCATOR", value)
@@ -49,7 +49,7 @@ def test_flag_off_is_stock(clean_activation, monkeypatch, value):
 
 def test_flag_on_installs_and_logs_once_per_scheduler(clean_activation, monkeypatch,
                                                       proxima_log):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
     register()
@@ -69,7 +69,7 @@ def test_flag_on_installs_and_logs_once_per_scheduler(clean_activation, monkeypa
 
 @pytest.mark.parametrize("value", ["true", "2", "yes", "on"])
 def test_other_flag_values_are_an_error(clean_activation, monkeypatch, value):
-    from proxima.engines.plugin import register
+    from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_ALLOCATOR", value)
     with pytest.raises(SystemExit, match="PROXIMA_ALLOCATOR must be 1"):
@@ -88,7 +88,7 @@ def test_untested_version_is_refused(clean_activation, monkeypatch):
 
 
 def test_untested_version_allowed_with_a_warning(clean_activation, monkeypatch, proxima_log):
-    from proxima.engines import activation
+    from proxima.vllm import activation
 
     monkeypatch.setenv("PROXIMA_ALLOW_UNTESTED_VLLM", "1")
     monkeypatch.setattr(vllm, "__version__", "0.6.2")
@@ -113,7 +113,7 @@ def test_entry_point_activates_through_vllms_plugin_loader(clean_activation, mon
     from importlib.metadata import entry_points
     if not [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "proxima"]:
         pytest.skip("proxima is not installed with its entry point (pip install -e .)")
-    pytest.importorskip("proxima.engines.plugin")
+    pytest.importorskip("proxima.vllm.plugin")
     from vllm.plugins import load_general_plugins
     load_general_plugins()
     assert block_manager.SelfAttnBlockSpaceManager is STOCK      # flag unset: nothing
@@ -153,7 +153,7 @@ def test_sliding_window_matches_stock():
     """With a sliding window (none of the managers above has one) every plain attribute is
     stock's, the window's block count included: 100 // 16 + 1 blocks, plus one."""
     stock = STOCK(block_size=16, num_gpu_blocks=64, num_cpu_blocks=8, sliding_window=100)
-    from proxima.engines.vllm_v0 import ProximaBlockSpaceManager
+    from proxima.vllm.vllm_v0 import ProximaBlockSpaceManager
     ours = ProximaBlockSpaceManager(block_size=16, num_gpu_blocks=64, num_cpu_blocks=8,
                                     sliding_window=100)
     assert ours.max_block_sliding_window == stock.max_block_sliding_window == 8
@@ -178,7 +178,7 @@ def test_status_carries_a_live_invariant_verdict(clean_activation, monkeypatch, 
     import json
 
     from proxima.allocator.free_runs import ALLOCATED, FREE
-    from proxima.engines import status as status_mod
+    from proxima.vllm import status as status_mod
 
     path = tmp_path / "status.json"
     monkeypatch.setenv("PROXIMA_STATS_FILE", str(path))

@@ -143,7 +143,7 @@ def build_engine(args, proof: Proof):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from proxima.engines import elastic_v1, plugin
+    from proxima.vllm import elastic_v1, plugin
 
     plugin.register()               # as vLLM's entry point would (Proxima may not be installed)
     extra = {"compaction": {"mode": "1"}}               # hook, scratch and compactor on
@@ -158,7 +158,7 @@ def build_engine(args, proof: Proof):
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]},
               kv_transfer_config=KVTransferConfig(**elastic_v1.connector_config(extra)))
     proof.result["engine_start_s"] = round(time.monotonic() - t, 1)
-    from proxima.engines import compaction_v1
+    from proxima.vllm import compaction_v1
 
     found = compaction_v1.compactors()
     if len(found) != 1:
@@ -248,7 +248,7 @@ def identity(llm, compactor, proof, probe):
 
 
 def _percentiles(values):
-    from proxima.engines.status import percentiles
+    from proxima.vllm.status import percentiles
 
     return percentiles(values, 4)
 
@@ -329,7 +329,7 @@ class _Probe:
 
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from proxima.engines import compaction_worker
+        from proxima.vllm import compaction_worker
 
         self.sched_s = 0.0
         self.steps = 0
@@ -386,7 +386,7 @@ class _Probe:
                     probe.syncs_any += len(syncs)       # any thread, Triton's launcher too
                     probe.syncs += sum(1 for w in syncs
                                        if any(d in str(w.filename).replace(os.sep, "/")
-                                              for d in ("proxima/engines/",
+                                              for d in ("proxima/vllm/",
                                                         "proxima/kernels/")))
         compaction_worker.apply_on_worker = checked
 

@@ -8,7 +8,7 @@
     (every job) [--executor uni|mp]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
-Proxima's patches from :func:`proxima.engines.plugin.register` even where Proxima's entry
+Proxima's patches from :func:`proxima.vllm.plugin.register` even where Proxima's entry
 point is not installed; this process never touches CUDA). Writes its results as JSON to --out when done (and what it has, when it fails).
 Model: the Llama-3.1-8B-shaped config with dummy weights (PROXIMA_PROOF_MODEL, default
 tools/gpu/dummy-llama); prompts are token ids.
@@ -62,7 +62,7 @@ def identity_phases():
 def connector(options: dict):
     from vllm.config import KVTransferConfig
 
-    from proxima.engines.elastic_v1 import connector_config
+    from proxima.vllm.elastic_v1 import connector_config
 
     return KVTransferConfig(**connector_config(options))
 
@@ -79,7 +79,7 @@ def build(mode: str, stats_dir: Path, **kw):
     os.environ["PROXIMA_ELASTIC"] = "1" if mode.startswith("elastic") else "0"
     if mode == "stock":
         os.environ["PROXIMA_OBSERVE"] = "0"
-    from proxima.engines import plugin
+    from proxima.vllm import plugin
 
     plugin.register()                      # as vLLM's entry point would, in this process
     from vllm import LLM

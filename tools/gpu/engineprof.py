@@ -64,7 +64,7 @@ PHASES = (
     ("allocate_slots", "vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
     ("get_new_blocks", "vllm.v1.core.block_pool", "BlockPool", "get_new_blocks"),
     ("free_blocks", "vllm.v1.core.block_pool", "BlockPool", "free_blocks"),
-    ("connector_meta", "proxima.engines.elastic_connector", "ProximaElasticConnector",
+    ("connector_meta", "proxima.vllm.elastic_connector", "ProximaElasticConnector",
      "build_connector_meta"),
     # inside allocate_slots (per scheduled request): the coordinator's three calls
     ("num_blocks_to_allocate", "vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
@@ -84,8 +84,8 @@ PHASES = (
     ("kv_pre_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "pre_forward"),
     ("kv_post_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "post_forward"),
     # Proxima's status snapshots (PROXIMA_STATS_FILE) and the connector's stats file
-    ("status_publish", "proxima.engines.status", "StatusWriter", "publish"),
-    ("write_stats", "proxima.engines.elastic_connector", "ProximaElasticConnector",
+    ("status_publish", "proxima.vllm.status", "StatusWriter", "publish"),
+    ("write_stats", "proxima.vllm.elastic_connector", "ProximaElasticConnector",
      "write_stats"),
 )
 

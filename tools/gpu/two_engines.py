@@ -115,7 +115,7 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
         options["compactor"] = args.compactor
     options.update(json.loads(os.environ.get("PROXIMA_PROOF_ELASTIC_OPTIONS") or "{}"))
     ktc = {"kv_connector": "ProximaElasticConnector",
-           "kv_connector_module_path": "proxima.engines.elastic_connector",
+           "kv_connector_module_path": "proxima.vllm.elastic_connector",
            "kv_role": "kv_producer", "kv_connector_extra_config": options}
     return cmd + ["--gpu-memory-utilization", str(elastic_util(args.engines)),
                   "--kv-cache-memory-bytes", str(int(args.max_gib * GiB)),

@@ -5,20 +5,20 @@ Two hooks, nothing else patched:
 1. **Configuration** (front end): with ``PROXIMA_ELASTIC=1`` (beside ``PROXIMA_ALLOCATOR=1``)
    :func:`activate` wraps ``EngineArgs.create_engine_config`` so the engine's
    ``kv_transfer_config`` names Proxima's KV connector
-   (:mod:`proxima.engines.elastic_connector`), composed with the user's connector through
+   (:mod:`proxima.vllm.elastic_connector`), composed with the user's connector through
    vLLM's ``MultiConnector`` when there is one. The connector is the channel that carries
    map/unmap ops from the scheduler to the workers before each forward (see its module).
    The same thing can be configured by hand, without the plugin::
 
        --kv-transfer-config '{"kv_connector": "ProximaElasticConnector",
-           "kv_connector_module_path": "proxima.engines.elastic_connector",
+           "kv_connector_module_path": "proxima.vllm.elastic_connector",
            "kv_role": "kv_producer"}'
 
 2. **Allocation** (each worker): the connector's worker side, which vLLM builds before the
    KV cache (``gpu_worker.initialize_from_config``), installs a function over
    :func:`_vmm_memory` in place of ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache``
    (0.26; in 0.33 ``allocate_kv_cache``, which also takes the views:
-   :func:`proxima.engines.vllm_v1_compat.vmm_kv_allocation`). That is the right place, and
+   :func:`proxima.vllm.vllm_v1_compat.vmm_kv_allocation`). That is the right place, and
    the only one: it is the one function of the V2 runner (``initialize_kv_cache`` ->
    ``init_kv_cache`` -> ``_allocate_kv_cache``) that turns the KV cache config's byte sizes
    into memory -- one raw int8 tensor per ``KVCacheTensor``. Everything after it (the
@@ -52,7 +52,7 @@ import logging
 from dataclasses import dataclass
 
 from proxima import config
-from proxima.engines import activation, patches
+from proxima.vllm import activation, patches
 from proxima.errors import UserError
 from proxima.memory.policy_options import PolicyOptions
 
@@ -60,12 +60,12 @@ logger = logging.getLogger("vllm.proxima")
 
 ENV = activation.ELASTIC_ENV
 CONNECTOR = "ProximaElasticConnector"
-CONNECTOR_MODULE = "proxima.engines.elastic_connector"
+CONNECTOR_MODULE = "proxima.vllm.elastic_connector"
 
 
 def enabled(environ: dict | None = None) -> bool:
     """True when ``PROXIMA_ELASTIC=1`` (0 / unset: off; anything else: ActivationError);
-    the variable is declared with the others in :mod:`proxima.engines.activation`."""
+    the variable is declared with the others in :mod:`proxima.vllm.activation`."""
     return activation.elastic(environ)
 
 
@@ -98,7 +98,7 @@ class ElasticOptions:
     callable result is the grow/shrink policy's compactor, ``fn(queue, granules_wanted) ->
     emptied``, asked before a shrink that finds too few empty granules (None: KV
     compaction's own when it is on); a result with ``tick`` is driven at every step
-    boundary (see :class:`proxima.engines.elastic_control.StepHook`; the tests' forced
+    boundary (see :class:`proxima.vllm.elastic_control.StepHook`; the tests' forced
     cycles, ``tests/support/forced.py``).
     ``idle_sleep_s``: while a release waits for its delay in an idle engine, each empty
     step sleeps this long (the engine loop's only wake-up; 0: none).
@@ -115,7 +115,7 @@ class ElasticOptions:
     ``stats_file``: where the scheduler side writes its
     counters (JSON). ``verify``: check every step that no new block lies in an unmapped
     granule.
-    ``compaction``: KV compaction's settings (:class:`proxima.engines.compaction_options.
+    ``compaction``: KV compaction's settings (:class:`proxima.vllm.compaction_options.
     CompactionOptions`; None: ``PROXIMA_COMPACTION`` and the defaults).
     ``cache_hold_s``, ``gpu_free_low``: when granules of cached blocks are given back
     (:class:`proxima.memory.policy.PolicyOptions`). ``ledger``: on a GPU, share the
@@ -275,7 +275,7 @@ def with_elastic_connector(ktc, extra: dict | None = None):
 
 # ----------------------------------------------------------------------------- patching
 
-PATCHES = "elastic"     # this module's patch set (proxima.engines.patches)
+PATCHES = "elastic"     # this module's patch set (proxima.vllm.patches)
 
 
 def _patch(*patch_list: patches.Patch) -> None:
@@ -291,15 +291,15 @@ def unsupported_reason(side: str = "engine", environ=None) -> str | None:
 
     ``side="scheduler"``: the pool, the connector's scheduler side and the compactor, all
     that the CPU replay runs; they need vLLM's KV cache description, which
-    :mod:`proxima.engines.vllm_v1_compat` reads for 0.26 and 0.33 alike. ``side="engine"``
+    :mod:`proxima.vllm.vllm_v1_compat` reads for 0.26 and 0.33 alike. ``side="engine"``
     (a real engine: the plugin, ``proxima serve``, the connector's worker): also the worker
     side, the V2 model runner's KV allocation that :func:`install_allocation_hook` replaces
-    (:func:`proxima.engines.vllm_v1_compat.kv_allocation`), and how far the version table
-    says it is proven (:func:`proxima.engines.activation.unproven_refusal`: refused where it
+    (:func:`proxima.vllm.vllm_v1_compat.kv_allocation`), and how far the version table
+    says it is proven (:func:`proxima.vllm.activation.unproven_refusal`: refused where it
     has run on CPU only, unless ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1``)."""
     import vllm
 
-    from proxima.engines import vllm_v1_compat as compat
+    from proxima.vllm import vllm_v1_compat as compat
 
     if side not in ("scheduler", "engine"):
         raise ValueError(f"side must be 'scheduler' or 'engine', got {side!r}")
@@ -405,8 +405,8 @@ def install_allocation_hook(options: ElasticOptions, vllm_config=None,
     """Make vLLM's V2 model runner allocate its KV tensors in a VMM range (idempotent);
     ``spare_granules`` more are reserved past the pool (KV compaction's scratch blocks:
     the connector reads how many from compaction's settings). Which function that replaces
-    is :func:`proxima.engines.vllm_v1_compat.kv_allocation` (0.26 and 0.33 differ)."""
-    from proxima.engines import vllm_v1_compat as compat
+    is :func:`proxima.vllm.vllm_v1_compat.kv_allocation` (0.26 and 0.33 differ)."""
+    from proxima.vllm import vllm_v1_compat as compat
 
     reason = unsupported_reason("engine")      # the runner's allocation, and proven?
     if reason:
@@ -422,8 +422,8 @@ def install_allocation_hook(options: ElasticOptions, vllm_config=None,
 
 def kv_regions(kv_cache_config) -> tuple[list[int], dict[str, int]]:
     """vLLM's KV cache config as block-major region sizes and layer name -> region index
-    (:func:`proxima.engines.vllm_v1_compat.kv_regions`: 0.26's and 0.33's descriptions)."""
-    from proxima.engines.vllm_v1_compat import kv_regions as regions
+    (:func:`proxima.vllm.vllm_v1_compat.kv_regions`: 0.26's and 0.33's descriptions)."""
+    from proxima.vllm.vllm_v1_compat import kv_regions as regions
 
     return regions(kv_cache_config)
 

@@ -2,7 +2,7 @@
 
 The ids vLLM's ``BlockAllocator`` interface hands out, picked by
 :class:`proxima.allocator.RunAllocator` instead of a free deque (see
-:mod:`proxima.engines.vllm_v0` for where they sit and what stays vLLM's):
+:mod:`proxima.vllm.vllm_v0` for where they sit and what stays vLLM's):
 
 * :class:`ProximaNaiveBlockAllocator`: ``NaiveBlockAllocator`` over the buddy, with the
   room a sequence still expects reserved behind its run;

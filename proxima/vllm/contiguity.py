@@ -1,7 +1,7 @@
 """Contiguity of vLLM V1's block tables, measured the same way for stock and Proxima.
 
-Proxima's pool (:mod:`proxima.engines.vllm_v1`) and the read-only observer of stock vLLM
-(:mod:`proxima.engines.observe_v1`) both publish, in the status file:
+Proxima's pool (:mod:`proxima.vllm.vllm_v1`) and the read-only observer of stock vLLM
+(:mod:`proxima.vllm.observe_v1`) both publish, in the status file:
 
 * ``running_blocks_per_run``: for every request holding blocks, its blocks divided by its
   runs of consecutive ids (:func:`running_blocks_per_run`);

@@ -1,6 +1,6 @@
 """Proxima's state on one vLLM block pool: one object, ``pool.proxima``.
 
-Proxima's V1 block pool (:mod:`proxima.engines.vllm_v1`) creates one :class:`PoolState` in its
+Proxima's V1 block pool (:mod:`proxima.vllm.vllm_v1`) creates one :class:`PoolState` in its
 ``__init__`` and keeps it as its only added attribute; the wrappers around vLLM's scheduler
 and managers, the elastic connector and KV compaction read and write the pool's Proxima state
 through it. A pool without it (``getattr(pool, "proxima", None) is None``) is stock vLLM's.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from proxima.engines.contiguity import FinishedTally
-from proxima.engines.status import StatusWriter
+from proxima.vllm.contiguity import FinishedTally
+from proxima.vllm.status import StatusWriter
 
 
 @dataclass(eq=False)
@@ -29,7 +29,7 @@ class PoolState:
     allocating (the status file reads their tables); ``finished``: blocks per run of finished
     requests; ``kv_manager``: the ``KVCacheManager`` that last started a step (KV compaction
     reads its block lists); ``compaction``: the
-    :class:`~proxima.engines.compaction_v1.Compactor`, when one is on; ``elastic``: the elastic
+    :class:`~proxima.vllm.compaction_v1.Compactor`, when one is on; ``elastic``: the elastic
     connector's ``status()``, added to the status file (None: not elastic)."""
 
     status: StatusWriter

@@ -2,11 +2,11 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
 It checks every ``PROXIMA_*`` variable, then does nothing unless ``PROXIMA_ALLOCATOR=1``;
-then it activates the adapter that :func:`proxima.engines.activation.engine_for` names for
+then it activates the adapter that :func:`proxima.vllm.activation.engine_for` names for
 the installed vLLM (the adapter asks the version policy first), and with ``PROXIMA_ELASTIC=1``
 as well (V1 only) routes the engine through Proxima's elastic-KV connector
-(:mod:`proxima.engines.elastic_v1`), which also carries KV compaction's moves with
-``PROXIMA_COMPACTION`` (:mod:`proxima.engines.compaction_v1`). With Proxima off,
+(:mod:`proxima.vllm.elastic_v1`), which also carries KV compaction's moves with
+``PROXIMA_COMPACTION`` (:mod:`proxima.vllm.compaction_v1`). With Proxima off,
 ``PROXIMA_OBSERVE=1`` installs the read-only observer of stock contiguity instead (V1 only).
 
 A bad value of any variable or an untested vLLM must stop vLLM's start: the refusal is
@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import logging
 
-from proxima.engines import activation
+from proxima.vllm import activation
 
 logger = logging.getLogger("vllm.proxima")  # a child of vLLM's logger: same handler, same format
 
 
 def adapter(engine: str):
     """The adapter module of an engine generation. Both expose ``activate()`` (patch vLLM,
-    after :func:`proxima.engines.activation.require`; idempotent), ``deactivate()`` (undo)
-    and ``is_active()``. (Here, not in :mod:`~proxima.engines.activation`: the adapters
+    after :func:`proxima.vllm.activation.require`; idempotent), ``deactivate()`` (undo)
+    and ``is_active()``. (Here, not in :mod:`~proxima.vllm.activation`: the adapters
     import the policy, the policy imports no adapter.)"""
     if engine == "v1":
-        from proxima.engines import vllm_v1 as module
+        from proxima.vllm import vllm_v1 as module
     elif engine == "v0":
-        from proxima.engines import vllm_v0 as module
+        from proxima.vllm import vllm_v0 as module
     else:
         raise ValueError(f"no engine generation {engine!r}: "
                          f"{', '.join(activation.ENGINE_NAMES)}")
@@ -62,10 +62,10 @@ def _register() -> None:
     if proxima_on:          # Proxima's pool writes its own status: nothing to observe
         adapter(engine).activate()          # the version policy first: an untested vLLM stops here
         if elastic:
-            from proxima.engines import elastic_v1
+            from proxima.vllm import elastic_v1
             elastic_v1.activate()
     elif engine == "v1":
-        from proxima.engines import observe_v1
+        from proxima.vllm import observe_v1
         observe_v1.activate()
     else:
         logger.warning("%s=1 is not supported on the V0 engine (vLLM %s): stock contiguity "

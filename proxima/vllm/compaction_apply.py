@@ -1,24 +1,24 @@
 """KV compaction's mechanism on the scheduler side: vLLM's state read into the planner's
 :class:`~proxima.allocator.planner.PoolView`, a plan applied to vLLM's structures by its
-net effect, and the step's :class:`~proxima.engines.compaction_worker.CompactionWork` for
-the workers. A part of :class:`~proxima.engines.compaction_v1.Compactor` (which decides
+net effect, and the step's :class:`~proxima.vllm.compaction_worker.CompactionWork` for
+the workers. A part of :class:`~proxima.vllm.compaction_v1.Compactor` (which decides
 when and what to move, and sets the state these methods share: the pool, the KV manager,
 the view, the pinned blocks, the step's relocations and table changes, the counters).
 
 How a relocation of a LIVE or a CACHED block changes vLLM's structures, and why no
-scheduling decision changes: :mod:`proxima.engines.compaction_v1`.
+scheduling decision changes: :mod:`proxima.vllm.compaction_v1`.
 """
 
 from __future__ import annotations
 
 from proxima.allocator.planner import (CACHED, FIXED, FREE, LIVE, Plan, PoolView,
                                        schedule_phases)
-from proxima.engines.compaction_worker import CompactionWork
+from proxima.vllm.compaction_worker import CompactionWork
 
 
 class PlanApplication:
     """Reading vLLM into a view, applying plans, handing the step's work out (a part of
-    :class:`~proxima.engines.compaction_v1.Compactor`)."""
+    :class:`~proxima.vllm.compaction_v1.Compactor`)."""
 
     def take_work(self) -> CompactionWork | None:
         """This step's copies and table changes (None when nothing moved), for the workers."""

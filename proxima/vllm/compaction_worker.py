@@ -1,5 +1,5 @@
 """KV compaction's worker side inside vLLM 0.26's (and 0.33's) V2 model runner (the scheduler side,
-which plans the moves, is :mod:`proxima.engines.compaction_v1`).
+which plans the moves, is :mod:`proxima.vllm.compaction_v1`).
 
 Why a hook (:func:`install_worker_hook`): vLLM 0.26's V2 runner keeps per-request block
 tables on the GPU (``vllm/v1/worker/gpu/block_table.py``: one ``[max_num_reqs,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from proxima.engines import activation, patches
+from proxima.vllm import activation, patches
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CompactionWork:
     blocks: int
 
 
-PATCHES = "compaction-worker"   # this module's patch set (proxima.engines.patches)
+PATCHES = "compaction-worker"   # this module's patch set (proxima.vllm.patches)
 _worker_times: list[tuple[int, float]] = []     # (seq, GPU ms), for the connector's report
 
 
@@ -84,7 +84,7 @@ class _WorkerState:
     def __init__(self, runner) -> None:
         from proxima.kernels import KVBlockMover
 
-        from proxima.engines.vllm_v1_compat import kernel_blocks_per_block
+        from proxima.vllm.vllm_v1_compat import kernel_blocks_per_block
 
         bpk = kernel_blocks_per_block(runner)
         if len(bpk) != 1:
@@ -93,7 +93,7 @@ class _WorkerState:
         self.bpk = bpk.pop()
         self.mover = KVBlockMover(runner.kv_caches)
         self.pending: deque = deque()
-        from proxima.engines import elastic_v1
+        from proxima.vllm import elastic_v1
 
         memory = elastic_v1.kv_memory()
         spare = memory.spare_blocks if memory is not None else range(0)

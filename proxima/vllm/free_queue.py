@@ -15,8 +15,8 @@ So ``num_free_blocks`` (and with it every admission decision of the scheduler) i
 same as stock's, and whenever stock finds ``n`` blocks Proxima finds them too.
 
 Pure Python over vLLM's ``KVCacheBlock`` objects (duck-typed: nothing of vLLM is
-imported). The pool (:mod:`proxima.engines.vllm_v1`) chooses the queue when it is built:
-this one, or the elastic pool's :class:`~proxima.engines.elastic_pool.GranuleFreeQueue`.
+imported). The pool (:mod:`proxima.vllm.vllm_v1`) chooses the queue when it is built:
+this one, or the elastic pool's :class:`~proxima.vllm.elastic_pool.GranuleFreeQueue`.
 """
 
 from __future__ import annotations

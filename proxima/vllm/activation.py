@@ -5,7 +5,7 @@ engine adapters, ``proxima serve``'s checks and self-check, ``proxima replay``.
 Versions
     :data:`TESTED` lists the tested releases, one :class:`Tested` entry each: the vLLM
     version, the engine generation its adapter drives (``"v1"``:
-    :mod:`proxima.engines.vllm_v1`, ``"v0"``: :mod:`proxima.engines.vllm_v0`), the torch
+    :mod:`proxima.vllm.vllm_v1`, ``"v0"``: :mod:`proxima.vllm.vllm_v0`), the torch
     releases it was tested with and the ``proxima[...]`` extra that installs it. A release
     is added by adding one entry. A vLLM that is not listed (or a listed one with another
     torch) is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1``, and then it is tried with
@@ -15,20 +15,20 @@ Variables (:data:`VARIABLES`; a bad value of any of them is one :class:`Activati
 naming the variable, the value and what is accepted)
     ``PROXIMA_ALLOCATOR``  ``1``: Proxima's allocator; ``0`` / unset: stock vLLM.
     ``PROXIMA_OBSERVE``    ``1`` (with Proxima off): measure stock vLLM's contiguity without
-                           changing its allocation (:mod:`proxima.engines.observe_v1`).
+                           changing its allocation (:mod:`proxima.vllm.observe_v1`).
     ``PROXIMA_ALLOW_UNTESTED_VLLM``  ``1``: try an untested vLLM anyway; ``0`` / unset: refuse.
     ``PROXIMA_ALLOW_UNPROVEN_ELASTIC``  ``1``: run elastic KV (and compaction) in an engine
                            on a tested vLLM whose worker side is tested on CPU only
                            (:class:`Support`, 0.33.0); ``0`` / unset: refuse it in one line.
     ``PROXIMA_ELASTIC``    ``1`` (with ``PROXIMA_ALLOCATOR=1``, V1 only): elastic KV memory
-                           (:mod:`proxima.engines.elastic_v1`); ``0`` / unset: a fixed pool.
+                           (:mod:`proxima.vllm.elastic_v1`); ``0`` / unset: a fixed pool.
     ``PROXIMA_ELASTIC_OPTIONS``  with ``PROXIMA_ELASTIC=1``: the elastic options,
                            ``key=value,...`` or a JSON object (checked by
                            :func:`proxima.config.elastic_options`); unset: defaults.
     ``PROXIMA_STATS_FILE`` a file path in a writable directory: where the engine writes its
-                           status (:mod:`proxima.engines.status`); unset: no status file.
+                           status (:mod:`proxima.vllm.status`); unset: no status file.
     ``PROXIMA_COMPACTION`` ``1`` (with ``PROXIMA_ELASTIC=1``): KV compaction, live blocks
-                           moved so that granules empty out (:mod:`proxima.engines.
+                           moved so that granules empty out (:mod:`proxima.vllm.
                            compaction_v1`); ``0`` / unset: off.
 
 This module imports nothing of vLLM or torch: ``proxima serve`` asks it before anything
@@ -84,7 +84,7 @@ class Support:
     the worker side (the VMM-backed KV tensors, the mover before the forward) only in a real
     engine, so a worker side that is :data:`CPU_ONLY` is refused in an engine unless
     ``PROXIMA_ALLOW_UNPROVEN_ELASTIC=1`` (:func:`unproven_refusal`). How each stack's vLLM
-    differs is :mod:`proxima.engines.vllm_v1_compat`; this says only how far each is proven."""
+    differs is :mod:`proxima.vllm.vllm_v1_compat`; this says only how far each is proven."""
 
     allocator: str
     elastic_scheduler: str
@@ -274,7 +274,7 @@ def require(engine: str, vllm: str, torch: str | None = None,
         raise ActivationError(
             f"vLLM {vllm} runs the {ENGINE_NAMES[verdict.engine]}, but this is Proxima's "
             f"{ENGINE_NAMES[engine]} adapter: let the plugin pick the adapter "
-            f"(proxima.engines.plugin.adapter)")
+            f"(proxima.vllm.plugin.adapter)")
     if not verdict.allowed:
         raise ActivationError(verdict.refusal())
     warning = verdict.warning()

@@ -2,7 +2,7 @@
 ``"compaction"`` dict of the elastic connector's ``kv_connector_extra_config`` over
 ``PROXIMA_COMPACTION``), the defaults, and the refusals of an engine compaction cannot run
 in (another KV connector beside Proxima's, pipeline parallelism, speculative decoding),
-checked the same way on the scheduler (:func:`proxima.engines.compaction_v1.scheduler_side`)
+checked the same way on the scheduler (:func:`proxima.vllm.compaction_v1.scheduler_side`)
 and on each worker (:func:`worker_side`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from proxima.engines import activation
+from proxima.vllm import activation
 from proxima.errors import UserError
 
 DEFAULT_BUDGET_BYTES = 256 << 20     # per step that moves: <= ~0.15 ms of copies on an H200

@@ -12,7 +12,7 @@ Where Proxima sits (the data flow of docs/architecture.md, V0 edition)::
               -> BlockTable (passes the sequence's last block as ``prev_block``)
               -> CpuGpuBlockAllocator -> GPU: ProximaNaiveBlockAllocator or
                                               ProximaPrefixCachingBlockAllocator
-                                              (proxima.engines.vllm_v0_allocators)
+                                              (proxima.vllm.vllm_v0_allocators)
                                          CPU (swap space): vLLM's own allocator
               -> proxima.allocator.RunAllocator (block ids only)
 
@@ -31,7 +31,7 @@ Semantics kept from vLLM (the scheduler cannot tell the difference):
   null block of sliding windows: vLLM's own code, only the block ids differ;
 * prefix caching: cached blocks stay reusable after free and are evicted in the
   evictor's LRU order, only when no truly free block is left (reserved room counts as
-  free, see :class:`~proxima.engines.vllm_v0_allocators.ProximaNaiveBlockAllocator`),
+  free, see :class:`~proxima.vllm.vllm_v0_allocators.ProximaNaiveBlockAllocator`),
   exactly as many as stock evicts. One difference in *when*, never *which*: a prompt's
   cache hits are all taken before its misses are placed (stock interleaves them, so a
   miss can evict a block that a later block of the same prompt would have hit); the
@@ -42,12 +42,12 @@ Semantics kept from vLLM (the scheduler cannot tell the difference):
   eviction-ahead variant was measured and lost prefix hits (docs/card-stack.md).
 
 Activation: ``PROXIMA_ALLOCATOR=1`` makes the package's ``vllm.general_plugins`` entry
-point (``proxima.engines.plugin:register``) call :func:`activate` in every vLLM process.
+point (``proxima.vllm.plugin:register``) call :func:`activate` in every vLLM process.
 It replaces one attribute, ``vllm.core.block_manager.SelfAttnBlockSpaceManager`` (the
 scheduler looks it up there when it is built), and :func:`deactivate` puts it back.
 
 This module (the block manager and the activation) and
-:mod:`proxima.engines.vllm_v0_allocators` (the GPU allocators) import vLLM's V0 block
+:mod:`proxima.vllm.vllm_v0_allocators` (the GPU allocators) import vLLM's V0 block
 modules; import them only under vLLM 0.6.x.
 """
 
@@ -57,12 +57,12 @@ import logging
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from proxima.engines import activation, patches
-from proxima.engines import status as _status
-from proxima.engines.activation import ActivationError
-from proxima.engines.contiguity import ids_per_run
-from proxima.engines.vllm_v0_allocators import IMPORT_ERROR as _ALLOCATORS_IMPORT_ERROR
-from proxima.engines.vllm_v0_allocators import ProximaCpuGpuBlockAllocator
+from proxima.vllm import activation, patches
+from proxima.vllm import status as _status
+from proxima.vllm.activation import ActivationError
+from proxima.vllm.contiguity import ids_per_run
+from proxima.vllm.vllm_v0_allocators import IMPORT_ERROR as _ALLOCATORS_IMPORT_ERROR
+from proxima.vllm.vllm_v0_allocators import ProximaCpuGpuBlockAllocator
 
 LOG_LINE = activation.LOG_LINE
 ENGINE = "vllm-v0"
@@ -220,7 +220,7 @@ class ProximaBlockSpaceManager(SelfAttnBlockSpaceManager):
 
 # ------------------------------------------------------------------------- activation
 
-PATCHES = "v0"          # the name of this adapter's patch set (proxima.engines.patches)
+PATCHES = "v0"          # the name of this adapter's patch set (proxima.vllm.patches)
 MANAGER = "SelfAttnBlockSpaceManager"   # the attribute of vllm.core.block_manager replaced
 
 
@@ -255,7 +255,7 @@ def activate() -> None:
     ``vllm.core.block_manager.SelfAttnBlockSpaceManager``; schedulers built afterwards use
     it (each logs ``Using Proxima contiguous allocator: N GPU blocks, block size B ...``
     once). An untested vLLM without ``PROXIMA_ALLOW_UNTESTED_VLLM=1``, or a vLLM without
-    the V0 block manager, raises :class:`proxima.engines.activation.ActivationError` and
+    the V0 block manager, raises :class:`proxima.vllm.activation.ActivationError` and
     changes nothing. Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
     caller's question: the plugin asks it. The same contract as the V1 adapter's."""
     if patches.is_applied(PATCHES):

@@ -1,4 +1,4 @@
-"""KV compaction's placement of fresh allocations (the :class:`~proxima.engines.
+"""KV compaction's placement of fresh allocations (the :class:`~proxima.vllm.
 compaction_v1.Compactor`'s part that runs inside vLLM's ``allocate_new_blocks``): the
 blocks just handed out to a request hold nothing yet, so they can take the place of any
 free block, cached or not (its content copied into them), or of a lone block of another
@@ -18,7 +18,7 @@ OWNERS_EVERY = 4                    # steps between passes over every table for 
 
 
 class AllocationPlacement:
-    """Placement at allocation time, a part of :class:`~proxima.engines.compaction_v1.
+    """Placement at allocation time, a part of :class:`~proxima.vllm.compaction_v1.
     Compactor` (which sets the state these methods share: the pool, the view, the step's
     relocations and table changes, the placement maps, the owners found, the counters)."""
 

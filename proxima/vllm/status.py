@@ -14,12 +14,12 @@ Layout::
      "running_blocks_per_run": [1.0, 3.5, ...], "alloc_seconds_total": 0.12, "steps": 420,
      "finished_blocks_per_run": {"count": 880, "mean": 12.0}, "invariants_ok": true}
 
-With KV compaction on (:mod:`proxima.engines.compaction_v1`) the snapshot also carries
+With KV compaction on (:mod:`proxima.vllm.compaction_v1`) the snapshot also carries
 ``"compaction": {<Compactor.stats()>}`` (block copies, bytes, moving steps, placements,
 planning and GPU milliseconds per moving step as p50/p99/max), which ``/metrics`` exposes.
 
 With Proxima off and ``PROXIMA_OBSERVE=1`` the read-only observer of stock vLLM
-(:mod:`proxima.engines.observe_v1`) writes the same contiguity fields with
+(:mod:`proxima.vllm.observe_v1`) writes the same contiguity fields with
 ``"active": false, "observer": true`` (no allocator fields).
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from proxima.allocator import InvariantError
-from proxima.engines.activation import STATS_ENV
+from proxima.vllm.activation import STATS_ENV
 from proxima.ioutil import publish_text_later
 
 

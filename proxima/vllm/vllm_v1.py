@@ -3,7 +3,7 @@
 What changes when active, and nothing else:
 
 * ``BlockPool.free_block_queue`` (vLLM's ``FreeKVCacheBlockQueue``, a doubly linked list
-  in eviction order) becomes a :class:`~proxima.engines.free_queue.ProximaFreeQueue` with
+  in eviction order) becomes a :class:`~proxima.vllm.free_queue.ProximaFreeQueue` with
   the same methods (its tiers: see that module). Every
   other line of ``BlockPool`` -- ref counts, the null block, prefix-cache hashing and
   eviction, KV events, metrics -- is vLLM's own code, run unchanged.
@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import logging
 
-from proxima.engines import activation
-from proxima.engines.contiguity import idle, running_blocks_per_run
-from proxima.engines import patches
-from proxima.engines.free_queue import ProximaFreeQueue  # noqa: F401 - vLLM's queue's stand-in
-from proxima.engines.patches import Patch
-from proxima.engines.pool_state import PoolState
-from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
+from proxima.vllm import activation
+from proxima.vllm.contiguity import idle, running_blocks_per_run
+from proxima.vllm import patches
+from proxima.vllm.free_queue import ProximaFreeQueue  # noqa: F401 - vLLM's queue's stand-in
+from proxima.vllm.patches import Patch
+from proxima.vllm.pool_state import PoolState
+from proxima.vllm.status import STATUS_INTERVAL_S, StatusWriter
 
 logger = logging.getLogger("vllm.proxima")
 
-PATCHES = "v1"          # the name of this adapter's patch set (proxima.engines.patches)
+PATCHES = "v1"          # the name of this adapter's patch set (proxima.vllm.patches)
 
 
 PREEMPTED_CLASS = 1                 # proxima.allocator.granules.PREEMPTED
@@ -83,11 +83,11 @@ def _block_pool_class():
         def proxima_use_granules(self, granule_blocks: int, eviction=None,
                                  mapped: int | None = None):
             """Elastic mode: the free queue becomes a granule-aware one
-            (:class:`proxima.engines.elastic_pool.GranuleFreeQueue`) with ``mapped``
+            (:class:`proxima.vllm.elastic_pool.GranuleFreeQueue`) with ``mapped``
             granules backed (None: all). Only on a fresh pool (nothing handed out but the
             null block); returns the new queue."""
             from proxima.allocator.eviction import EvictionPolicy
-            from proxima.engines.elastic_pool import GranuleFreeQueue
+            from proxima.vllm.elastic_pool import GranuleFreeQueue
 
             queue = self.free_block_queue
             if queue.num_free_blocks != self.num_gpu_blocks - 1 or len(queue._lru):
@@ -210,7 +210,7 @@ def _wrap_allocate_new_blocks(original, plain: bool = False):
                 state.managers.append(self)      # the status reads their tables
         compaction = state.compaction
         if compaction is not None and new_blocks:
-            # KV compaction may place the new blocks elsewhere (proxima.engines.compaction_v1)
+            # KV compaction may place the new blocks elsewhere (proxima.vllm.compaction_v1)
             return compaction.on_allocate(self, request_id, new_blocks)
         return new_blocks
 
@@ -296,7 +296,7 @@ def is_active() -> bool:
 def activate() -> None:
     """Install Proxima into vLLM's V1 classes (idempotent). Engines built afterwards use it.
 
-    The version policy is asked first (:func:`proxima.engines.patches.gate`): an
+    The version policy is asked first (:func:`proxima.vllm.patches.gate`): an
     untested vLLM is refused unless ``PROXIMA_ALLOW_UNTESTED_VLLM=1`` (ActivationError,
     nothing patched). Whether Proxima is wanted at all (``PROXIMA_ALLOCATOR``) is the
     caller's question: the plugin asks it."""

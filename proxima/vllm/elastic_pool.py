@@ -1,6 +1,6 @@
 """Proxima's free queue in elastic mode: mapped capacity only, live blocks packed by granule.
 
-:class:`GranuleFreeQueue` is :class:`~proxima.engines.free_queue.ProximaFreeQueue` (same
+:class:`GranuleFreeQueue` is :class:`~proxima.vllm.free_queue.ProximaFreeQueue` (same
 methods, same two tiers, same vLLM code around it) plus a
 :class:`~proxima.allocator.granules.GranuleIndex`:
 
@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from proxima.allocator.eviction import EvictionPolicy, ReuseHorizon
 from proxima.allocator.hint import continued
 from proxima.allocator.granules import CLASSES, FINISHED, GranuleIndex
-from proxima.engines.free_queue import ProximaFreeQueue, _clock
+from proxima.vllm.free_queue import ProximaFreeQueue, _clock
 
 
 class GranuleFreeQueue(ProximaFreeQueue):

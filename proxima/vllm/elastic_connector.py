@@ -10,9 +10,9 @@ step's output* (``build_connector_worker_meta``, aggregated over tensor-parallel
 -> ``update_connector_output``). ``collective_rpc`` runs outside the step order: it
 cannot say "before the forward that reads block 4,096", and with async scheduling it would
 race the step in flight. The same metadata carries KV compaction's block moves
-(:func:`proxima.engines.compaction_worker.install_worker_hook`); other connectors compose
+(:func:`proxima.vllm.compaction_worker.install_worker_hook`); other connectors compose
 with it through vLLM's ``MultiConnector``, which calls each child's hooks in order
-(Proxima's first: see :func:`proxima.engines.elastic_v1.with_elastic_connector`).
+(Proxima's first: see :func:`proxima.vllm.elastic_v1.with_elastic_connector`).
 
 What configuring a connector changes in vLLM 0.26 (read from its source, checked by
 ``tests/vllm/test_elastic_connector.py`` for the scheduling part):
@@ -44,8 +44,8 @@ a granule whose map failed or has not finished (:mod:`proxima.memory.background`
 
 Who decides (scheduler side, at :meth:`ProximaElasticConnector.bind_gpu_block_pool`): with
 Proxima's block pool, its free queue becomes granule-aware
-(:class:`proxima.engines.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
-packed) and :class:`proxima.engines.elastic_control.ElasticController` orders each step
+(:class:`proxima.vllm.elastic_pool.GranuleFreeQueue`: mapped capacity only, live blocks
+packed) and :class:`proxima.vllm.elastic_control.ElasticController` orders each step
 boundary's work: KV compaction, then :class:`proxima.memory.policy.GrowShrinkPolicy`
 (``policy: auto``; a shrink short of releasable granules gets them emptied by the compactor
 first), then the ``compactor`` option's step hook (the tests' forced cycles,
@@ -71,9 +71,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.engines import compaction_options, compaction_worker, elastic_v1
-from proxima.engines.elastic_control import ElasticController
-from proxima.engines.status import percentiles
+from proxima.vllm import compaction_options, compaction_worker, elastic_v1
+from proxima.vllm.elastic_control import ElasticController
+from proxima.vllm.status import percentiles
 from proxima.errors import UserError
 from proxima.ioutil import publish_text_later
 from proxima.memory.channel import MAPPED, UNMAPPED, ChannelError, ElasticChannel
@@ -92,7 +92,7 @@ STATS_EVERY_S = 0.5      # the stats file is rewritten at least this often while
 class ElasticMetadata(KVConnectorMetadata):
     """Scheduler -> workers, every step: the step's ops (None: nothing to do) and KV
     compaction's copies and block-table changes (None: none; applied by
-    :func:`proxima.engines.compaction_worker.install_worker_hook`'s hook, before the ops)."""
+    :func:`proxima.vllm.compaction_worker.install_worker_hook`'s hook, before the ops)."""
 
     batch: OpBatch | None = None
     compaction: object | None = None

@@ -1,12 +1,12 @@
 """The scheduler side of elastic KV memory: the one place that orders policy and compaction.
 
 :class:`ElasticController` is built by the KV connector once the pool places by granule
-(:meth:`proxima.engines.elastic_connector.ProximaElasticConnector.bind_gpu_block_pool`,
+(:meth:`proxima.vllm.elastic_connector.ProximaElasticConnector.bind_gpu_block_pool`,
 policy ``auto`` or ``fixed``) and stepped from its ``build_connector_meta``, at the end of
 ``Scheduler.schedule`` after the step's allocations. One step, in this order:
 
 1. KV compaction (when on) reads what the step's output pins, then plans and applies its
-   moves on the scheduler's structures (:class:`~proxima.engines.compaction_v1.Compactor`);
+   moves on the scheduler's structures (:class:`~proxima.vllm.compaction_v1.Compactor`);
 2. the step's allocations are counted: the reserve is twice the most blocks one of the last
    64 steps allocated (two steps may be in flight with async scheduling);
 3. the grow/shrink policy steps with the GPU's other engines in view
@@ -29,7 +29,7 @@ import logging
 from collections import deque
 from typing import Callable, Protocol
 
-from proxima.engines import compaction_v1, elastic_v1
+from proxima.vllm import compaction_v1, elastic_v1
 from proxima.errors import UserError
 from proxima.memory.policy import GrowShrinkPolicy
 from proxima.memory.sharing import SharedPolicyStep
@@ -43,7 +43,7 @@ def open_gpu_ledger(options, world_size: int = 1):
     pipeline parallel engines span several and keep none) and NVML's free/total memory of
     it (NVML needs no CUDA context in this, the scheduler's, process); ``(None, None)``
     elsewhere (CPU; the replay sets its stand-in's own). ``options``: the
-    :class:`~proxima.engines.elastic_v1.ElasticOptions`. Any failure is said once and the
+    :class:`~proxima.vllm.elastic_v1.ElasticOptions`. Any failure is said once and the
     engine runs without (cached blocks then go back after ``cache_hold_s``)."""
     try:
         from vllm.platforms import current_platform
@@ -101,7 +101,7 @@ class StepHook(Protocol):
 
 def load_hook(spec, queue, channel):
     """The ``compactor`` option's object, ``factory(queue, channel, **kwargs)`` (see
-    :class:`proxima.engines.elastic_v1.ElasticOptions`); None when not given."""
+    :class:`proxima.vllm.elastic_v1.ElasticOptions`); None when not given."""
     if not spec:
         return None
     kwargs = dict(spec) if isinstance(spec, dict) else {"factory": spec}
@@ -122,7 +122,7 @@ class ElasticController:
     """Orders one scheduler step's elastic work (see the module doc).
 
     Args:
-        options: the connector's :class:`~proxima.engines.elastic_v1.ElasticOptions`.
+        options: the connector's :class:`~proxima.vllm.elastic_v1.ElasticOptions`.
         vllm_config, kv_cache_config: the engine's.
         pool: Proxima's block pool; ``queue``: its granule-aware free queue.
         channel: the granule states and the ops to the workers.

@@ -3,7 +3,7 @@
 A :class:`Patch` names one attribute of a vLLM module or class and what replaces it. The
 adapters hand their patches to :func:`apply` as a :class:`PatchSet`: a name (what
 ``deactivate()`` undoes), the engine generation its patches are written for (``"v1"``: vLLM
-0.8 and later, ``"v0"``: the card stack's 0.6.x; :mod:`proxima.engines.activation` says
+0.8 and later, ``"v0"``: the card stack's 0.6.x; :mod:`proxima.vllm.activation` says
 which releases are tested), and a function that builds the patches. :func:`apply` asks the
 version policy once (:func:`gate`: an untested vLLM is refused unless
 ``PROXIMA_ALLOW_UNTESTED_VLLM=1``, a vLLM of the other generation always), only then builds
@@ -12,13 +12,13 @@ and applies them all, recording for each the target's own original object (absen
 attribute was inherited or missing). :func:`restore` puts back the identical objects, the
 last applied first, and removes what was absent before.
 
-The sets in use: ``v1`` (:mod:`proxima.engines.vllm_v1`: the coordinator's ``BlockPool``,
+The sets in use: ``v1`` (:mod:`proxima.vllm.vllm_v1`: the coordinator's ``BlockPool``,
 ``Scheduler.add_request``, ``KVCacheManager.free`` / ``new_step_starts``, each manager's
-``allocate_new_blocks``), ``v0`` (:mod:`proxima.engines.vllm_v0`:
+``allocate_new_blocks``), ``v0`` (:mod:`proxima.vllm.vllm_v0`:
 ``vllm.core.block_manager.SelfAttnBlockSpaceManager``), ``observe``
-(:mod:`proxima.engines.observe_v1`), ``elastic`` (:mod:`proxima.engines.elastic_v1`:
+(:mod:`proxima.vllm.observe_v1`), ``elastic`` (:mod:`proxima.vllm.elastic_v1`:
 ``EngineArgs.create_engine_config``, ``EngineCore.proxima_kv``, the V2 runner's
-``_allocate_kv_cache``) and ``compaction-worker`` (:mod:`proxima.engines.compaction_worker`:
+``_allocate_kv_cache``) and ``compaction-worker`` (:mod:`proxima.vllm.compaction_worker`:
 ``GPUModelRunner.update_requests``).
 
 Imports nothing of vLLM itself (the builders do).
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-from proxima.engines import activation
+from proxima.vllm import activation
 
 #: The original of an attribute the target did not have itself (inherited or missing).
 ABSENT = object()
@@ -78,7 +78,7 @@ def own(target, attribute: str):
 
 def gate(versions: str) -> activation.Verdict:
     """The version gate: the installed vLLM (and torch) against the policy
-    (:func:`proxima.engines.activation.require`); ActivationError when it says no."""
+    (:func:`proxima.vllm.activation.require`); ActivationError when it says no."""
     import vllm
 
     return activation.require(versions, vllm.__version__, activation.installed_version("torch"))

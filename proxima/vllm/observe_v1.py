@@ -13,17 +13,17 @@ writes its status file itself; the stock pool writes none. With Proxima off,
 
 Nothing that allocates, frees, evicts or admits changes; between snapshots the step wrapper
 costs one clock read, as Proxima's own status writing does. The measurement itself is
-:mod:`proxima.engines.contiguity`, shared with Proxima's pool; this module does not import
+:mod:`proxima.vllm.contiguity`, shared with Proxima's pool; this module does not import
 the Proxima adapter.
 """
 
 from __future__ import annotations
 
-from proxima.engines import patches
-from proxima.engines.contiguity import FinishedTally, idle, running_blocks_per_run
-from proxima.engines.status import STATUS_INTERVAL_S, StatusWriter
+from proxima.vllm import patches
+from proxima.vllm.contiguity import FinishedTally, idle, running_blocks_per_run
+from proxima.vllm.status import STATUS_INTERVAL_S, StatusWriter
 
-PATCHES = "observe"     # the name of this module's patch set (proxima.engines.patches)
+PATCHES = "observe"     # the name of this module's patch set (proxima.vllm.patches)
 
 
 def snapshot(manager, steps: int, finished: FinishedTally) -> dict:

@@ -3,10 +3,10 @@
 The planner (:mod:`proxima.allocator.planner`, pure Python) says which block contents go
 where. On the scheduler side, this module decides when and what to plan (the policy, in
 :class:`Compactor`) and builds the compactor of an engine (:func:`scheduler_side`);
-:mod:`~proxima.engines.compaction_apply` reads vLLM's state into the planner's view,
+:mod:`~proxima.vllm.compaction_apply` reads vLLM's state into the planner's view,
 applies a plan to vLLM's scheduler structures and hands the copies and the block-table
-changes out for the workers; :mod:`~proxima.engines.compaction_placement` places fresh
-allocations; :mod:`~proxima.engines.compaction_options` holds the settings and the
+changes out for the workers; :mod:`~proxima.vllm.compaction_placement` places fresh
+allocations; :mod:`~proxima.vllm.compaction_options` holds the settings and the
 refusals.
 
 Scheduler side (:class:`Compactor`, one per engine, owned by the elastic KV connector):
@@ -27,8 +27,8 @@ So every hash maps to the block that holds its content, and what the scheduler d
 next (admissions, prefix hits, evictions by hash) is what it would have decided without
 the move: compaction changes block ids, never a decision.
 
-Worker side (:mod:`proxima.engines.compaction_worker`): a hook around the V2 runner's
-``update_requests`` applies each step's :class:`~proxima.engines.compaction_worker.
+Worker side (:mod:`proxima.vllm.compaction_worker`): a hook around the V2 runner's
+``update_requests`` applies each step's :class:`~proxima.vllm.compaction_worker.
 CompactionWork` (the copies and the block-table changes) before the forward reads them.
 
 Refused (at start-up, one clear error): another KV connector beside Proxima's (it may
@@ -47,13 +47,13 @@ from typing import Iterable
 
 from proxima.allocator.placement import PlacementMaps
 from proxima.allocator.planner import PoolView, plan_evacuate, plan_pack
-from proxima.engines import activation
-from proxima.engines.compaction_apply import PlanApplication
-from proxima.engines.compaction_options import (DEFAULT_BUDGET_BYTES, DEFAULT_CLAIM_BLOCKS,
+from proxima.vllm import activation
+from proxima.vllm.compaction_apply import PlanApplication
+from proxima.vllm.compaction_options import (DEFAULT_BUDGET_BYTES, DEFAULT_CLAIM_BLOCKS,
                                                 DEFAULT_INTERVAL, DEFAULT_MAX_PHASES,
                                                 options_for, scratch_first)
-from proxima.engines.compaction_placement import AllocationPlacement
-from proxima.engines.status import percentiles
+from proxima.vllm.compaction_placement import AllocationPlacement
+from proxima.vllm.status import percentiles
 
 logger = logging.getLogger("vllm.proxima")
 
@@ -74,13 +74,13 @@ class _Sample:
 
 class Compactor(PlanApplication, AllocationPlacement):
     """The scheduler side of KV compaction for one vLLM block pool (see the module doc):
-    when and what to move. Reading vLLM and applying plans is :class:`~proxima.engines.
+    when and what to move. Reading vLLM and applying plans is :class:`~proxima.vllm.
     compaction_apply.PlanApplication`'s part, where fresh allocations go
-    :class:`~proxima.engines.compaction_placement.AllocationPlacement`'s.
+    :class:`~proxima.vllm.compaction_placement.AllocationPlacement`'s.
 
     ``granule_blocks``: the granule of the reclaimable measure (and of elastic mapping);
     ``bytes_per_block``: one block's bytes over all layers (the budget's unit);
-    ``mode``: :class:`proxima.engines.activation.CompactionMode`; ``allocatable``: a
+    ``mode``: :class:`proxima.vllm.activation.CompactionMode`; ``allocatable``: a
     ``granule -> bool`` (the elastic channel's mapped state), None: all mapped.
     """
 
@@ -250,7 +250,7 @@ class Compactor(PlanApplication, AllocationPlacement):
         return clear and applied
 
     def empty_granules(self, queue, wanted: int) -> int:
-        """Asked by the elastic controller (:mod:`proxima.engines.elastic_control`) when the
+        """Asked by the elastic controller (:mod:`proxima.vllm.elastic_control`) when the
         policy's shrink finds too few releasable granules: empty up to ``wanted`` mapped
         granules of ``queue`` that still hold live blocks -- the fewest live blocks first, as
         far as this step's budget goes -- and return how many it emptied (0: none; the
@@ -327,7 +327,7 @@ def scheduler_side(vllm_config, kv_cache_config, pool, channel, extra,
         raise UserError(f"{activation.COMPACTION_ENV}: KV compaction does not support Mamba "
                         "layers (vLLM zeroes their new blocks before the copy point); unset "
                         f"{activation.COMPACTION_ENV}")
-    from proxima.engines import elastic_v1
+    from proxima.vllm import elastic_v1
     from proxima.memory.channel import MAPPED
 
     sizes, _ = elastic_v1.kv_regions(kv_cache_config)
