@@ -21,9 +21,40 @@ REPO = Path(__file__).resolve().parents[2]
 PROOF = REPO / "tools" / "gpu"
 
 
-def run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PROOF / script), "--out", str(out), "--dry-run",
+def free_ports(n: int = 4) -> int:
+    """A base port with ``n`` free ports from it (fixed ports collided when two runs of
+    these tests shared a machine: one driver's stand-ins answered the other's requests)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base, held = random.randrange(20000, 60000), []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+def run(script: str, out: Path, *args: str, ports: int | None = None) -> subprocess.CompletedProcess:
+    """The driver's --dry-run; a ``--port`` given is replaced by the base of a run of free
+    ports (returned as ``done.port``)."""
+    args = list(args)
+    base = None
+    if "--port" in args:
+        base = ports or free_ports()
+        args[args.index("--port") + 1] = str(base)
+    done = subprocess.run([sys.executable, str(PROOF / script), "--out", str(out), "--dry-run",
                            *args], cwd=REPO, capture_output=True, text=True, timeout=180)
+    done.port = base
+    return done
 
 
 def test_driver_a_dry_run_writes_three_files_and_a_line_per_subproof(tmp_path):
@@ -462,7 +493,8 @@ def test_driver_b_four_engines_take_their_bursts_in_turn(tmp_path):
     assert data["settings"]["max_gib"] == 57.0
     assert c["static"]["start"] == "sequential" and c["elastic"]["start"] == "parallel"
     log = (tmp_path / "two_engines.log").read_text()
-    assert "gpu_memory_utilization 0.225 each (0.9/4" in log and "ports 8394-8397" in log
+    assert "gpu_memory_utilization 0.225 each (0.9/4" in log
+    assert f"ports {done.port}-{done.port + 3}" in log
     for setup in ("static", "elastic"):
         r = c[setup]
         assert all(f"start_{k}_s" in r for k in "ABCD")
