@@ -8,8 +8,11 @@ ready and /health 200; routing and streaming through the endpoint; /v1/models; t
 chosen by default (the log); kill -9 of one model's engine (its `proxima serve`): 503 for
 that model while the other serves, then back; SIGTERM stops everything.
 
-Not yet run on a GPU (written without one). Run on the H200:
+On one H100 (docs/results/h100-2026-12-05-s22): 4 of 6 passed; the kill -9 and SIGTERM
+tests failed on two supervisor bugs, fixed since with CPU tests that reproduce them
+(tests/serve/test_serve_multi.py), not yet re-run on a GPU. Run:
     python -m pytest -m gpu tests/gpu/test_serve_multi_gpu.py -v
+(or `bash tools/gpu/run.sh run 560 "0:serve-multi-tests"` on the staged host).
 """
 
 from __future__ import annotations
