@@ -139,7 +139,10 @@ def main(argv=None) -> int:
     if args.arbiter:
         worker = os.fork()
         if worker:
-            print(f"stand-in arbiter (pid {os.getpid()}), worker pid {worker}", flush=True)
+            # one write: with PYTHONUNBUFFERED print writes the text and its newline apart,
+            # and the worker's first line could land between them
+            sys.stdout.flush()
+            os.write(1, f"stand-in arbiter (pid {os.getpid()}), worker pid {worker}\n".encode())
             os.waitpid(worker, 0)
             return 0
     served: list = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -287,8 +288,8 @@ def test_a_killed_arbiter_is_seen_at_once_and_its_orphan_worker_stopped(endpoint
     ep = endpoint({"alpha": ["--arbiter"], "beta": ["--arbiter"]}, backoff=(1.0,))
     engine = ep.engines["beta"]
     arbiter = engine.pid
-    worker = int(wait_for(lambda: next((line.split("worker pid ")[1].split()[0]
-                                        for line in ep.output if "[beta] stand-in arbiter" in line),
+    pattern = re.compile(r"\[beta\] stand-in arbiter .*worker pid (\d+)")
+    worker = int(wait_for(lambda: next((m.group(1) for m in map(pattern.search, ep.output) if m),
                                        None), "beta's worker pid"))
     os.kill(arbiter, signal.SIGKILL)
     wait_for(lambda: engine.backend.state == RESTARTING, "beta restarting")
