@@ -355,7 +355,7 @@ ROWS = [
                                                        "--granule-blocks", "32"],
         ["--gpu-kv 2GiB is too small for two elastic engines' minimums",
          "each maps 32 granules of 64 MiB at start-up", "the GPU holds 32",
-         "use at least 9GiB"]),
+         "use at least 5GiB"]),
     Row("replay-engines-2-kv-min-half-each", ["replay", "--engines", "2", "--gpu-kv", "16GiB",
                                               "--kv-min", "9GiB", "--granule-blocks", "32"],
         ["too small for two elastic engines' minimums", "each maps 144 granules"]),

@@ -150,9 +150,7 @@ def add_arguments(p) -> None:
                         f"default: 0)")
     p.add_argument("--kv-initial", metavar="SIZE",
                    help=f"with --elastic: KV memory mapped at start-up, what is not wanted "
-                        f"going back after --release-delay ({SIZE_UNITS}; default: --kv-min, or "
-                        f"twice vLLM's warm-up if more: the first steps admit against it "
-                        f"while the first grow maps)")
+                        f"going back after --release-delay ({SIZE_UNITS}; default: --kv-min)")
     p.add_argument("--kv-max", metavar="SIZE",
                    help=f"with --elastic: most KV memory mapped ({SIZE_UNITS}; default: the "
                         f"pool)")

@@ -96,8 +96,7 @@ def request_blocks(block_size: int) -> tuple[int, int]:
 
 def startup_granules(args, spec: ElasticReplay, gpu_blocks: int) -> int:
     """Granules one elastic engine maps at start-up: vLLM's warm-up (the connector's own
-    count, :func:`proxima.vllm.elastic_v1.warmup_blocks`), --kv-min, --kv-initial (by default
-    twice the warm-up, as :func:`proxima.vllm.elastic_v1.startup_granules`)."""
+    count, :func:`proxima.vllm.elastic_v1.warmup_blocks`), --kv-min, --kv-initial."""
     from proxima.vllm.elastic_v1 import warmup_blocks
 
     vllm_config = SimpleNamespace(speculative_config=None, scheduler_config=SimpleNamespace(
@@ -105,11 +104,8 @@ def startup_granules(args, spec: ElasticReplay, gpu_blocks: int) -> int:
     kv_config = SimpleNamespace(num_blocks=gpu_blocks, kv_cache_groups=[SimpleNamespace(
         kv_cache_spec=SimpleNamespace(block_size=args.block_size))])
     granule = args.granule_blocks * spec.block_bytes(args.block_size)
-    blocks = warmup_blocks(vllm_config, kv_config)
-    warm = -(-(blocks + 1) // args.granule_blocks)
-    initial = spec.extra.get("initial_bytes")
-    if initial is None:            # the connector's default: two steps' worth of warm-up
-        initial = -(-min(2 * blocks + 1, gpu_blocks) // args.granule_blocks) * granule
+    warm = -(-(warmup_blocks(vllm_config, kv_config) + 1) // args.granule_blocks)
+    initial = spec.extra.get("initial_bytes") or 0
     return max(1, warm, -(-spec.min_bytes // granule), -(-initial // granule))
 
 
@@ -144,8 +140,7 @@ def validate(args, spec: ElasticReplay, max_blocks: int) -> None:
         most = startup_granules(args, spec, max_blocks)
         raise UserError(f"--gpu-kv {shown} is too small for two elastic engines' minimums: "
                         f"each maps {each} granules of {granule >> 20} MiB at start-up "
-                        f"(vLLM's warm-up, twice it by default, --kv-min, --kv-initial) and the "
-                        f"GPU holds "
+                        f"(vLLM's warm-up, --kv-min, --kv-initial) and the GPU holds "
                         f"{granules}: use at least {-(-2 * most * granule // GiB)}GiB, or "
                         f"lower --kv-min / --kv-initial / --max-num-seqs")
     if spec.max_bytes is not None and spec.max_bytes < (largest + 1) * block:

@@ -86,8 +86,7 @@ class ElasticOptions:
     the whole pool mapped) or ``off`` (item 1: the whole
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
-    ``initial_bytes`` (None: what vLLM's warm-up writes, at least ``min_bytes``: the first
-    step admits against it) what is mapped after start-up (at least what
+    ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
     vLLM's warm-up writes; above the minimum it is excess as any: the engine steps from
     start-up, gives it to another engine that asks, returns it after ``release_delay_s``
     when no request came); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
@@ -231,12 +230,6 @@ def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
         size = options.min_bytes if options.initial_bytes is None else options.initial_bytes
         initial = -(-size // bytes_per_granule)
     warm = -(-(warmup_blocks(vllm_config, kv_cache_config) + 1) // granule_blocks)
-    if options.initial_granules is None and options.initial_bytes is None:
-        # no initial size asked for: keep what warm-up mapped (about one step's token
-        # budget), so the first step admits against it; at the minimum it would admit one
-        # granule's worth while its grow is mapped, a step behind stock (issue 33)
-        initial = max(initial, -(-(2 * warmup_blocks(vllm_config, kv_cache_config) + 1)
-                                 // granule_blocks))
     initial = min(total, max(1, initial))
     return min(total, max(initial, warm)), initial
 

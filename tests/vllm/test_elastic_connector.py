@@ -490,11 +490,8 @@ def auto_run(num_granules, depth=1, capacity_after=None, background=False, worke
              **extra):
     """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
     from the second step on the GPU can back ``capacity_after`` bytes (None: plenty);
-    ``worker_class``: the worker's stand-in (default :class:`Worker`). Started at its
-    minimum (``initial_granules`` 1, not the default's first steps' budget) so that the
-    load makes it grow."""
-    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0,
-                 **{"initial_granules": 1, **extra})
+    ``worker_class``: the worker's stand-in (default :class:`Worker`)."""
+    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
     scheduler = scheduler_for(True, num_granules * GRANULE, depth, elastic_config(**extra))
     conn = scheduler.connector
     now = [0.0]
@@ -681,8 +678,8 @@ def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_on
 
 
 def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
-    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
-        policy="auto", release_delay_s=0.0, initial_granules=1))   # started at its minimum
+    scheduler = scheduler_for(True, 16 * GRANULE, 1,
+                              elastic_config(policy="auto", release_delay_s=0.0))
     conn = scheduler.connector
     per = conn.bytes_per_granule
     status = conn.control({})

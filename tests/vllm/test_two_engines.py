@@ -126,17 +126,3 @@ def test_an_engine_started_above_its_minimum_yields_to_the_others_first_burst(tm
     assert elastic["engines"]["B"]["elastic"]["yields"] >= 1
     assert all(a + b <= GPU for _, a, b in elastic["memory_timeline"])
     assert code == 0 and all(report["checks"].values()), report["checks"]
-
-
-def test_elastic_ties_on_a_steady_load_from_a_cold_start(tmp_path):
-    """No --kv-initial: each engine keeps two steps' worth of vLLM's warm-up after start-up
-    (the default initial size), so the first two steps, while the first grow is mapped,
-    admit what the static split admits (at the minimum the first step admitted half a
-    step's tokens and the cold burst's last requests waited a step more: TTFT p99 4 vs 3 at
-    16 GiB)."""
-    code, report = replay(tmp_path, "--workload", "steady", "--max-num-seqs", "1024",
-                          "--gpu-kv", "16GiB")
-    s, e = report["results"]["static"]["total"], report["results"]["elastic"]["total"]
-    for key in ("queue_wait_p99_steps", "ttft_p99_steps", "finish_steps"):
-        assert e[key] <= 1.02 * s[key], (key, e[key], s[key])
-    assert code == 0 and all(report["checks"].values()), report["checks"]
