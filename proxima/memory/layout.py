@@ -40,7 +40,7 @@ def granule_blocks(block_strides: Iterable[int], granule_bytes: int) -> int:
 
 #: The grains ``auto_granule_bytes`` tries, largest first: one physical allocation per region
 #: and granule, so the larger the grain the fewer driver calls a grow makes. Measured on an
-#: H100 (tools/gpu/map_rate.py, docs/results/map-rate/): about 70 us per allocation whatever
+#: H100 (tools/gpu/map_rate.py, docs/results/map-rate-h100/): about 70 us per allocation whatever
 #: its size, so 30 GB/s at 2 MiB, 241 GB/s at 16 MiB, 481 GB/s at 32 MiB.
 AUTO_GRAINS = (32 << 20, 16 << 20, 8 << 20, 4 << 20, 2 << 20)
 #: ... as long as the pool keeps at least this many granules (memory is given back a granule

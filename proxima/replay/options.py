@@ -125,7 +125,7 @@ def add_arguments(p) -> None:
                         "in: the reclaimable rows count granules without a live block "
                         "(32 = 2 MiB of a Llama-3.1-8B layer's KV, 64 KiB pages; V1 only) "
                         "(default: 32; with --elastic the product's own choice, the largest "
-                        "of 512, 256, 128, 64, 32 that leaves the pool 16 granules)")
+                        "of 512, 256, 128, 64, 32 that leaves the pool at least 8 granules)")
     p.add_argument("--engines", type=int, default=1, metavar="N",
                    help="1: one engine, stock vs Proxima; 2: two engines sharing one simulated "
                         "GPU of --gpu-kv, each with vLLM's real scheduler, Proxima's elastic "

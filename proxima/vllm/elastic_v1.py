@@ -104,7 +104,7 @@ class ElasticOptions:
     step sleeps this long (the engine loop's only wake-up; 0: none).
     ``granule_bytes``: the mapping grain per region (a multiple of the GPU's granularity);
     None (default): :func:`proxima.memory.layout.auto_granule_bytes`, the largest of 32, 16,
-    8, 4 and 2 MiB that leaves the pool 16 granules (one physical allocation per region and
+    8, 4 and 2 MiB that leaves the pool at least 8 granules (one physical allocation per region and
     granule: a 32 MiB grain maps ~16x faster than 2 MiB, tools/gpu/map_rate.py).
     ``zero_on_map``: zero-fill memory when it is mapped (default true; stock vLLM does not
     zero its KV memory unless its KV cache config needs it, so false is what stock does).
