@@ -10,7 +10,7 @@ for its next pops (``queue.hint``) and passes it on.
 
 Its value is a tuple of the four fields in that order: :class:`AllocationHint` (fields by
 name, defaults) or a plain tuple, which readers take alike (they unpack it). The scheduler's
-hot path builds plain ones (:meth:`AllocationHint.of`, :func:`continued`): a plain tuple
+hot path builds plain ones (``queue.hint = (...)``, :func:`continued`): a plain tuple
 comes from the interpreter's free list, an ``AllocationHint`` is a new object of a tuple
 subclass, ~0.25 us more on the CPU VM, which a queue that built two per allocation paid
 on every allocation (``docs/results/allocator-bench-*/NOTES.md``).
@@ -42,17 +42,6 @@ class AllocationHint(NamedTuple):
     spread: bool = False
     end: int = 0
 
-    @staticmethod
-    def of(after: int | None, room: int | None, spread: bool, end: int) -> tuple:
-        """The hint ``AllocationHint(after, room, spread, end)`` as a plain tuple, the
-        form for the scheduler's hot path (module doc): every field given, in order."""
-        return (after, room, spread, end)
-
-    def continued(self, last: int, n: int) -> "AllocationHint":
-        """:func:`continued` of this hint, as an ``AllocationHint``."""
-        hint = continued(self, last, n)
-        return hint if hint is self else _new(AllocationHint, hint)
-
 
 def continued(hint: tuple, last: int, n: int) -> tuple:
     """The hint for the next ids of the same allocation, after ``n`` ids ending at ``last``
@@ -64,5 +53,3 @@ def continued(hint: tuple, last: int, n: int) -> tuple:
         return hint
     return (last, None if room is None else (room - n if room > n else 0), spread, end)
 
-
-_new = tuple.__new__

@@ -340,21 +340,20 @@ def test_free_ids_from_and_the_buddy_view():
 
 def test_a_hint_continues_after_the_ids_handed_out():
     hint = AllocationHint(after=4, room=10, spread=True, end=7)
-    assert hint.continued(9, 5) == AllocationHint(after=9, room=5, spread=True, end=7)
-    assert hint.continued(20, 12).room == 0                 # room never goes below 0
-    assert AllocationHint(room=3).continued(2, 3) == AllocationHint(after=2, room=0)
+    assert continued(hint, 9, 5) == AllocationHint(after=9, room=5, spread=True, end=7)
+    assert AllocationHint(*continued(hint, 20, 12)).room == 0   # room never goes below 0
+    assert continued(AllocationHint(room=3), 2, 3) == AllocationHint(after=2, room=0)
     plain = AllocationHint(end=5)                            # no run to continue
-    assert plain.continued(9, 1) is plain
+    assert continued(plain, 9, 1) is plain
     assert continued((4, 10, True, 7), 9, 5) == (9, 5, True, 7)       # the plain form
     assert type(continued(hint, 9, 5)) is tuple
 
 
 def test_a_plain_tuple_is_the_same_hint_as_an_allocation_hint():
-    """The hot path's form (AllocationHint.of, the queue's continuation) places every id
+    """The hot path's form (a plain tuple, the queue's continuation) places every id
     where the named form does, over a mix of new runs with room, growth and frees."""
     named, plain = RunAllocator(300, reserved=[0]), RunAllocator(300, reserved=[0])
-    assert AllocationHint.of(3, 8, True, 2) == AllocationHint(3, 8, True, 2)
-    assert type(AllocationHint.of(3, 8, True, 2)) is tuple
+    assert (3, 8, True, 2) == AllocationHint(3, 8, True, 2)
     held = []
     for i in range(60):
         if held and i % 3 == 0:
@@ -369,7 +368,7 @@ def test_a_plain_tuple_is_the_same_hint_as_an_allocation_hint():
             run, fields = None, (None, 2 + i % 9, i % 4 == 0, i)
         n = 1 + i % 3
         got = named.allocate(n, AllocationHint(*fields))
-        assert plain.allocate(n, AllocationHint.of(*fields)) == got
+        assert plain.allocate(n, tuple(fields)) == got
         if run is None:
             held.append(got)
         else:
