@@ -459,27 +459,22 @@ class Endpoint:
         return self.code
 
 
-def _server_class():
+def _Server(config):
+    """uvicorn's server, except that a stop asked by SIGTERM or SIGINT, once done, is a clean
+    exit (0, as the one-model `proxima serve` under gunicorn), not the signal raised again
+    (uvicorn's default: the process then dies of it, exit -15)."""
     import contextlib
 
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, except that a stop asked by SIGTERM or SIGINT, once done, is a
-        clean exit (0, as the one-model `proxima serve` under gunicorn), not the signal
-        raised again (uvicorn's default: the process then dies of it, exit -15)."""
-
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():
                 yield
                 getattr(self, "_captured_signals", []).clear()
 
-    return Server
-
-
-def _Server(config):
-    return _server_class()(config)
+    return Server(config)
 
 
 async def serve(engines: list[Engine], host: str, port: int, **options) -> int:

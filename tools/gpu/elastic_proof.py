@@ -998,11 +998,9 @@ def main() -> int:
             f"{EXECUTOR or 'default'}")
     plan = {"a": (proof_a, 170), "b": (proof_b, 200),
             "d": (lambda *a: proof_d(*a, load=args.d_load), 440)}
-    for name in order:               # in the order asked: the first get the budget
-        if name == "a2" or (name == "b" and "d" in wanted):
-            continue
+    runs = [n for n in order if n != "a2" and not (n == "b" and "d" in wanted)]
+    for name in runs:                # in the order asked: the first get the budget
         fn, share = plan[name]
-        runs = [n for n in order if n != "a2" and not (n == "b" and "d" in wanted)]
         if name == runs[-1]:         # the last sub-proof gets what is left, not its nominal share
             share = budget.left()
         share = budget.cap(share, reserve=5)
