@@ -725,3 +725,29 @@ def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp
     assert second.returncode == 0, second.stdout + second.stderr
     b = json.loads((tmp_path / "b" / "three_models.json").read_text())["subproofs"]
     assert b["setups"]["stock"] == a["setups"]["stock"] and b["summary"]["ratio"] > 0
+
+
+def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp_path):
+    """--user-path: the elastic servers are `proxima serve MODEL --elastic` as the docs tell a
+    user, vLLM's options as given, no KV sizing flag, and the driver's stats file through
+    --elastic-options (which serve's own parser must take); the static side is unchanged."""
+    from proxima.config import elastic_options_text
+
+    te = _two_engines()
+    args = te.parse(["--user-path", "--prompt", "4000", "--output", "512", "--requests", "160"])
+    assert te.resolve(args, ["static", "elastic"])[0] is None
+    stats = tmp_path / "a dir" / ".elastic-A.json"
+    cmd = te.server_cmd(8300, False, args, stats)
+    assert cmd[1:5] == ["-m", "proxima.cli", "serve", args.model] and "--elastic" in cmd
+    sizing = {"--kv-cache-memory-bytes", "--gpu-memory-utilization", "--kv-min", "--kv-max",
+              "--kv-transfer-config", "--distributed-executor-backend"}
+    assert not sizing & set(cmd)
+    assert cmd[cmd.index("--max-model-len") + 1] == "6512"      # 1.5 x 4000 + 512
+    assert elastic_options_text(cmd[cmd.index("--elastic-options") + 1]) == {
+        "stats_file": str(stats)}
+    static = te.server_cmd(8300, True, args, stats)
+    assert "vllm.entrypoints.openai.api_server" in static and "--elastic" not in static
+    done = run("two_engines.py", tmp_path / "dry", "--budget", "120", "--requests", "8",
+               "--user-path", "--dry-run")
+    assert done.returncode in (0, 1), done.stderr
+    assert "proxima serve --elastic" in (tmp_path / "dry" / "two_engines.log").read_text()

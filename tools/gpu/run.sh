@@ -36,6 +36,7 @@
 #                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min (the driver
 #                itself takes --engines N for N servers, bursts in turn: run it directly)
 #                (COMPACTOR=module:factory passes issue 14's compaction to the elastic servers)
+#                (TE_ARGS: more of its options, e.g. "--user-path --prompt 4000 --requests 160")
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 #   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint)
@@ -160,7 +161,7 @@ task() {
     elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py ${EP_ONLY:+--only "$EP_ONLY"} \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
     two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tools/gpu/two_engines.py \
-                     --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ;;
+                     --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ${TE_ARGS:-} ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_bench_offline_gpu.py -q -p no:cacheprovider -rA ;;
     serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \

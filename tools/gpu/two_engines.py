@@ -108,6 +108,9 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
         if args.static_kv_gib:          # what --static-util gives, fixed (see --static-kv-gib)
             cmd += ["--kv-cache-memory-bytes", str(int(args.static_kv_gib * GiB))]
         return cmd
+    if args.user_path:    # as the docs tell a user: `proxima serve MODEL --elastic`, no sizing
+        return [sys.executable, "-m", "proxima.cli", "serve", args.model] + cmd[5:] + [
+            "--elastic", "--elastic-options", f"stats_file={stats_file}"]
     options = {"policy": "auto", "min_bytes": MIN_GIB * GiB, "max_bytes": int(args.max_gib * GiB),
                "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
                "stats_file": str(stats_file)}
@@ -594,6 +597,13 @@ def parse(argv=None):
                     help="with each burst, N more requests of TOKENS output tokens that the "
                          "schedule does not wait for: they outlive the burst (compaction's "
                          "case; default: none)")
+    ap.add_argument("--user-path", action="store_true",
+                    help="the elastic servers as the docs tell a user to start them: `proxima "
+                         "serve MODEL --elastic` (gunicorn, self-check, mp executor), with no "
+                         "sizing flag (it sizes itself from the GPU and the per-GPU ledger) and "
+                         "the product's release delay; --max-gib, --delay and --granule-mib "
+                         "then do not apply (default: off: vLLM's api_server with Proxima's "
+                         "connector and those options)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -672,7 +682,11 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                     f"{need:.0f} GiB ({n} x ({base} + {args.static_kv_gib})), more than the "
                     f"GPU's {args.gpu_gib}: give at most "
                     f"{math.floor(10 * (args.gpu_gib / n - base)) / 10}"), notes
-    if any(x in order for x in ("elastic", "compacted")):
+    if args.user_path and any(x in order for x in ("elastic", "compacted")):
+        notes.append("elastic: `proxima serve MODEL --elastic`, no sizing flag: each engine "
+                     "sizes itself (its 'elastic sizing:' log line); --max-gib, --delay and "
+                     "--granule-mib do not apply")
+    elif any(x in order for x in ("elastic", "compacted")):
         peak = n * base + (n - 1) * MIN_GIB + args.max_gib
         notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
                      f"the other {n - 1} at {MIN_GIB} GiB: {n} x {base} + {n - 1} x {MIN_GIB} "
@@ -733,7 +747,8 @@ def main() -> int:
             f"{args.rounds} round(s) of {args.engines} bursts, static "
             f"gpu_memory_utilization {args.static_util} with "
             f"{f'{args.static_kv_gib} GiB of KV' if args.static_kv_gib else 'profiled KV'}, "
-            f"elastic max {args.max_gib} GiB, compactor {args.compactor}")
+            + ("elastic via `proxima serve --elastic` (self-sized)" if args.user_path else
+               f"elastic max {args.max_gib} GiB") + f", compactor {args.compactor}")
     for line in notes:
         out.log(f"  {line}")
     out.log(f"  time plan, at least: {'; '.join(p[1] for p in plan)}")
