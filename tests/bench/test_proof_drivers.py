@@ -727,6 +727,19 @@ def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp
     assert b["setups"]["stock"] == a["setups"]["stock"] and b["summary"]["ratio"] > 0
 
 
+def test_three_models_gpu_plan_counts_the_measured_start_ups_and_asks_for_two_calls(tmp_path):
+    """On a GPU (no --dry-run) both setups eager in one 540 s call are refused before anything
+    starts: proxima serve's three engines start one after another (82 s each measured on an
+    H100), stock's 49 s each; the line does not suggest --enforce-eager when it is given."""
+    done = subprocess.run([sys.executable, str(PROOF / "three_models.py"), "--out",
+                           str(tmp_path / "o"), "--enforce-eager", "--rounds", "1", "--budget",
+                           "540"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "proxima 326s (246s of start-up" in done.stderr and "stock 227s" in done.stderr
+    assert "--enforce-eager" not in done.stderr and "one setup in --only" in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp_path):
     """--user-path: the elastic servers are `proxima serve MODEL --elastic` as the docs tell a
     user, vLLM's options as given, no KV sizing flag, and the driver's stats file through
@@ -751,3 +764,9 @@ def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp
                "--user-path", "--dry-run")
     assert done.returncode in (0, 1), done.stderr
     assert "proxima serve --elastic" in (tmp_path / "dry" / "two_engines.log").read_text()
+    bursts = json.loads((tmp_path / "dry" / "two_engines.json").read_text())[
+        "subproofs"]["c"]["elastic"]["bursts"]
+    # each burst carries the engines' grows/shrinks around it, in seconds from its start:
+    # the busy engine grew during its own burst (none of it before the burst's start - 5 s)
+    assert any(kind == "grow" and 0 <= t for t, kind, _ in bursts[0]["events_A"])
+    assert all(t >= -5 for b in bursts for k in "AB" for t, _, _ in b[f"events_{k}"])

@@ -41,7 +41,8 @@ def main() -> int:
     served = [0]
     lock = threading.Lock()
     state = {"mapped_bytes": args.min_bytes, "grows": 0, "shrinks": 0, "failed_grows": 0,
-             "bytes_returned": 0, "pool_bytes": args.max_bytes}
+             "bytes_returned": 0, "pool_bytes": args.max_bytes,
+             "events": []}        # (monotonic time, grow/shrink, granules), as the engine's
     active = [0]
     last_end = [time.monotonic()]
     cached: set = set()                 # prefixes seen, whole blocks (a cache that never evicts)
@@ -59,6 +60,8 @@ def main() -> int:
             with lock:
                 if (active[0] == 0 and state["mapped_bytes"] > args.min_bytes
                         and time.monotonic() - last_end[0] >= args.delay):
+                    state["events"] = state["events"][-19:] + [
+                        (time.monotonic(), "shrink", (state["mapped_bytes"] - args.min_bytes) >> 20)]
                     state["bytes_returned"] += state["mapped_bytes"] - args.min_bytes
                     state["mapped_bytes"] = args.min_bytes
                     state["shrinks"] += 1
@@ -121,6 +124,8 @@ def main() -> int:
                 cache["hits"] += hit * BLOCK
                 want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
                 if want > state["mapped_bytes"]:
+                    state["events"] = state["events"][-19:] + [
+                        (time.monotonic(), "grow", (want - state["mapped_bytes"]) >> 20)]
                     state["mapped_bytes"] = want
                     state["grows"] += 1
                     write_stats()

@@ -30,11 +30,11 @@ The plan is checked first: a budget too small for the setups' start-ups, bursts 
 said in one line (exit 2). ``--with FILE`` takes the setups not run now from an earlier
 three_models.json (a run split over two device calls: ``--only proxima``, then ``--only
 stock --with .../three_models.json``), so the ratio is still computed.
-Time on an H200 (estimates, not measured yet): a compiled start-up is ~75 s a model warm
-(more cold: ``proxima serve`` starts its three engines one after another, 4-5 min cold), an
-eager one (``--enforce-eager``) ~30-60 s; the default trace ~90 s a setup. Both setups compiled
-do not fit one 600 s device call (the plan asks for 634 s at least): run ``--only proxima``
-and ``--only stock --with FILE`` in two calls, or both in one with ``--enforce-eager``.
+Time, measured on one H100 with ``--enforce-eager`` (2026-12-05): ``proxima serve`` starts
+its three engines one after another, 82-84 s each (about 4.5 min to all ready); a stock
+server 49 s. Both setups do not fit one 600 s device call, eager or compiled (the plan says
+so before anything starts): run ``--only proxima`` and ``--only stock --with FILE`` in two
+calls.
 Files in $OUT: three_models.json (rewritten as results come), three_models.log,
 three_models-logs.tgz (the servers' logs). ``--dry-run``: CPU stand-ins (fake_multi.py, the
 real multi-model endpoint over fake_server.py engines, and fake_server.py for stock).
@@ -65,9 +65,14 @@ GPU = Path(__file__).resolve().parent
 MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
           "small": GPU / "dummy-llama-1b"}
 SETUPS = ("proxima", "stock")
-# the plan's floors, seconds: one model's start-up (compiled; eager), a burst, a setup's stop
-GPU_PLAN = {"start": 75.0, "start_eager": 30.0, "burst": 12.0, "stop": 20.0}
-DRY_PLAN = {"start": 2.0, "start_eager": 2.0, "burst": 1.0, "stop": 1.0}
+# the plan's floors, seconds: one model's start-up per setup (compiled; eager), a burst, a
+# setup's stop. Eager start-ups measured on one H100 (2026-12-05, s23): proxima serve's
+# engines 82-84 s each, one after another (self-check, sizing, engine, canary); stock servers
+# 49 s each. Compiled: two `proxima serve --elastic` side by side 111-120 s, two stock 73-114 s.
+GPU_PLAN = {"start": {"proxima": 120.0, "stock": 75.0},
+            "start_eager": {"proxima": 82.0, "stock": 49.0}, "burst": 20.0, "stop": 20.0}
+DRY_PLAN = {"start": {"proxima": 2.0, "stock": 2.0}, "start_eager": {"proxima": 2.0, "stock": 2.0},
+            "burst": 1.0, "stop": 1.0}
 
 
 def span(text: str) -> tuple[int, int]:
@@ -484,7 +489,7 @@ def stop_setup(out: kit.Out, dry_run: bool) -> None:
 
 def setup_seconds(name: str, args) -> tuple[float, str]:
     c = DRY_PLAN if args.dry_run else GPU_PLAN
-    start = len(MODELS) * c["start_eager" if args.enforce_eager else "start"]
+    start = len(MODELS) * c["start_eager" if args.enforce_eager else "start"][name]
     bursts = len(MODELS) * args.rounds
     total = start + bursts * c["burst"] + c["stop"]
     return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {bursts} bursts x "
@@ -571,7 +576,8 @@ def main() -> int:
     if args.budget < need:
         print(f"three_models: --budget {args.budget:.0f}s is too little for {', '.join(order)}, "
               f"at least {need:.0f}s: {'; '.join(p[1] for p in plan)}; give --budget "
-              f"{math.ceil(need) + 30} or more, --enforce-eager, fewer --rounds, or one setup "
+              f"{math.ceil(need) + 30} or more, "
+              f"{'' if args.enforce_eager else '--enforce-eager, '}fewer --rounds, or one setup "
               f"in --only (then the other with --with)", file=sys.stderr)
         return 2
     out = kit.Out(Path(args.out), "three_models")

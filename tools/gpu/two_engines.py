@@ -408,6 +408,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     tail_n, seed=7000 + 100 * r + j, prompt=args.prompt,
                     output=tail_tokens), left + args.burst_timeout))
             sampler = Sampler(stats)
+            t_burst = time.monotonic()   # the engines' policy clock is the same monotonic one
             burst = asyncio.run(run_burst(port, args.model, requests, left))
             burst["mapped_during"] = sampler.stop()
             after = metrics(port, BURST_METRICS)
@@ -424,6 +425,11 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     burst[f"mapped_{k}_bytes"] = e.get("mapped_bytes")
                     burst[f"reported_mapped_{k}_bytes"] = (e.get("reported_mapped") or 0) * (
                         e.get("bytes_per_granule") or 0)
+                    # its grows, shrinks and failed grows around the burst (the engine keeps
+                    # its last 20), in seconds from the burst's start: who waited for whom
+                    burst[f"events_{k}"] = [
+                        [round(t - t_burst, 2), kind, n] for t, kind, n in e.get("events") or ()
+                        if t >= t_burst - 5]
             ttfts = burst.pop("ttfts")
             result.setdefault("all_ttfts", []).extend(ttfts)
             result["bursts"].append(burst)
