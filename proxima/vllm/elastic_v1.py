@@ -86,8 +86,10 @@ class ElasticOptions:
     the whole pool mapped) or ``off`` (item 1: the whole
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
-    ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
-    vLLM's warm-up writes; above the minimum it is excess as any: the engine steps from
+    ``initial_bytes`` (None, policy ``auto``: what vLLM's warm-up mapped, grown at the
+    first step to twice what it writes within the GPU's free memory,
+    :func:`startup_target`; else ``min_bytes``) what is mapped after start-up (at least
+    ``min_bytes``; above the minimum it is excess as any: the engine steps from
     start-up, gives it to another engine that asks, returns it after ``release_delay_s``
     when no request came); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
@@ -218,7 +220,9 @@ def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
                      granule_blocks: int, bytes_per_granule: int) -> tuple[int, int]:
     """``(mapped at start-up, kept after the first step)`` in granules (always from 0):
     the workers map what warm-up writes and the initial size, the scheduler releases what
-    is above the initial size before the first request."""
+    is above the initial size before the first request. With no initial size given
+    (policy ``auto``) it keeps what warm-up mapped, and its policy grows from there
+    (:func:`startup_target`)."""
     total = -(-kv_cache_config.num_blocks // granule_blocks)
     if options.policy == "off":
         return total, total
@@ -231,7 +235,29 @@ def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
         initial = -(-size // bytes_per_granule)
     warm = -(-(warmup_blocks(vllm_config, kv_cache_config) + 1) // granule_blocks)
     initial = min(total, max(1, initial))
-    return min(total, max(initial, warm)), initial
+    mapped = min(total, max(initial, warm))
+    return mapped, mapped if _default_initial(options) else initial
+
+
+def _default_initial(options: ElasticOptions) -> bool:
+    return (options.policy == "auto" and options.initial_granules is None
+            and options.initial_bytes is None)
+
+
+def startup_target(options: ElasticOptions, vllm_config, kv_cache_config,
+                   granule_blocks: int) -> int:
+    """Granules the policy grows to at its first step, before the first request (0: no
+    start-up grow): with no initial size given (policy ``auto``), twice what vLLM's
+    warm-up writes, at most the pool (issue 33, the cold start: at its minimum the first
+    steps admit against one granule while the load's first grow maps; the first grow
+    takes up to two steps to map, as the step reserve counts). The policy asks the GPU
+    for no more than it has free (:class:`proxima.memory.policy.GrowShrinkPolicy`); an
+    initial size given wins."""
+    if not _default_initial(options):
+        return 0
+    total = -(-kv_cache_config.num_blocks // granule_blocks)
+    blocks = warmup_blocks(vllm_config, kv_cache_config)
+    return min(total, -(-(2 * blocks + 1) // granule_blocks))
 
 
 def connector_config(extra: dict | None = None) -> dict:

@@ -328,6 +328,48 @@ def test_an_engine_started_above_its_minimum_steps_without_a_request_until_it_gi
     assert not scheduler.has_requests()      # at its minimum: the engine rests
 
 
+@pytest.mark.parametrize("room, kept", [(None, 9), (7, 6), (5, 1)],
+                         ids=["room", "crowded", "short"])
+def test_the_start_up_grow_keeps_twice_the_warm_up_where_the_gpu_has_room(room, kept):
+    """No initial size: warm-up maps granules 0-4 (ids 1..1024) and the engine grows to
+    twice that (9 granules, ids up to 2048) at its first step, before any request -- but
+    only into what the driver says is free, less ``gpu_free_low`` (5%) of the GPU: with
+    room for 7 granules it keeps 6 (no failed map, nothing beyond the room); on a GPU full
+    after warm-up it keeps its minimum, as before. What it keeps above the minimum goes
+    back after the release delay (1 s: 10 steps) when no request comes."""
+    G = 2 * PAGE * GRANULE                    # bytes of one granule, both regions
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=1.0, idle_sleep_s=0.0))
+    conn = scheduler.connector
+    assert conn.startup_granules == 5 and conn.policy.startup_granules == 9
+    now = [0.0]
+    conn.clock = lambda: now[0]
+    worker = Worker(scheduler, capacity=(1 << 40) if room is None else room * G)
+    conn.shared.gpu_memory = worker.driver.mem_info     # what NVML says of the GPU
+    assert scheduler.has_requests()                     # it steps from start-up
+    seen = []
+
+    def between(step):
+        now[0] = step * 0.1 if step is not None else now[0]
+        seen.append((conn.channel.count(MAPPED), worker.memory.mapped_granules,
+                     worker.driver.used))
+
+    vllm_v1.activate()
+    try:
+        drive(scheduler, [], worker, between=between)
+    finally:
+        vllm_v1.deactivate()
+    between(None)                                       # and where it rests
+    assert seen[0][:2] == (5, 5)                        # warm-up's granules, kept
+    assert seen[1][:2] == (kept, kept)                  # after the first step
+    assert len(seen) == (2 if kept == 1 else 13)        # then the delay, the release
+    assert max(used for *_, used in seen) <= worker.driver.capacity
+    assert conn.channel.stats["map_failures"] == 0 and conn.policy.stats.failed_grows == 0
+    assert conn.channel.count(MAPPED) == worker.memory.mapped_granules == 1   # given back
+    assert not scheduler.has_requests()
+    conn.queue.check()
+
+
 def test_a_policy_other_than_off_needs_proxima_s_pool():
     from proxima.errors import UserError
 
@@ -490,8 +532,11 @@ def auto_run(num_granules, depth=1, capacity_after=None, background=False, worke
              **extra):
     """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
     from the second step on the GPU can back ``capacity_after`` bytes (None: plenty);
-    ``worker_class``: the worker's stand-in (default :class:`Worker`)."""
-    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
+    ``worker_class``: the worker's stand-in (default :class:`Worker`). Started at its
+    minimum (``initial_granules`` 1, not the default: warm-up's granules and the start-up
+    grow to twice them) so that the load makes it grow."""
+    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0,
+                 **{"initial_granules": 1, **extra})
     scheduler = scheduler_for(True, num_granules * GRANULE, depth, elastic_config(**extra))
     conn = scheduler.connector
     now = [0.0]
@@ -678,8 +723,8 @@ def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_on
 
 
 def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
-    scheduler = scheduler_for(True, 16 * GRANULE, 1,
-                              elastic_config(policy="auto", release_delay_s=0.0))
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=0.0, initial_granules=1))   # started at its minimum
     conn = scheduler.connector
     per = conn.bytes_per_granule
     status = conn.control({})
