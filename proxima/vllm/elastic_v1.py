@@ -193,17 +193,20 @@ class ElasticOptions:
 
 
 def warmup_blocks(vllm_config, kv_cache_config) -> int:
-    """The highest block id vLLM 0.26's ``warmup_kernels`` (``v1/worker/gpu/warmup.py``)
+    """The highest block id vLLM's ``warmup_kernels`` (``v1/worker/gpu/warmup.py``)
     writes: ``num_reqs`` requests, each given distinct ids from 1 for every KV cache group
-    (prefill of ``decode_query_len + 1`` tokens, then ``decode_query_len`` decoded). Both
-    sides compute it from the same configs, so the scheduler knows what the workers map
-    at start-up."""
+    (prefill of ``decode_query_len + 1`` tokens, then decode steps: the tokens per
+    request as :func:`proxima.vllm.vllm_v1_compat.warmup_request_tokens` says for 0.26
+    and 0.33). Both sides compute it from the same configs, so the scheduler knows what
+    the workers map at start-up."""
+    from proxima.vllm.vllm_v1_compat import warmup_request_tokens
+
     sched = vllm_config.scheduler_config
     spec_config = getattr(vllm_config, "speculative_config", None)
     num_spec = getattr(spec_config, "num_speculative_tokens", 0) or 0 if spec_config else 0
     decode_query_len = 1 + num_spec
     prompt_len = decode_query_len + 1
-    decode_len = prompt_len + decode_query_len
+    decode_len = warmup_request_tokens(vllm_config, decode_query_len)
     per_req = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
