@@ -302,6 +302,28 @@ def test_warmup_and_initial_size_decide_what_is_mapped_at_start_up():
     assert batch.ops == (Op.unmap(2, 3),)                     # 5..7 were never mapped
 
 
+def test_the_warm_up_tokens_per_request_are_0_26_s_or_0_33_s_by_the_config():
+    """0.26: a prefill of decode_query_len + 1 tokens and one decode step; 0.33 (its
+    VllmConfig has num_lookahead_tokens): 3 decode steps, 5 with speculative decoding, and
+    the lookahead slots, at most max_model_len (tests/contract checks vLLM's code)."""
+    from types import SimpleNamespace
+
+    from proxima.vllm.vllm_v1_compat import warmup_request_tokens
+
+    class Config033:
+        num_lookahead_tokens = property(lambda self: self.lookahead)
+
+        def __init__(self, lookahead, max_len=8192):
+            self.lookahead = lookahead
+            self.model_config = SimpleNamespace(max_model_len=max_len)
+
+    assert warmup_request_tokens(SimpleNamespace(), 1) == 3          # 0.26 (or a stand-in)
+    assert warmup_request_tokens(SimpleNamespace(), 4) == 9
+    assert warmup_request_tokens(Config033(0), 1) == 2 + 3           # 0.33
+    assert warmup_request_tokens(Config033(3), 4) == 5 + 5 * 4 + 3   # speculative decoding
+    assert warmup_request_tokens(Config033(3, max_len=16), 4) == 16
+
+
 def test_an_engine_started_above_its_minimum_steps_without_a_request_until_it_gives_back():
     """``initial_granules`` above the minimum and no request: the connector keeps the
     engine stepping (``Scheduler.has_requests``) until its policy has looked at that memory,
