@@ -78,6 +78,19 @@ block, only) and nothing is wanted free, so every other granule goes at once, ca
 included; the next request makes it busy again and the minimum is back, grown at that
 step. The engine keeps stepping (:attr:`pending`) until then.
 
+**The start-up grow** (issue 33: the cold start). An engine started without an initial size
+keeps what vLLM's warm-up mapped and grows, at its first step (before its first request:
+:attr:`pending` keeps it stepping), to ``startup_granules`` -- twice what the warm-up
+writes (:func:`proxima.vllm.elastic_v1.startup_target`): at its minimum its first steps
+would admit against one granule while the load's first grow maps, a step or two behind
+stock. That grow is an ordinary one (the maximum, ``free_bytes``, the backoff of a failed
+map), and asks for no more than the driver's free memory, ``gpu_free_bytes``, less
+``gpu_free_low`` of the GPU (below that the release rule counts the GPU short): an engine
+started on a crowded GPU keeps what fits and no more; on a GPU short already (free below
+``gpu_free_low``) it keeps its minimum, releasing the rest of warm-up's granules at once.
+What it keeps above the minimum is excess as any, given to another engine that asks and
+returned after ``release_delay_s`` when no load wants it.
+
 ``min_bytes`` and ``max_bytes`` can be changed at run time (:meth:`set_limits`); a new
 minimum above the mapped size grows at the next step, a new maximum below it shrinks
 (after the delay, like any shrink, but without waiting for excess).
@@ -109,13 +122,16 @@ class GrowShrinkPolicy:
         forecast: ``fn() -> blocks`` the held requests may still need (None: 0).
         free_bytes: ``fn() -> bytes or None``, what the driver says this engine could map
             now (None: not known); grows are capped at it (an attribute: may be set later).
+        startup_granules: granules to have mapped after the first step (the start-up grow,
+            see the module; 0: none).
     """
 
     def __init__(self, pool: PoolView, channel: ElasticChannel, bytes_per_granule: int,
                  options: PolicyOptions = PolicyOptions(), *,
                  clock: Callable[[], float] = time.monotonic,
                  forecast: Callable[[], int] | None = None,
-                 free_bytes: Callable[[], int | None] | None = None) -> None:
+                 free_bytes: Callable[[], int | None] | None = None,
+                 startup_granules: int = 0) -> None:
         if bytes_per_granule < 1:
             raise ValueError(f"bytes_per_granule must be >= 1, got {bytes_per_granule}")
         self.pool = pool
@@ -142,6 +158,10 @@ class GrowShrinkPolicy:
         #: not stepped yet: memory mapped at start-up above the minimum (``initial_bytes``)
         #: keeps the engine stepping (:attr:`pending`) until its first step decides on it
         self._unstepped = True
+        self.startup_granules = startup_granules
+        #: a start-up grow issued: the engine keeps stepping until a step has looked at it
+        #: as excess (it then goes after the release delay, as any)
+        self._startup_grown = False
         channel.listeners.append(self._on_map)
 
     # ------------------------------------------------------------------ limits
@@ -218,9 +238,14 @@ class GrowShrinkPolicy:
         now = self.clock()
         if self._shrinking is not None:       # a shortfall nobody answered: release now
             self.finish_shrink()
-        self._unstepped = False
         mapped = ch.count(MAPPED)
         pending = ch.count(MAPPING)
+        startup = self._startup_grow(mapped + pending, gpu_free_bytes, gpu_total_bytes)
+        self._unstepped = False
+        if startup < 0:       # a GPU short at start-up: warm-up's granules above the minimum
+            found = [g for g in self._candidates(True) if g][:-startup]   # go now
+            self._release(sorted(found), now)
+            mapped, startup = ch.count(MAPPED), 0
         busy = self._busy()
         free = self.spare_blocks(busy)
         idle_out = self._idle_out(now, busy, mapped + pending)
@@ -231,7 +256,7 @@ class GrowShrinkPolicy:
         # grow: below wanted free memory (then by a band more), or below the minimum
         short_blocks = wanted - free - pending * G
         grow = max(-(-short_blocks // G) + band - 1 if short_blocks > 0 else 0,
-                   floor - mapped - pending)
+                   floor - mapped - pending, startup)
         grow = min(grow, cap - mapped - pending)
         # unmet demand (for the ledger): while the GPU cannot back a grow, what is wanted
         # beyond what is mapped (maps in flight are not had yet)
@@ -251,7 +276,10 @@ class GrowShrinkPolicy:
                      and free_now > self._free_at_fail)
             if now >= self._retry_at or freed:
                 self._grow(grow, now)
+                self._startup_grown = self._startup_grown or startup > 0
             return 0
+        if not pending:             # the start-up grow is had: the rule below looks at it
+            self._startup_grown = False
         # shrink: excess beyond wanted and two bands (or above the maximum) for the delay,
         # down to a band above wanted; an idle engine keeps no band
         keep = band if busy else 0
@@ -290,6 +318,23 @@ class GrowShrinkPolicy:
             return count - len(found)
         self.finish_shrink(found)
         return 0
+
+    def _startup_grow(self, mapped: int, gpu_free_bytes: int | None,
+                      gpu_total_bytes: int | None) -> int:
+        """Granules the start-up grow adds at the first step (0 after it, or without a
+        start-up size): up to ``startup_granules``, within what the driver says is free
+        less ``gpu_free_low`` of the GPU (when it says). The maximum and ``free_bytes`` cap
+        it in :meth:`step`, as any grow. Negative: the GPU is short already (free below
+        ``gpu_free_low``), the granules above the minimum to release now."""
+        if not self._unstepped or not self.startup_granules:
+            return 0
+        want = self.startup_granules - mapped
+        if gpu_free_bytes is not None and gpu_total_bytes:
+            spare = gpu_free_bytes - int(self.options.gpu_free_low * gpu_total_bytes)
+            if spare < 0:
+                return min(0, self.min_granules - mapped)
+            want = min(want, spare // self.bytes_per_granule)
+        return max(0, want)
 
     def finish_shrink(self, found: list[int] | None = None) -> None:
         """Release what the step's shrink decided: up to its count of the granules
@@ -358,10 +403,19 @@ class GrowShrinkPolicy:
     def pending(self) -> bool:
         """A release is waiting for its delay, or an idle engine for its idle release, or
         the policy has not stepped yet while more than the minimum is mapped (an engine
-        started with ``initial_bytes`` above it, before its first request): the engine
-        must keep stepping to do it."""
-        return (self._excess_since is not None or self._idle_wait
-                or (self._unstepped and self.channel.count(MAPPED) > self.min_granules))
+        started above it, before its first request) or its start-up grow is to come or
+        has not been looked at since: the engine must keep stepping to do it."""
+        if self._excess_since is not None or self._idle_wait or self._startup_grown:
+            return True
+        if not self._unstepped:
+            return False
+        mapped = self.channel.count(MAPPED)
+        return mapped > self.min_granules or mapped < self.startup_granules
+
+    @property
+    def unstepped(self) -> bool:
+        """The policy has not stepped yet (its start-up decisions are still to come)."""
+        return self._unstepped
 
     def due_in(self) -> float | None:
         """Seconds until the waiting release is due (None: none is waiting)."""

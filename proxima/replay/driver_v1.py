@@ -180,6 +180,7 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
         from proxima.replay.elastic import ElasticRun
 
         elastic_run = ElasticRun(elastic, scheduler, granule_blocks)
+        start_up(scheduler, elastic_run.connector, elastic_run.worker)
     tally = ReclaimTally(num_blocks, granule_blocks,
                          elastic.block_bytes(block_size) if elastic is not None else 0,
                          on_sample=on_sample)
@@ -364,6 +365,33 @@ def run_replay(workload: Workload, *, proxima: bool, num_blocks: int, block_size
                  **({"compaction": compactor.stats()} if compactor is not None else {})},
         **contiguity(final_tables),
     )
+
+
+def start_up(scheduler, connector, worker) -> int:
+    """An elastic engine's start-up steps, before the trace's first request; returns how
+    many (not counted among the run's steps). As vLLM's engine loop does once the engine
+    is up: its connector's work -- the policy's first step, which grows to the start-up
+    size where the GPU has room (:func:`proxima.vllm.elastic_v1.startup_target`), a
+    release of warm-up granules above an initial size given -- keeps it stepping empty
+    steps (``Scheduler.has_requests``) until the policy has stepped and the workers have
+    confirmed every op. The stand-in worker maps and unmaps as it would (within the
+    simulated GPU's room) and answers at once: a server is up before its load comes (a
+    start-up grow of 2 GiB maps in ~5 ms at the 1 GiB grain, 86 ms at 2 MiB), so the
+    trace's clock starts after these steps (at 0, as the policy's)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    policy = connector.policy
+    steps = 0
+    while connector.channel.pending or (policy is not None and policy.unstepped):
+        if steps == 16:
+            raise RuntimeError("the elastic engine's start-up did not settle in 16 steps")
+        out = scheduler.schedule()
+        runner = _runner_output(out, set(), scheduler.requests, {})
+        runner.kv_connector_output = KVConnectorOutput(
+            kv_connector_worker_meta=worker.start_up(out.kv_connector_metadata))
+        scheduler.update_from_output(out, runner)
+        steps += 1
+    return steps
 
 
 def _latency(finished, arrived: dict, first_scheduled: dict, first_token: dict,

@@ -5,7 +5,9 @@
 makes the pool granule-aware and runs the grow/shrink policy at every step boundary. There
 is no GPU: :class:`ReplayWorker` answers each step's ops as the workers would (maps succeed
 while the simulated GPU has room: ``gpu_bytes``), so every decision -- what is mapped when,
-what is released, which cached blocks that evicts -- is the real code's.
+what is released, which cached blocks that evicts -- is the real code's. The engine's
+start-up steps (its policy's first step and start-up grow, :func:`proxima.replay.driver_v1.
+start_up`) run before the trace's first step, as a server is up before its load comes.
 
 Time is simulated seconds on one clock: the step count times ``step_seconds`` (every
 scheduler step, busy or empty, lasts that long). The policy reads it, and the stand-in
@@ -212,6 +214,15 @@ class ReplayWorker:
         """One step's metadata applied and answered at once, whatever the time it takes
         (a driver without a clock)."""
         self.submit(meta, self.busy_until)
+        return self.report(float("inf"))
+
+    def start_up(self, meta):
+        """One start-up step's metadata applied and answered at once
+        (:func:`proxima.replay.driver_v1.start_up`):
+        its map time is spent before the trace's first step, so the worker is free then."""
+        busy = self.busy_until
+        self.submit(meta, busy)
+        self.busy_until = busy
         return self.report(float("inf"))
 
     def report(self, end: float):

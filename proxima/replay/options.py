@@ -150,7 +150,9 @@ def add_arguments(p) -> None:
                         f"default: 0)")
     p.add_argument("--kv-initial", metavar="SIZE",
                    help=f"with --elastic: KV memory mapped at start-up, what is not wanted "
-                        f"going back after --release-delay ({SIZE_UNITS}; default: --kv-min)")
+                        f"going back after --release-delay ({SIZE_UNITS}; default: what "
+                        f"vLLM's warm-up maps, grown before the first request to twice it "
+                        f"where the simulated GPU has room, at least --kv-min)")
     p.add_argument("--kv-max", metavar="SIZE",
                    help=f"with --elastic: most KV memory mapped ({SIZE_UNITS}; default: the "
                         f"pool)")

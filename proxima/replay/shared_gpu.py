@@ -16,7 +16,10 @@ whose prefill is complete samples one token a step, to ``max_tokens``.
   names), and see the simulated GPU's free and total memory as NVML's figures. As on the
   GPU, the policy learns that the GPU is full from a failed map (the real connector gives
   it no driver figure to cap its grows; ``ElasticReplay.driver_free`` is not used here),
-  posts the unmet demand in the ledger, and the other engine gives back at once.
+  posts the unmet demand in the ledger, and the other engine gives back at once. Both
+  engines start before the first tick (their warm-ups mapped), then each takes its
+  start-up steps in turn (:func:`proxima.replay.driver_v1.start_up`): its start-up grow
+  takes no more than NVML's free memory says, after the other's.
 * **Static split**: two stock vLLM engines, each holding half the GPU's KV blocks.
 
 **The clock** is one shared step clock of ``step_seconds`` a tick. At each tick every
@@ -306,7 +309,7 @@ def run_side(workloads: tuple[Workload, Workload], *, elastic: ElasticReplay | N
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     from proxima.vllm import vllm_v1
-    from proxima.replay.driver_v1 import build_scheduler
+    from proxima.replay.driver_v1 import build_scheduler, start_up
 
     block_bytes = (elastic or ElasticReplay()).block_bytes(block_size)
     gpu_blocks = gpu_bytes // block_bytes
@@ -338,6 +341,10 @@ def run_side(workloads: tuple[Workload, Workload], *, elastic: ElasticReplay | N
                 engine.memory = ElasticMemory(name, spec, scheduler, gpu, ledger_file,
                                               lambda: now[0] * spec.step_seconds)
                 engines.append(engine)
+            # both engines up (their warm-ups mapped), then each one's start-up steps, in
+            # turn: B's start-up grow sees what A's took
+            for engine in engines:
+                start_up(engine.scheduler, engine.memory.connector, engine.memory.worker)
         else:
             gpu = None
             for name, workload in zip(ENGINES, workloads):

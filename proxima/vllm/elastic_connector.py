@@ -297,10 +297,13 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             opts, self._vllm_config, kvc, gpu_block_pool, queue, ch, self.bytes_per_granule,
             self._composed, clock=lambda: self.clock())
         gpu_block_pool.proxima.elastic = self.status
+        policy = self.controller.policy
+        target = policy.startup_granules if policy is not None else 0
         logger.info("Proxima elastic KV: %d granules of %d blocks (%.1f MiB each), %d mapped "
-                    "at start-up, %d kept; policy %s, eviction %s", ch.num_granules, g,
-                    self.bytes_per_granule / 2**20, startup, initial, opts.policy,
-                    queue.eviction)
+                    "at start-up, %d kept%s; policy %s, eviction %s", ch.num_granules, g,
+                    self.bytes_per_granule / 2**20, startup, initial,
+                    f", grown to {target} before the first request where the GPU has room"
+                    if target > initial else "", opts.policy, queue.eviction)
 
     def _on_map(self, granules: range, ok: bool) -> None:
         if ok:

@@ -156,9 +156,10 @@ class ElasticController:
                 self.empty = hook
             elif self.compactor is not None:   # KV compaction empties granules on demand
                 self.empty = self.compactor.empty_granules
-            self.policy = GrowShrinkPolicy(queue, channel, bytes_per_granule,
-                                           options.policy_options(), clock=clock,
-                                           forecast=self.forecast)
+            self.policy = GrowShrinkPolicy(
+                queue, channel, bytes_per_granule, options.policy_options(), clock=clock,
+                forecast=self.forecast, startup_granules=elastic_v1.startup_target(
+                    options, vllm_config, kv_cache_config, channel.granule_blocks))
             self.shared = SharedPolicyStep(
                 self.policy, *open_gpu_ledger(options, vllm_config.parallel_config.world_size),
                 keep_blocks=options.reserve_blocks)

@@ -86,8 +86,10 @@ class ElasticOptions:
     the whole pool mapped) or ``off`` (item 1: the whole
     pool mapped, the pool unchanged; the channel carries other ops only).
     ``min_bytes`` / ``max_bytes`` (None: the whole pool) bound the mapped KV memory;
-    ``initial_bytes`` (None: ``min_bytes``) what is mapped after start-up (at least what
-    vLLM's warm-up writes; above the minimum it is excess as any: the engine steps from
+    ``initial_bytes`` (None, policy ``auto``: what vLLM's warm-up mapped, grown at the
+    first step to twice what it writes within the GPU's free memory,
+    :func:`startup_target`; else ``min_bytes``) what is mapped after start-up (at least
+    ``min_bytes``; above the minimum it is excess as any: the engine steps from
     start-up, gives it to another engine that asks, returns it after ``release_delay_s``
     when no request came); ``headroom``, ``band``, ``reserve_blocks``, ``release_delay_s``,
     ``retry_s``, ``retry_max_s``, ``forecast``: see :class:`proxima.memory.policy.PolicyOptions`.
@@ -191,17 +193,20 @@ class ElasticOptions:
 
 
 def warmup_blocks(vllm_config, kv_cache_config) -> int:
-    """The highest block id vLLM 0.26's ``warmup_kernels`` (``v1/worker/gpu/warmup.py``)
+    """The highest block id vLLM's ``warmup_kernels`` (``v1/worker/gpu/warmup.py``)
     writes: ``num_reqs`` requests, each given distinct ids from 1 for every KV cache group
-    (prefill of ``decode_query_len + 1`` tokens, then ``decode_query_len`` decoded). Both
-    sides compute it from the same configs, so the scheduler knows what the workers map
-    at start-up."""
+    (prefill of ``decode_query_len + 1`` tokens, then decode steps: the tokens per
+    request as :func:`proxima.vllm.vllm_v1_compat.warmup_request_tokens` says for 0.26
+    and 0.33). Both sides compute it from the same configs, so the scheduler knows what
+    the workers map at start-up."""
+    from proxima.vllm.vllm_v1_compat import warmup_request_tokens
+
     sched = vllm_config.scheduler_config
     spec_config = getattr(vllm_config, "speculative_config", None)
     num_spec = getattr(spec_config, "num_speculative_tokens", 0) or 0 if spec_config else 0
     decode_query_len = 1 + num_spec
     prompt_len = decode_query_len + 1
-    decode_len = prompt_len + decode_query_len
+    decode_len = warmup_request_tokens(vllm_config, decode_query_len)
     per_req = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -218,7 +223,9 @@ def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
                      granule_blocks: int, bytes_per_granule: int) -> tuple[int, int]:
     """``(mapped at start-up, kept after the first step)`` in granules (always from 0):
     the workers map what warm-up writes and the initial size, the scheduler releases what
-    is above the initial size before the first request."""
+    is above the initial size before the first request. With no initial size given
+    (policy ``auto``) it keeps what warm-up mapped, and its policy grows from there
+    (:func:`startup_target`)."""
     total = -(-kv_cache_config.num_blocks // granule_blocks)
     if options.policy == "off":
         return total, total
@@ -231,7 +238,29 @@ def startup_granules(options: ElasticOptions, vllm_config, kv_cache_config,
         initial = -(-size // bytes_per_granule)
     warm = -(-(warmup_blocks(vllm_config, kv_cache_config) + 1) // granule_blocks)
     initial = min(total, max(1, initial))
-    return min(total, max(initial, warm)), initial
+    mapped = min(total, max(initial, warm))
+    return mapped, mapped if _default_initial(options) else initial
+
+
+def _default_initial(options: ElasticOptions) -> bool:
+    return (options.policy == "auto" and options.initial_granules is None
+            and options.initial_bytes is None)
+
+
+def startup_target(options: ElasticOptions, vllm_config, kv_cache_config,
+                   granule_blocks: int) -> int:
+    """Granules the policy grows to at its first step, before the first request (0: no
+    start-up grow): with no initial size given (policy ``auto``), twice what vLLM's
+    warm-up writes, at most the pool (issue 33, the cold start: at its minimum the first
+    steps admit against one granule while the load's first grow maps; the first grow
+    takes up to two steps to map, as the step reserve counts). The policy asks the GPU
+    for no more than it has free (:class:`proxima.memory.policy.GrowShrinkPolicy`); an
+    initial size given wins."""
+    if not _default_initial(options):
+        return 0
+    total = -(-kv_cache_config.num_blocks // granule_blocks)
+    blocks = warmup_blocks(vllm_config, kv_cache_config)
+    return min(total, -(-(2 * blocks + 1) // granule_blocks))
 
 
 def connector_config(extra: dict | None = None) -> dict:

@@ -324,3 +324,22 @@ def kernel_blocks_per_block(runner) -> set[int]:
     ``map_kv_caches_to_kernel_blocks``), one entry each."""
     per = getattr(runner.block_tables, "blocks_per_kv_block", None)
     return set(per) if per is not None else {1}
+
+
+def warmup_request_tokens(vllm_config, decode_query_len: int) -> int:
+    """Tokens whose KV blocks each request of vLLM's ``warmup_kernels`` holds at most
+    (``v1/worker/gpu/warmup.py``; :func:`proxima.vllm.elastic_v1.warmup_blocks` counts
+    its block ids). 0.26: a prefill of ``decode_query_len + 1`` tokens and one decode step
+    of ``decode_query_len``. 0.33: up to 3 decode steps (5 with speculative decoding) and
+    the drafter's lookahead slots (``VllmConfig.num_lookahead_tokens``, the property
+    0.33 added), at most ``max_model_len`` -- for a model without speculative decoding
+    at 16 tokens a block, one block either way. Told apart by ``vllm_config``'s class
+    (no import: the replay's start-up check passes a stand-in, counted as 0.26's)."""
+    prompt_len = decode_query_len + 1
+    if not hasattr(type(vllm_config), "num_lookahead_tokens"):      # 0.26, or a stand-in
+        return prompt_len + decode_query_len
+    steps = 5 if decode_query_len > 1 else 3
+    tokens = prompt_len + steps * decode_query_len
+    tokens += getattr(vllm_config, "num_lookahead_tokens", 0) or 0
+    max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    return min(tokens, max_len) if max_len else tokens

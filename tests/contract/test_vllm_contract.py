@@ -574,3 +574,26 @@ def test_the_elastic_connector_keeps_the_connector_api_s_signatures():
     from proxima.vllm.elastic_connector import ProximaElasticConnector
 
     check_overrides(ProximaElasticConnector, "ProximaElasticConnector")
+
+
+@v1
+def test_the_warm_up_writes_the_blocks_elastic_kv_maps_at_start_up():
+    """Elastic KV maps at start-up the block ids vLLM's warm-up writes, counted by
+    ``elastic_v1.warmup_blocks`` from ``vllm_v1_compat.warmup_request_tokens``: each warm-up
+    request's tokens as 0.26 (one decode step) or 0.33 (up to 3 or 5, and the drafter's
+    lookahead slots) computes them. A warm-up writing more would write unmapped memory."""
+    from vllm.config import VllmConfig
+
+    source = inspect.getsource(symbol("vllm.v1.worker.gpu.warmup"))
+    needed = ["prompt_len = decode_query_len + 1", "next_block_id = 1"]
+    if hasattr(VllmConfig, "num_lookahead_tokens"):          # 0.33
+        needed += ["num_decode_steps = 5 if num_spec_steps > 0 else 3",
+                   "decode_len = prompt_len + num_decode_steps * decode_query_len",
+                   "num_tokens = min(num_tokens + num_lookahead_tokens, max_model_len)"]
+    else:
+        needed += ["decode_len = prompt_len + decode_query_len"]
+    missing = [line for line in needed if line not in source]
+    if missing:
+        broken("vllm.v1.worker.gpu.warmup.warmup_kernels",
+               f"it no longer has {missing}: the block ids its requests write are not what "
+               f"proxima.vllm.vllm_v1_compat.warmup_request_tokens counts")

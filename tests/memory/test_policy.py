@@ -427,3 +427,63 @@ def test_idle_release_is_checked_like_every_option():
         PolicyOptions(idle_release_s=-1)
     with pytest.raises(ValueError, match="idle_release_s"):
         PolicyOptions(idle_release_s=True)
+
+
+def startup_setup(mapped, target, **options):
+    ch = ElasticChannel(16 * G, G)
+    pool = Pool(ch, mapped)
+    now = [0.0]
+    policy = GrowShrinkPolicy(pool, ch, B, PolicyOptions(release_delay_s=1.0, **options),
+                              clock=lambda: now[0], startup_granules=target)
+    return ch, policy, now
+
+
+@pytest.mark.parametrize("free, grown", [(None, 5), (100 * B, 5), (4 * B, 3), (3 * B, 2),
+                                         (int(5.5 * B), 4)])
+def test_the_start_up_grow_asks_no_more_than_the_gpu_has_free_less_its_low_mark(free, grown):
+    """Warm-up's 3 granules kept, a start-up size of 8: the first step grows by 5, or by
+    what the driver says is free less gpu_free_low (5%) of the GPU's 20 granules (one)."""
+    ch, policy, _ = startup_setup(3, 8)
+    assert policy.pending and policy.unstepped          # the engine steps from start-up
+    policy.step(gpu_free_bytes=free, gpu_total_bytes=None if free is None else 20 * B)
+    assert ch.count(MAPPING) == grown and policy.stats.grows == 1
+    assert not policy.unstepped
+    policy.step()                                       # a later step: no start-up grow
+    assert ch.count(MAPPING) == grown and policy.stats.grows == 1
+
+
+def test_on_a_gpu_short_at_start_up_the_engine_keeps_its_minimum():
+    """Free below gpu_free_low of the GPU after warm-up: no start-up grow, and warm-up's
+    granules above the minimum go at once (as they went at start-up before the grow)."""
+    ch, policy, _ = startup_setup(3, 8, min_bytes=2 * B)
+    policy.step(gpu_free_bytes=B // 2, gpu_total_bytes=20 * B)
+    assert ch.count(MAPPED) == 2 and ch.count(MAPPING) == 0
+    assert policy.stats.granules_released == 1 and policy.stats.grows == 0
+
+
+def test_without_a_start_up_size_the_first_step_neither_grows_nor_releases_at_once():
+    ch, policy, _ = startup_setup(3, 0)
+    policy.step(gpu_free_bytes=0, gpu_total_bytes=20 * B)
+    assert ch.count(MAPPED) == 3 and ch.count(MAPPING) == 0 and policy.stats.grows == 0
+
+
+def test_the_start_up_grow_keeps_an_idle_engine_stepping_until_it_goes_back():
+    """Warm-up within the minimum (1 granule), a start-up size of 3: the grow is excess
+    the step it is confirmed, and the engine keeps stepping (pending) while it maps and
+    through the release delay, then rests at its minimum."""
+    ch, policy, now = startup_setup(1, 3)
+    assert policy.pending                               # a start-up grow to come
+    policy.step()
+    assert ch.count(MAPPING) == 2
+    now[0] = 0.1
+    policy.step()                                       # still in flight
+    assert policy.pending
+    confirm(ch)
+    assert policy.pending                               # not looked at since
+    for t in range(2, 40):
+        now[0] = t / 10
+        policy.step()
+        confirm(ch)
+        if not policy.pending:
+            break
+    assert ch.count(MAPPED) == 1 and 1.0 <= now[0] <= 1.5

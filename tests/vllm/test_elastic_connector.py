@@ -302,6 +302,28 @@ def test_warmup_and_initial_size_decide_what_is_mapped_at_start_up():
     assert batch.ops == (Op.unmap(2, 3),)                     # 5..7 were never mapped
 
 
+def test_the_warm_up_tokens_per_request_are_0_26_s_or_0_33_s_by_the_config():
+    """0.26: a prefill of decode_query_len + 1 tokens and one decode step; 0.33 (its
+    VllmConfig has num_lookahead_tokens): 3 decode steps, 5 with speculative decoding, and
+    the lookahead slots, at most max_model_len (tests/contract checks vLLM's code)."""
+    from types import SimpleNamespace
+
+    from proxima.vllm.vllm_v1_compat import warmup_request_tokens
+
+    class Config033:
+        num_lookahead_tokens = property(lambda self: self.lookahead)
+
+        def __init__(self, lookahead, max_len=8192):
+            self.lookahead = lookahead
+            self.model_config = SimpleNamespace(max_model_len=max_len)
+
+    assert warmup_request_tokens(SimpleNamespace(), 1) == 3          # 0.26 (or a stand-in)
+    assert warmup_request_tokens(SimpleNamespace(), 4) == 9
+    assert warmup_request_tokens(Config033(0), 1) == 2 + 3           # 0.33
+    assert warmup_request_tokens(Config033(3), 4) == 5 + 5 * 4 + 3   # speculative decoding
+    assert warmup_request_tokens(Config033(3, max_len=16), 4) == 16
+
+
 def test_an_engine_started_above_its_minimum_steps_without_a_request_until_it_gives_back():
     """``initial_granules`` above the minimum and no request: the connector keeps the
     engine stepping (``Scheduler.has_requests``) until its policy has looked at that memory,
@@ -326,6 +348,48 @@ def test_an_engine_started_above_its_minimum_steps_without_a_request_until_it_gi
     assert conn.channel.count(MAPPED) == 1 and worker.memory.mapped_granules == 1
     assert 10 <= len(log) <= 14              # the delay (10 steps), the unmap confirmed
     assert not scheduler.has_requests()      # at its minimum: the engine rests
+
+
+@pytest.mark.parametrize("room, kept", [(None, 9), (7, 6), (5, 1)],
+                         ids=["room", "crowded", "short"])
+def test_the_start_up_grow_keeps_twice_the_warm_up_where_the_gpu_has_room(room, kept):
+    """No initial size: warm-up maps granules 0-4 (ids 1..1024) and the engine grows to
+    twice that (9 granules, ids up to 2048) at its first step, before any request -- but
+    only into what the driver says is free, less ``gpu_free_low`` (5%) of the GPU: with
+    room for 7 granules it keeps 6 (no failed map, nothing beyond the room); on a GPU full
+    after warm-up it keeps its minimum, as before. What it keeps above the minimum goes
+    back after the release delay (1 s: 10 steps) when no request comes."""
+    G = 2 * PAGE * GRANULE                    # bytes of one granule, both regions
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=1.0, idle_sleep_s=0.0))
+    conn = scheduler.connector
+    assert conn.startup_granules == 5 and conn.policy.startup_granules == 9
+    now = [0.0]
+    conn.clock = lambda: now[0]
+    worker = Worker(scheduler, capacity=(1 << 40) if room is None else room * G)
+    conn.shared.gpu_memory = worker.driver.mem_info     # what NVML says of the GPU
+    assert scheduler.has_requests()                     # it steps from start-up
+    seen = []
+
+    def between(step):
+        now[0] = step * 0.1 if step is not None else now[0]
+        seen.append((conn.channel.count(MAPPED), worker.memory.mapped_granules,
+                     worker.driver.used))
+
+    vllm_v1.activate()
+    try:
+        drive(scheduler, [], worker, between=between)
+    finally:
+        vllm_v1.deactivate()
+    between(None)                                       # and where it rests
+    assert seen[0][:2] == (5, 5)                        # warm-up's granules, kept
+    assert seen[1][:2] == (kept, kept)                  # after the first step
+    assert len(seen) == (2 if kept == 1 else 13)        # then the delay, the release
+    assert max(used for *_, used in seen) <= worker.driver.capacity
+    assert conn.channel.stats["map_failures"] == 0 and conn.policy.stats.failed_grows == 0
+    assert conn.channel.count(MAPPED) == worker.memory.mapped_granules == 1   # given back
+    assert not scheduler.has_requests()
+    conn.queue.check()
 
 
 def test_a_policy_other_than_off_needs_proxima_s_pool():
@@ -490,8 +554,11 @@ def auto_run(num_granules, depth=1, capacity_after=None, background=False, worke
              **extra):
     """The auto policy on ``num_granules`` granules over specs(), the clock 0.1 s a step;
     from the second step on the GPU can back ``capacity_after`` bytes (None: plenty);
-    ``worker_class``: the worker's stand-in (default :class:`Worker`)."""
-    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0, **extra)
+    ``worker_class``: the worker's stand-in (default :class:`Worker`). Started at its
+    minimum (``initial_granules`` 1, not the default: warm-up's granules and the start-up
+    grow to twice them) so that the load makes it grow."""
+    extra = dict(policy="auto", release_delay_s=1.0, idle_sleep_s=0.0,
+                 **{"initial_granules": 1, **extra})
     scheduler = scheduler_for(True, num_granules * GRANULE, depth, elastic_config(**extra))
     conn = scheduler.connector
     now = [0.0]
@@ -678,8 +745,8 @@ def test_when_the_gpu_has_no_memory_the_engine_serves_at_its_size_and_says_so_on
 
 
 def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
-    scheduler = scheduler_for(True, 16 * GRANULE, 1,
-                              elastic_config(policy="auto", release_delay_s=0.0))
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=0.0, initial_granules=1))   # started at its minimum
     conn = scheduler.connector
     per = conn.bytes_per_granule
     status = conn.control({})

@@ -263,14 +263,18 @@ def test_compaction_budget_is_taken_on_the_v1_engine(tmp_path, capsys):
 def test_elastic_steps_row_says_which_steps_were_idle(tmp_path, capsys):
     """With 3 requests the elastic side keeps stepping through its release delay after the
     last one finished: its 501 steps hold 400 idle ones. The row marks them, compares the
-    101 steps with requests (1.000, not 4.960), and the other figures stay as they were."""
+    101 steps with requests (1.000, not 4.960), and the other figures stay as they were.
+    Started at one granule (--kv-initial): the default's start-up size (twice the warm-up)
+    would be excess from start-up, its delay running from the first step, not from the
+    load's end."""
     from proxima.vllm import elastic_v1
 
     if elastic_v1.unsupported_reason("scheduler"):
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
     out = tmp_path / "e.json"
     assert main(["replay", "--requests", "3", "--elastic", "--no-progress",
-                 "--granule-blocks", "32", "--json", str(out)]) == 0   # 2 MiB: a release
+                 "--granule-blocks", "32", "--kv-initial", "64MiB",   # 2 MiB: a release
+                 "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     steps = next(line for line in lines if line.startswith("steps "))
     assert steps.split() == ["steps", "101", "501*", "1.000*"]

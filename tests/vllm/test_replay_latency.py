@@ -33,9 +33,12 @@ def replay(tmp_path, *argv):
 def test_idle_steps_of_a_release_delay_count_in_steps_but_not_in_latency(tmp_path, capsys):
     """`--requests 3 --elastic`: the elastic side steps through its 10 s release delay (400
     steps) after the load, stock does not; the busy steps and every request's wait and
-    time to first token are the same, and parity holds."""
+    time to first token are the same, and parity holds. Started at one granule
+    (--kv-initial): the default's start-up size (twice the warm-up) would be excess from
+    start-up, its delay running from the first step, not from the load's end."""
     report = replay(tmp_path, "--workload", "chat", "--requests", "3", "--elastic",
-                    "--map-gbps", "0", "--granule-blocks", "32")   # 2 MiB: there is a release
+                    "--map-gbps", "0", "--granule-blocks", "32",   # 2 MiB: there is a release
+                    "--kv-initial", "64MiB")
     s, p = report["results"]["stock"], report["results"]["proxima"]
     assert p["steps"] - s["steps"] == 400                 # 10 s / 25 ms of idle steps
     assert p["busy_steps"] == s["busy_steps"] > 0
@@ -122,12 +125,13 @@ def test_without_map_time_every_batch_is_reported_in_the_step_that_carried_it():
 
 @elastic_only
 def test_a_slow_map_makes_requests_wait_and_parity_says_so(tmp_path, capsys):
-    """Bursts that grow the pool from its minimum, with a worker mapping at 0.5 GB/s (a
+    """Bursts that grow the pool from its minimum (--kv-initial: one granule, not the
+    default's start-up size, twice the warm-up), with a worker mapping at 0.5 GB/s (a
     64 MiB granule in 134 ms, five steps): requests wait for the maps, and the parity line
     fails on request latency while the other checks still pass. At the H200's rate the
     worker's map seconds are the granules mapped over it."""
     args = ["--workload", "bursts", "--requests", "120", "--num-blocks", "2048",
-            "--release-delay", "2", "--elastic"]
+            "--release-delay", "2", "--elastic", "--kv-initial", "64MiB"]
     slow = replay(tmp_path, *args, "--map-gbps", "0.5")
     table = capsys.readouterr().out
     s, p = slow["results"]["stock"], slow["results"]["proxima"]

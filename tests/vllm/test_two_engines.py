@@ -126,3 +126,39 @@ def test_an_engine_started_above_its_minimum_yields_to_the_others_first_burst(tm
     assert elastic["engines"]["B"]["elastic"]["yields"] >= 1
     assert all(a + b <= GPU for _, a, b in elastic["memory_timeline"])
     assert code == 0 and all(report["checks"].values()), report["checks"]
+
+
+@pytest.mark.parametrize("gpu, kept", [("4GiB", (11, 11)), ("1GiB", (9, 6))],
+                         ids=["room", "crowded"])
+def test_each_engine_keeps_twice_its_warm_up_after_start_up_where_the_gpu_has_room(
+        tmp_path, gpu, kept):
+    """No --kv-initial, granules of 64 MiB, 160 running at most: vLLM's warm-up maps 6
+    granules per engine (ids 1..160) and each engine grows at start-up, before the first
+    tick, to twice that (11 granules, ids up to 320) -- A first, then B beside it -- but
+    only into what NVML's free memory says, less 5% of the GPU: on 4 GiB both keep 11; on
+    1 GiB (16 granules, 12 of them warm-up's) A keeps 9 and B, beside it, 6 (its warm-up):
+    nothing beyond the GPU, no failed start."""
+    code, report = replay(tmp_path, "--workload", "steady", "--gpu-kv", gpu,
+                          "--max-num-seqs", "160", "--granule-blocks", "32")
+    elastic = report["results"]["elastic"]
+    granule = 32 * BLOCK
+    first = elastic["memory_timeline"][0]
+    assert first[0] == 0 and [first[1] // granule, first[2] // granule] == list(kept)
+    limit = int(gpu[:-3]) * GiB
+    assert all(a + b <= limit for _, a, b in elastic["memory_timeline"])
+    assert elastic["total"]["peak_mapped_bytes"] <= limit
+    assert elastic["total"]["completed"] == 48
+
+
+def test_elastic_ties_on_a_steady_load_from_a_cold_start(tmp_path):
+    """No --kv-initial, the GPU's 16 GiB and 1,024 running at most: each engine grows at
+    start-up to twice vLLM's warm-up (5 GiB), so its first steps, while the load's first
+    grow maps, admit what the static split admits (started at its minimum, one granule,
+    the first step admitted half a step's tokens and the cold burst's last requests waited
+    a step more: queue wait p99 3 vs 2, TTFT p99 4 vs 3)."""
+    code, report = replay(tmp_path, "--workload", "steady", "--max-num-seqs", "1024",
+                          "--gpu-kv", "16GiB")
+    s, e = report["results"]["static"]["total"], report["results"]["elastic"]["total"]
+    for key in ("queue_wait_p99_steps", "ttft_p99_steps", "finish_steps"):
+        assert e[key] <= 1.02 * s[key], (key, e[key], s[key])
+    assert code == 0 and all(report["checks"].values()), report["checks"]
