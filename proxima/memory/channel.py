@@ -112,6 +112,17 @@ class ElasticChannel:
         self.state[first:first + count] = bytes([MAPPING]) * count
         self._queue.append(Op.map(first, count))
 
+    def held(self) -> int:
+        """Granules holding GPU memory as far as the scheduler knows: mapped, being mapped,
+        and released ones whose unmap the workers have not reported done yet (while an unmap
+        is queued or in flight, at least the workers' last count). What another engine may
+        take is what the workers gave back, not what this side decided to release."""
+        n = self.count(MAPPED) + self.count(MAPPING)
+        if self.reported_mapped is not None and (
+                self._unmapping or any(op.code == UNMAP for op in self._queue)):
+            n = max(n, self.reported_mapped)
+        return n
+
     # ------------------------------------------------------------------ the step
     @property
     def pending(self) -> bool:

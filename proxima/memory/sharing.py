@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from proxima.memory.channel import MAPPED, MAPPING
+from proxima.memory.channel import MAPPED
 from proxima.memory.ledger import Ledger
 from proxima.memory.policy import GrowShrinkPolicy
 
@@ -183,7 +183,7 @@ class SharedPolicyStep:
         p, ch = self.policy, self.policy.channel
         B = p.bytes_per_granule
         try:
-            self.ledger.post((ch.count(MAPPED) + ch.count(MAPPING)) * B,
+            self.ledger.post(ch.held() * B,
                              p.min_granules * B, p.unmet_bytes, maximum=p.max_granules * B)
         except OSError:
             pass                       # a full or vanished /dev/shm: the engine serves on

@@ -255,3 +255,67 @@ def test_an_idle_engine_above_its_minimum_watches_the_ledger_and_gives_when_aske
     serve([a, b], now, 12)             # the ledger's next read (0.5 s: 10 steps), then a step
     assert b.policy.stats.yields >= 1 and b.mapped < 9
     assert a.mapped > 2 and a.mapped + b.mapped <= gpu.capacity
+
+
+class SlowUnmapGpu(Gpu):
+    """As :class:`Gpu`, but a worker unmaps in the background, as on a GPU with vLLM's mp
+    executor: a batch of unmaps frees its memory, and is reported done, one step later."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.later: dict[int, tuple] = {}
+
+    def deliver(self, ch: ElasticChannel):
+        mine = self.held.setdefault(id(ch), {g for g in range(ch.num_granules)
+                                             if ch.state[g] == MAPPED})
+        due = self.later.pop(id(ch), None)
+        if due is not None:                       # last step's unmaps: done now
+            seq, span = due
+            mine.difference_update(span)
+            ch.on_report(Report(((seq, ()),), len(mine), G))
+        batch = ch.build()
+        if batch is not None and all(op.code == UNMAP for op in batch.ops):
+            self.later[id(ch)] = (batch.seq, {g for op in batch.ops
+                                              for g in range(op.first, op.first + op.count)})
+            return
+        ch._queue[:0] = batch.ops if batch is not None else ()   # as built: maps at once
+        if batch is not None:
+            ch._next_seq -= 1
+            ch._waiting.pop(batch.seq, None)
+            ch.stats["batches"] -= 1
+            ch.stats["ops"] -= len(batch.ops)
+        super().deliver(ch)
+
+
+def test_the_ledger_shows_memory_given_back_only_once_the_workers_have_unmapped_it(tmp_path):
+    """An idle engine yields to another's demand; its workers unmap a step later. Its ledger
+    record keeps those granules until the workers report the unmap done, so the waiting
+    engine's early retry (it retries when the others' memory drops) finds the memory free:
+    no failed map after the yield, and no retry_s backoff (5 s, 100 steps) before it is
+    served. Posting the drop when the release was only decided sent the retry ahead of the
+    unmap: it failed and backed off."""
+    now = [0.0]
+    gpu = SlowUnmapGpu(capacity=20)
+    path = tmp_path / "proxima-ledger-0.json"
+    a = Engine("a", path, gpu, now, mapped=16)
+    for g in range(1, 12):
+        a.pool.cached[g] = G
+    b = Engine("b", path, gpu, now, mapped=2)
+    run([a, b], now, 100)
+    assert a.mapped == 12 and a.ch.held() == 12
+
+    b.demand[0] = 40
+    yielded = served = failed_at_yield = None
+    for i in range(1, 60):
+        failed_before = b.policy.stats.failed_grows
+        run([a, b], now, 1)          # a step of a, then of b
+        if yielded is None and a.policy.stats.yields:
+            yielded, failed_at_yield = i, failed_before
+            # decided, not yet unmapped: the record still counts the granules
+            assert b.shared.ledger.read().others_mapped_bytes == a.ch.held() * B > a.mapped * B
+        if served is None and b.mapped * G - b.pool.live_blocks() >= 40:
+            served = i
+    assert yielded is not None and failed_at_yield >= 1
+    assert b.policy.stats.failed_grows == failed_at_yield    # no map failed after the yield
+    assert served is not None and served <= yielded + 4
+    assert a.ch.held() == a.mapped and a.mapped + b.mapped <= gpu.capacity
