@@ -182,6 +182,9 @@ class ReplayWorker:
         self.map_seconds = 0.0           # reported so far, as a worker's Report counts them
         self.unmap_seconds = 0.0
         self.reported_mapped = len(self.mapped)
+        #: (done at, granules): unmaps handed over and not done yet; their memory is still
+        #: held on the GPU until then (:meth:`holding`), as a worker thread's unmap is
+        self.releasing: deque = deque()
 
     def submit(self, meta, now: float) -> None:
         """The ops of one step's metadata, handed to the mapping thread at ``now``."""
@@ -208,7 +211,17 @@ class ReplayWorker:
         map_s, unmap_s = (mapped + bool(failed)) * self.map_s, unmapped * self.unmap_s
         done = max(now, self.busy_until) + map_s + unmap_s
         self.busy_until = done
+        if unmapped:
+            self.releasing.append((done, unmapped))
         self.queued.append((done, (batch.seq, tuple(failed)), len(self.mapped), map_s, unmap_s))
+
+    def holding(self, now: float) -> int:
+        """Granules holding GPU memory at ``now``: mapped, and unmapped but not done yet
+        (what another process on the GPU cannot have yet; this worker's own maps queue
+        behind its unmaps, so its own view is :attr:`mapped`)."""
+        while self.releasing and self.releasing[0][0] <= now:
+            self.releasing.popleft()
+        return len(self.mapped) + sum(n for _, n in self.releasing)
 
     def __call__(self, meta):
         """One step's metadata applied and answered at once, whatever the time it takes
@@ -223,6 +236,7 @@ class ReplayWorker:
         busy = self.busy_until
         self.submit(meta, busy)
         self.busy_until = busy
+        self.releasing.clear()           # done before the trace's first step
         return self.report(float("inf"))
 
     def report(self, end: float):

@@ -65,9 +65,11 @@ class Gpu:
         self.bytes_per_granule = bytes_per_granule
         self.workers: list[GpuWorker] = []
         self.peak_granules = 0            # the most granules held at once, over the run
+        self.now = 0.0                    # seconds, the shared clock (set as it moves)
 
     def held(self, but=None) -> int:
-        return sum(len(w.mapped) for w in self.workers if w is not but)
+        """Granules held now: mapped, and unmapped by a worker that is not done yet."""
+        return sum(w.holding(self.now) for w in self.workers if w is not but)
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes, as NVML would say of the GPU's KV room."""
@@ -96,6 +98,10 @@ class GpuWorker(ReplayWorker):
     @capacity.setter
     def capacity(self, value) -> None:
         pass                        # ReplayWorker sets a fixed one: here the GPU decides
+
+    def submit(self, meta, now: float) -> None:
+        self.gpu.now = max(self.gpu.now, now)
+        super().submit(meta, now)
 
 
 @dataclass
@@ -374,6 +380,8 @@ def _run(engines: list[Engine], gpu: Gpu | None, now: list, elastic: bool, gpu_b
     last_done = -1
     while not all(e.done() for e in engines):
         now[0] = tick
+        if gpu is not None:
+            gpu.now = tick * engines[0].memory.spec.step_seconds
         for e in engines:
             e.admit(tick)
         active = [e for e in engines if e.scheduler.has_requests()]

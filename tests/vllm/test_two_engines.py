@@ -162,3 +162,35 @@ def test_elastic_ties_on_a_steady_load_from_a_cold_start(tmp_path):
     for key in ("queue_wait_p99_steps", "ttft_p99_steps", "finish_steps"):
         assert e[key] <= 1.02 * s[key], (key, e[key], s[key])
     assert code == 0 and all(report["checks"].values()), report["checks"]
+
+
+def test_memory_an_engine_unmaps_is_the_others_only_once_its_worker_is_done():
+    """The shared GPU counts an unmap's granules as held until the worker has done it (a
+    worker unmaps on its own thread, behind what it was doing): a map by the other engine
+    at that moment fails, and succeeds once the unmap is done. Two stand-in workers on a
+    GPU of 4 granules."""
+    from proxima.memory.channel import ElasticChannel
+    from proxima.memory.ops import Op, OpBatch
+    from proxima.replay.shared_gpu import Gpu, GpuWorker
+
+    gpu = Gpu(4, GiB)
+
+    def worker():
+        ch = ElasticChannel(4 * 512, 512)
+        ch.state[:] = bytes([1]) * 4                 # all unmapped
+        return GpuWorker(gpu, ch, GiB, map_gbps=100.0, unmap_gbps=10.0)
+
+    a, b = worker(), worker()
+
+    class Meta:
+        def __init__(self, seq, *ops):
+            self.batch = OpBatch(seq, ops)
+
+    a.submit(Meta(0, Op.map(0, 4)), 0.0)             # a holds the whole GPU (done at 0.04 s)
+    a.submit(Meta(1, Op.unmap(0, 2)), 1.0)           # gives 2 back: 0.2 s of unmapping
+    b.submit(Meta(0, Op.map(0, 2)), 1.1)             # too early: a's worker is still at it
+    assert len(b.mapped) == 0 and gpu.held() == 4
+    assert b.report(2.0).report.entries()[0][1]      # its map failed
+    b.submit(Meta(1, Op.map(0, 2)), 1.3)             # a's unmap done at 1.2 s: b gets it
+    assert len(b.mapped) == 2 and gpu.held() == 4
+    assert gpu.memory() == (0, 4 * GiB)
