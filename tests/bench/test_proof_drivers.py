@@ -770,3 +770,28 @@ def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp
     # the busy engine grew during its own burst (none of it before the burst's start - 5 s)
     assert any(kind == "grow" and 0 <= t for t, kind, _ in bursts[0]["events_A"])
     assert all(t >= -5 for b in bursts for k in "AB" for t, _, _ in b[f"events_{k}"])
+
+
+def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path):
+    """--only ...,single: the upper bound of any sharing (issue 33), ONE stock server at
+    --single-util with every engine's bursts sent to it in turn; the summary gives elastic's
+    and static's throughput against it."""
+    te = _two_engines()
+    args = te.parse(["--only", "single"])
+    assert te.resolve(args, ["single"])[0] is None
+    cmd = te.server_cmd(8300, True, args, tmp_path / "s.json", single=True)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert "--kv-cache-memory-bytes" not in cmd and "--kv-transfer-config" not in cmd
+    assert "1 side by side" not in te.setup_seconds("single", args)[1]
+    done = run("two_engines.py", tmp_path, "--budget", "200", "--requests", "12",
+               "--only", "static,elastic,single")
+    assert done.returncode in (0, 1), done.stderr
+    log = (tmp_path / "two_engines.log").read_text()
+    assert "single: starting server A" in log and "single: starting server B" not in log
+    c = json.loads((tmp_path / "two_engines.json").read_text())["subproofs"]["c"]
+    assert [b["engine"] for b in c["single"]["bursts"]] == ["A", "B"]
+    one = c["summary"]["single"]
+    assert one["errors"] == 0 and one["elastic_to_single"] == round(
+        c["elastic"]["aggregate_output_tokens_per_s"] / one["tok_s"], 3)
+    bad = run("two_engines.py", tmp_path / "bad", "--only", "single", "--single-util", "1.5")
+    assert bad.returncode == 2 and "--single-util" in bad.stderr

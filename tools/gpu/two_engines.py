@@ -13,6 +13,8 @@ times). Run twice, on the same schedule:
   with ``--static-kv-gib`` (what that utilization gives when profiled) so that they can start
   side by side; without it (the default for N > 2) vLLM profiles each and they start one
   after the other (a profile run is upset by another engine loading beside it);
+* single (``--only ...,single``): the upper bound of any sharing, ONE stock engine holding
+  the GPU's whole KV (``--single-util`` 0.9), every engine's bursts sent to it in turn;
 * elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
   of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
@@ -92,7 +94,7 @@ def elastic_util(n: int) -> float:
     return round(min(0.3, 0.9 / n), 4)
 
 
-def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
+def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = False) -> list[str]:
     if args.dry_run:
         return [sys.executable, str(Path(__file__).resolve().parent / "fake_server.py"),
                 "--port", str(port)] + ([] if static else [
@@ -103,6 +105,11 @@ def server_cmd(port: int, static: bool, args, stats_file: Path) -> list[str]:
            "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", str(args.max_model_len)] + (
                ["--enforce-eager"] if args.enforce_eager else [])
+    if single:           # the upper bound: one stock engine with the GPU's whole KV
+        cmd += ["--gpu-memory-utilization", str(args.single_util)]
+        if args.single_kv_gib:
+            cmd += ["--kv-cache-memory-bytes", str(int(args.single_kv_gib * GiB))]
+        return cmd
     if static:
         cmd += ["--gpu-memory-utilization", str(args.static_util)]
         if args.static_kv_gib:          # what --static-util gives, fixed (see --static-kv-gib)
@@ -334,8 +341,12 @@ def starts_together(static: bool, args) -> bool:
 
 def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, env) -> dict:
     """Start the N engines, run the schedule, stop them. Returns the setup's figures."""
+    single = name == "single"
     ports = {k: args.port + i for i, k in enumerate(names(args.engines))}
     stats = {k: out.dir / f".{name}-{k}-elastic.json" for k in ports}
+    # the single setup starts A's server only and sends every engine's bursts to it
+    started = {"A": args.port} if single else ports
+    target = {k: args.port for k in ports} if single else ports
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
@@ -356,7 +367,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 engine_env.update(VLLM_PORT=str(23000 + 100 * (port - args.port)))
             t0[key] = time.monotonic()
             out.log(f"  {name}: starting server {key} on port {port}")
-            procs[key] = kit.start(server_cmd(port, static, args, stats[key]), engine_env,
+            procs[key] = kit.start(server_cmd(port, static, args, stats[key], single), engine_env,
                                    out.child_log(f"{name}-{key}"))
 
         def await_healthy(key: str, port: int) -> None:
@@ -376,12 +387,12 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                                        f"entry point installed in /tmp/site?)")
 
         if together:
-            for key, port in ports.items():
+            for key, port in started.items():
                 launch(key, port)
-            for key, port in ports.items():
+            for key, port in started.items():
                 await_healthy(key, port)
         else:
-            for key, port in ports.items():
+            for key, port in started.items():
                 launch(key, port)
                 await_healthy(key, port)
         out.record("c", **{name: result})
@@ -397,7 +408,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             if left < 20:
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
-            port = ports[key]
+            port = target[key]
             before = metrics(port, BURST_METRICS)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             requests = burst_requests(args.requests or 0, seed=100 * r + j, prompt=args.prompt,
@@ -575,7 +586,14 @@ def parse(argv=None):
                     help="issue 14's compaction hook for the elastic servers (default: none)")
     ap.add_argument("--only", default="static,elastic",
                     help="setups to run, in this order: static, elastic, compacted (elastic "
-                         "with KV compaction, issue 14) (default: %(default)s)")
+                         "with KV compaction, issue 14), single (the upper bound of any "
+                         "sharing: ONE stock engine with the GPU's whole KV, --single-util, "
+                         "every engine's bursts sent to it in turn) (default: %(default)s)")
+    ap.add_argument("--single-util", type=float, default=0.9,
+                    help="the single setup's gpu_memory_utilization (default: %(default)s)")
+    ap.add_argument("--single-kv-gib", type=float, default=0.0,
+                    help="the single setup's KV, GiB; 0: vLLM profiles it (alone on the GPU, "
+                         "safe) (default: %(default)s)")
     ap.add_argument("--static-util", type=float, default=None,
                     help="each static engine's gpu_memory_utilization (default: 0.45 for two "
                          "engines; for N > 2, 0.9/N, said in the log); N x it at most 0.95")
@@ -688,6 +706,14 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                     f"{need:.0f} GiB ({n} x ({base} + {args.static_kv_gib})), more than the "
                     f"GPU's {args.gpu_gib}: give at most "
                     f"{math.floor(10 * (args.gpu_gib / n - base)) / 10}"), notes
+    if "single" in order:
+        if not 0 < args.single_util <= 0.95 or args.single_kv_gib < 0:
+            return (f"--single-util wants more than 0 and at most 0.95, --single-kv-gib 0 "
+                    f"(profile) or more GiB; got {args.single_util} and "
+                    f"{args.single_kv_gib}"), notes
+        notes.append(f"single: one stock engine at gpu_memory_utilization {args.single_util}"
+                     + (f" with {args.single_kv_gib} GiB of KV" if args.single_kv_gib
+                        else ", KV profiled") + f", all {n} engines' bursts sent to it")
     if args.user_path and any(x in order for x in ("elastic", "compacted")):
         notes.append("elastic: `proxima serve MODEL --elastic`, no sizing flag: each engine "
                      "sizes itself (its 'elastic sizing:' log line); --max-gib, --delay and "
@@ -709,21 +735,25 @@ def setup_seconds(name: str, args) -> tuple[float, str]:
     c = DRY_PLAN if args.dry_run else GPU_PLAN
     n = args.engines
     together = starts_together(name == "static", args)
-    start = c["start"] + c["start_each_more"] * (n - 2) if together else c["start"] * n
-    bursts = n * args.rounds
+    if name == "single":
+        start, n, together = c["start"], 1, True
+    else:
+        start = c["start"] + c["start_each_more"] * (n - 2) if together else c["start"] * n
+    bursts = args.engines * args.rounds
     total = start + bursts * c["burst"] + c["stop"]
-    return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {n} "
-                   f"{'side by side' if together else 'one after the other'}, {bursts} "
+    how = ("one engine" if name == "single" else
+           f"{n} {'side by side' if together else 'one after the other'}")
+    return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {how}, {bursts} "
                    f"bursts x {c['burst']:.0f}s, {c['stop']:.0f}s stop)")
 
 
 def main() -> int:
     args = parse()
     order = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(order) - {"static", "elastic", "compacted"})
+    unknown = sorted(set(order) - {"static", "elastic", "compacted", "single"})
     if unknown:
         print(f"two_engines: unknown setup(s) {', '.join(unknown)} in --only: give static, "
-              f"elastic and/or compacted", file=sys.stderr)
+              f"elastic, compacted and/or single", file=sys.stderr)
         return 2
     error, notes = resolve(args, order)
     if error:
@@ -768,7 +798,7 @@ def main() -> int:
             out.log(f"  {name}: skipped, only {budget.left():.0f}s left")
             continue
         try:
-            results[name] = run_setup(out, budget, name, name == "static", args, env)
+            results[name] = run_setup(out, budget, name, name in ("static", "single"), args, env)
             out.record("c", **{name: results[name]})
         except Exception as exc:  # noqa: BLE001 - the other setup still runs
             import traceback
@@ -813,6 +843,18 @@ def main() -> int:
     else:
         summary = {"why": "a setup did not finish: see two_engines.json"}
     summary["engines"] = args.engines
+    one = results.get("single")
+    if one and one.get("aggregate_output_tokens_per_s"):
+        # issue 33: the upper bound of any sharing on the same bursts, one engine for all
+        summary["single"] = {
+            "tok_s": one["aggregate_output_tokens_per_s"], "errors": one["errors"],
+            "ttft_p50_s": one["ttft_p50_s"], "ttft_p99_s": one["ttft_p99_s"],
+            "elastic_to_single": round(e["aggregate_output_tokens_per_s"]
+                                       / one["aggregate_output_tokens_per_s"], 3)
+            if e and e.get("aggregate_output_tokens_per_s") else None,
+            "static_to_single": round(s["aggregate_output_tokens_per_s"]
+                                      / one["aggregate_output_tokens_per_s"], 3)
+            if s and s.get("aggregate_output_tokens_per_s") else None}
     if s and e and args.contexts and len(args.contexts) > 1:
         summary["per_workload"] = per_workload(s, e, args.contexts)
     burst_rates = {n: [b["output_tokens_per_s"] for b in r["bursts"]] for n, r in results.items()}
