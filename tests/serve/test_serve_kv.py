@@ -56,8 +56,11 @@ def elastic_scheduler():
         pytest.skip(elastic_v1.unsupported_reason("scheduler"))
     from vllm.config import KVTransferConfig
 
+    # started at one granule (not the default's warm-up, grown to twice it at the first step):
+    # the route's tests read and move the bounds from the minimum
     ktc = KVTransferConfig(**elastic_v1.connector_config({"policy": "auto",
-                                                          "granule_bytes": 2 << 20}))
+                                                          "granule_bytes": 2 << 20,
+                                                          "initial_granules": 1}))
     scheduler = build_scheduler(proxima=True, num_blocks=16 * 256, kv_transfer_config=ktc)
     yield scheduler
     vllm_v1.deactivate()
