@@ -795,3 +795,33 @@ def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path):
         c["elastic"]["aggregate_output_tokens_per_s"] / one["tok_s"], 3)
     bad = run("two_engines.py", tmp_path / "bad", "--only", "single", "--single-util", "1.5")
     assert bad.returncode == 2 and "--single-util" in bad.stderr
+
+
+def test_driver_b_shapes_take_turns_and_each_gets_its_own_ratio_and_ttft(tmp_path):
+    """--shapes P:O:N,...: issue 33's burst shapes on the same servers, one a round in turn;
+    each burst is its shape's (requests, prompt lengths, output tokens), and the summary gives
+    each shape its throughput ratio and both setups' TTFT."""
+    te = _two_engines()
+    args = te.parse(["--shapes", "4000:512:160,512:256:1000", "--rounds", "2"])
+    assert te.resolve(args, ["static", "elastic"])[0] is None
+    assert args.max_model_len == 6512                       # the longest shape's request
+    for argv, why in ((["--shapes", "64:8:4,32:8:4"], "--rounds 2"),
+                      (["--shapes", "64:8:4", "--requests", "9"], "leave out --requests")):
+        assert why in te.resolve(te.parse(argv), ["static"])[0]
+    done = run("two_engines.py", tmp_path, "--budget", "200", "--shapes", "64:16:6,16:8:10",
+               "--rounds", "2")
+    assert done.returncode in (0, 1), done.stderr
+    c = json.loads((tmp_path / "two_engines.json").read_text())["subproofs"]["c"]
+    bursts = c["elastic"]["bursts"]
+    assert [(b["shape"], b["requests"]) for b in bursts] == [
+        ("64:16:6", 6), ("64:16:6", 6), ("16:8:10", 10), ("16:8:10", 10)]
+    assert all(b["output_tokens"] == b["requests"] * int(b["shape"].split(":")[1])
+               for b in bursts)
+    rows = {r["shape"]: r for r in c["summary"]["per_workload"]}
+    assert set(rows) == {"64:16:6", "16:8:10"}
+    for r in rows.values():
+        assert r["static_bursts"] == r["elastic_bursts"] == 2
+        assert r["ratio"] == round(r["elastic_tok_s"] / r["static_tok_s"], 3)
+        assert r["elastic_ttft"]["ttft_p50_s"] <= r["elastic_ttft"]["ttft_p99_s"]
+    bad = run("two_engines.py", tmp_path / "bad", "--shapes", "4000:0:10")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--shapes" in bad.stderr

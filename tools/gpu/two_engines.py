@@ -33,7 +33,9 @@ that went idle (issue 14's case for moving them: the ``compacted`` setup against
 ``--contexts COUNT:TOKENS:VISITS`` sends reuse bursts instead (contexts asked again and
 again); several comma-separated workloads take turns, one a round, so a control (contexts
 that fit in a static share) runs on the same engines in the same minutes as the workload it
-controls, and the summary's ``per_workload`` gives each its own ratio.
+controls, and the summary's ``per_workload`` gives each its own ratio. ``--shapes
+PROMPT:OUTPUT:REQUESTS,...`` does the same for plain bursts of several shapes (issue 33's
+prefill-heavy, decode-heavy and short), each with its own ratio and TTFT.
 With ``--compactor module:factory`` (issue 14's compaction) the elastic servers get it in
 their elastic options (``compactor``); ``PROXIMA_PROOF_ELASTIC_OPTIONS`` (JSON) adds any
 other option.
@@ -148,6 +150,24 @@ def contexts_spec(text: str) -> tuple[tuple[int, int, int], ...]:
                 f"or 50:4096:4,100:4096:4, got {text!r}")
         specs.append((count, tokens, visits))
     return tuple(specs)
+
+
+def shapes_spec(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``--shapes``: one or more PROMPT:OUTPUT:REQUESTS, comma-separated (round r's bursts
+    send the (r mod how many)-th)."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            prompt, output, n = (int(x) for x in part.split(":"))
+        except ValueError:
+            prompt = output = n = 0
+        if prompt < 2 or output < 1 or n < 1:
+            raise argparse.ArgumentTypeError(
+                f"--shapes wants PROMPT:OUTPUT:REQUESTS (whole numbers: mean prompt tokens at "
+                f"least 2, output tokens and requests at least 1), or several comma-separated, "
+                f"e.g. 4000:1024:96,512:256:1000, got {text!r}")
+        shapes.append((prompt, output, n))
+    return tuple(shapes)
 
 
 def spec_name(spec: tuple[int, int, int]) -> str:
@@ -411,8 +431,13 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             port = target[key]
             before = metrics(port, BURST_METRICS)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
-            requests = burst_requests(args.requests or 0, seed=100 * r + j, prompt=args.prompt,
-                                      output=args.output, contexts=spec)
+            shape = args.shapes[r % len(args.shapes)] if args.shapes else None
+            if shape:
+                requests = burst_requests(shape[2], seed=100 * r + j, prompt=shape[0],
+                                          output=shape[1])
+            else:
+                requests = burst_requests(args.requests or 0, seed=100 * r + j,
+                                          prompt=args.prompt, output=args.output, contexts=spec)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
             if tail_n:          # long requests this burst leaves behind (not waited for)
                 tails.append(Tail(port, args.model, burst_requests(
@@ -427,6 +452,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                          else after[0] - before[0])
             if spec:
                 burst["contexts"] = spec_name(spec)
+            if shape:
+                burst["shape"] = spec_name(shape)
             if None not in before[1:] + after[1:]:
                 burst["prefix_cache_queries"], burst["prefix_cache_hits"] = (
                     int(a - b) for a, b in zip(after[1:], before[1:]))
@@ -443,6 +470,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                         if t >= t_burst - 5]
             ttfts = burst.pop("ttfts")
             result.setdefault("all_ttfts", []).extend(ttfts)
+            label = burst.get("shape") or burst.get("contexts")
+            if label:       # each workload's own TTFT percentiles (per_workload)
+                result.setdefault("ttfts_by", {}).setdefault(label, []).extend(ttfts)
             result["bursts"].append(burst)
             out.log(f"  {name}: burst {i + 1} done: {burst['wall_s']}s, "
                     f"{burst['output_tokens_per_s']} tok/s, errors {burst['errors']}, "
@@ -457,6 +487,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                                "first_errors": [e for t in done for e in t.get("first_errors", [])][:5]}
         tokens = sum(b["output_tokens"] for b in result["bursts"])
         ttft = sorted(result.pop("all_ttfts", []))
+        result["ttft_by_workload"] = {k: percentiles(v) for k, v in
+                                      result.pop("ttfts_by", {}).items()}
         result.update(
             schedule_wall_s=round(wall, 2), output_tokens=tokens,
             aggregate_output_tokens_per_s=round(tokens / wall, 1) if wall else None,
@@ -485,14 +517,22 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
         time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
 
 
-def per_workload(static: dict, elastic: dict, specs) -> list[dict]:
-    """Each ``--contexts`` workload's figures, static against elastic: output tokens over
-    the summed wall time of its bursts, preemptions and prefix hits."""
+def percentiles(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"ttft_p50_s": round(statistics.median(v), 3) if v else None,
+            "ttft_p99_s": round(v[min(len(v) - 1, int(0.99 * len(v)))], 3) if v else None}
+
+
+def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> list[dict]:
+    """Each ``--contexts`` or ``--shapes`` workload's figures (``key``), static against
+    elastic: output tokens over the summed wall time of its bursts, TTFT p50/p99,
+    preemptions and prefix hits."""
     rows = []
     for spec in map(spec_name, specs):
-        row = {"contexts": spec}
+        row = {key: spec}
         for name, r in (("static", static), ("elastic", elastic)):
-            bursts = [b for b in r["bursts"] if b.get("contexts") == spec]
+            row[f"{name}_ttft"] = (r.get("ttft_by_workload") or {}).get(spec)
+            bursts = [b for b in r["bursts"] if b.get(key) == spec]
             wall = sum(b["wall_s"] for b in bursts)
             row[f"{name}_tok_s"] = (round(sum(b["output_tokens"] for b in bursts) / wall, 1)
                                     if wall else None)
@@ -558,6 +598,15 @@ def parse(argv=None):
                          "turn (round r the (r mod how many)-th; --rounds at least how "
                          "many), and the summary gives each its own ratio (default: none, "
                          "every prompt its own)")
+    ap.add_argument("--shapes", type=shapes_spec, default=None,
+                    metavar="PROMPT:OUTPUT:REQUESTS",
+                    help="burst shapes instead of --prompt/--output/--requests: each "
+                         "PROMPT:OUTPUT:REQUESTS (mean prompt tokens, uniform in [0.5, 1.5] of "
+                         "it; output tokens; requests per burst); several, comma-separated, "
+                         "are sent one a round in turn (--rounds at least how many), on the "
+                         "same servers, and the summary gives each its own ratio and TTFT "
+                         "(e.g. issue 33's 4000:512:160,4000:1024:96,512:256:1000) "
+                         "(default: none)")
     ap.add_argument("--output", type=int, default=512,
                     help="output tokens per request (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, default=None,
@@ -645,6 +694,16 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     output = max(args.output, args.tail[1])
     context = max(t for _, t, _ in args.contexts) if args.contexts else 0
     longest = context + args.prompt * 3 // 2 + output
+    if args.shapes:
+        given = ",".join(map(spec_name, args.shapes))
+        if args.contexts or args.requests is not None:
+            return (f"--shapes {given} sets each burst's prompt, output and requests: leave "
+                    f"out {'--contexts' if args.contexts else '--requests'}"), notes
+        if args.rounds < len(args.shapes):
+            return (f"--shapes {given} gives {len(args.shapes)} shapes, one a round, but "
+                    f"--rounds is {args.rounds}: give --rounds {len(args.shapes)} (or a "
+                    f"multiple of it)"), notes
+        longest = max(p * 3 // 2 + max(o, args.tail[1]) for p, o, _ in args.shapes)
     if args.contexts:
         sizes = [c * v for c, _, v in args.contexts]
         given = ",".join(map(spec_name, args.contexts))
@@ -657,7 +716,7 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                     f"--contexts a burst is COUNT x VISITS = "
                     f"{' or '.join(map(str, sizes))} requests; leave --requests out"), notes
         args.requests = sizes[0] if len(sizes) == 1 else None
-    elif args.requests is None:
+    elif args.requests is None and not args.shapes:
         args.requests = 1000
     if args.max_model_len is None:
         args.max_model_len = max(2048, longest)
@@ -777,9 +836,12 @@ def main() -> int:
         reuse += " (one workload a round, in turn)"
     per_burst = ("/".join(str(c * v) for c, _, v in args.contexts) if args.contexts
                  else args.requests)
+    load = (f"bursts of shapes {', '.join(f'{p}/{o} x {n}' for p, o, n in args.shapes)} "
+            f"(prompt / output tokens x requests, one shape a round in turn)"
+            if args.shapes else f"{per_burst} requests per burst ({args.prompt} prompt / "
+            f"{args.output} output tokens{reuse})")
     out.log(f"{args.engines} engines ({', '.join(keys)} on ports {args.port}-"
-            f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {per_burst} "
-            f"requests per burst ({args.prompt} prompt / {args.output} output tokens{reuse}), "
+            f"{args.port + args.engines - 1}): budget {args.budget:.0f}s, {load}, "
             f"{args.rounds} round(s) of {args.engines} bursts, static "
             f"gpu_memory_utilization {args.static_util} with "
             f"{f'{args.static_kv_gib} GiB of KV' if args.static_kv_gib else 'profiled KV'}, "
@@ -857,6 +919,8 @@ def main() -> int:
             if s and s.get("aggregate_output_tokens_per_s") else None}
     if s and e and args.contexts and len(args.contexts) > 1:
         summary["per_workload"] = per_workload(s, e, args.contexts)
+    if s and e and args.shapes:
+        summary["per_workload"] = per_workload(s, e, args.shapes, key="shape")
     burst_rates = {n: [b["output_tokens_per_s"] for b in r["bursts"]] for n, r in results.items()}
     if burst_rates:
         summary["per_burst_tok_s"] = burst_rates
