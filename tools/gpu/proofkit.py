@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import signal
 import subprocess
@@ -73,6 +74,18 @@ def engine_env(cache_root: Path, **extra) -> dict:
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
+
+
+def budget_refusal(driver: str, budget: float, what: str, plan, hints: str) -> str | None:
+    """The one line that refuses a ``--budget`` too small for a driver's time plan (None:
+    it fits). ``plan``: (seconds, text) per setup, the least each can take; ``what``: what
+    the plan is of; ``hints``: the other ways out, after a budget that would do."""
+    need = sum(seconds for seconds, _ in plan)
+    if budget >= need:
+        return None
+    return (f"{driver}: --budget {budget:.0f}s is too little for {what}, at least "
+            f"{need:.0f}s: {'; '.join(text for _, text in plan)}; give --budget "
+            f"{math.ceil(need) + 30} or more, {hints}")
 
 
 class Budget:

@@ -572,13 +572,12 @@ def main() -> int:
         earlier = {k: v for k, v in data["subproofs"]["setups"].items()
                    if k in SETUPS and k not in order}
     plan = [setup_seconds(n, args) for n in order]
-    need = sum(p[0] for p in plan)
-    if args.budget < need:
-        print(f"three_models: --budget {args.budget:.0f}s is too little for {', '.join(order)}, "
-              f"at least {need:.0f}s: {'; '.join(p[1] for p in plan)}; give --budget "
-              f"{math.ceil(need) + 30} or more, "
-              f"{'' if args.enforce_eager else '--enforce-eager, '}fewer --rounds, or one setup "
-              f"in --only (then the other with --with)", file=sys.stderr)
+    refused = kit.budget_refusal(
+        "three_models", args.budget, ", ".join(order), plan,
+        f"{'' if args.enforce_eager else '--enforce-eager, '}fewer --rounds, or one setup in "
+        f"--only (then the other with --with)")
+    if refused:
+        print(refused, file=sys.stderr)
         return 2
     out = kit.Out(Path(args.out), "three_models")
     budget = kit.Budget(args.budget)

@@ -820,11 +820,11 @@ def main() -> int:
         return 2
     plan = [setup_seconds(name, args) for name in order]
     need = sum(p[0] for p in plan)
-    if args.budget < need:
-        print(f"two_engines: --budget {args.budget:.0f}s is too little for {len(order)} "
-              f"setup(s) of {args.engines} engines, at least {need:.0f}s: "
-              f"{'; '.join(p[1] for p in plan)}; give --budget {math.ceil(need) + 30} or more, "
-              f"or fewer --engines/--rounds, or one setup in --only", file=sys.stderr)
+    refused = kit.budget_refusal("two_engines", args.budget,
+                                 f"{len(order)} setup(s) of {args.engines} engines", plan,
+                                 "or fewer --engines/--rounds, or one setup in --only")
+    if refused:
+        print(refused, file=sys.stderr)
         return 2
     out = kit.Out(Path(args.out), "two_engines")
     budget = kit.Budget(args.budget)
