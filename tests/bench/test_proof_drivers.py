@@ -825,3 +825,19 @@ def test_driver_b_shapes_take_turns_and_each_gets_its_own_ratio_and_ttft(tmp_pat
         assert r["elastic_ttft"]["ttft_p50_s"] <= r["elastic_ttft"]["ttft_p99_s"]
     bad = run("two_engines.py", tmp_path / "bad", "--shapes", "4000:0:10")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--shapes" in bad.stderr
+
+
+def test_three_models_says_which_engines_were_ready_when_the_start_up_budget_ran_out():
+    """The H100 run's case: the budget ran out while the third engine started; the line names
+    the ready engines (from the endpoint's log) instead of the tail of its health polls."""
+    sys.path.insert(0, str(PROOF))
+    import three_models
+
+    log = ("proxima INFO model big: ready\n[small] GET /health 503\n"
+           "proxima INFO model mid: ready\n[small] GET /health 503\n")
+    line = three_models.not_ready(log, None, 468.4)
+    assert line == ("proxima serve --models not ready after 468s (the setup's start-up budget; "
+                    "its engines start one after another); ready: big, mid; not ready: small")
+    died = three_models.not_ready("", 1, 3.0, "Error: no config.json")
+    assert died.startswith("proxima serve --models exited with 1: Error: no config.json")
+    assert died.endswith("ready: none; not ready: big, mid, small")

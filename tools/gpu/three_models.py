@@ -304,6 +304,18 @@ def models_file(out: kit.Out, args) -> Path:
     return path
 
 
+def not_ready(log_text: str, code: int | None, waited: float, tail: str = "") -> str:
+    """Why ``proxima serve --models`` is not serving: its exit, or the start-up budget run
+    out; and which engines were ready by then (the endpoint's "model NAME: ready" lines),
+    not the tail of the health polls."""
+    done = [n for n in MODELS if f"model {n}: ready" in log_text]
+    why = (f"exited with {code}: {tail}" if code is not None else
+           f"not ready after {waited:.0f}s (the setup's start-up budget; its engines start one "
+           f"after another)")
+    return (f"proxima serve --models {why}; ready: {', '.join(done) or 'none'}; not ready: "
+            f"{', '.join(n for n in MODELS if n not in done) or 'none'}")
+
+
 def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict,
                   reserve: float) -> dict:
     spec = models_file(out, args)
@@ -322,11 +334,13 @@ def start_proxima(out: kit.Out, budget: kit.Budget, args, env, result: dict,
         note_leaders(proc.pid)          # each engine as it starts, before it is retitled
         return healthy(args.port) or proc.poll() is not None
 
-    up = kit.wait_for(ready, budget.cap(args.start_timeout, reserve=reserve), every=1.0)
+    waited = budget.cap(args.start_timeout, reserve=reserve)
+    up = kit.wait_for(ready, waited, every=1.0)
     log = out.child_log("proxima")
     if not up or not healthy(args.port):
-        raise RuntimeError(f"proxima serve --models did not become healthy (exit "
-                           f"{proc.poll()}): {kit.tail(log, 8)}")
+        code = proc.poll()
+        raise RuntimeError(not_ready(log.read_text(errors="replace"), code, waited,
+                                     kit.tail(log, 8) if code is not None else ""))
     result["start_s"] = round(time.monotonic() - t0, 1)
     result["elastic_sizing"] = [line.strip() for line in
                                 log.read_text(errors="replace").splitlines()
