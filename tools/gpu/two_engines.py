@@ -134,40 +134,37 @@ def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = F
                   "--kv-transfer-config", json.dumps(ktc)]
 
 
+def triples(text: str, option: str, form: str, least: tuple[int, int, int],
+            example: str) -> tuple[tuple[int, int, int], ...]:
+    """One or more A:B:C of whole numbers, comma-separated, each at least ``least``."""
+    out = []
+    for part in text.split(","):
+        try:
+            values = tuple(int(x) for x in part.split(":"))
+        except ValueError:
+            values = ()
+        if len(values) != 3 or any(v < m for v, m in zip(values, least)):
+            raise argparse.ArgumentTypeError(
+                f"{option} wants {form}, or several comma-separated, e.g. {example}, "
+                f"got {text!r}")
+        out.append(values)
+    return tuple(out)
+
+
 def contexts_spec(text: str) -> tuple[tuple[int, int, int], ...]:
     """``--contexts``: one or more COUNT:TOKENS:VISITS, comma-separated (round r's bursts
     send the (r mod how many)-th)."""
-    specs = []
-    for part in text.split(","):
-        try:
-            count, tokens, visits = (int(x) for x in part.split(":"))
-        except ValueError:
-            count = tokens = visits = 0
-        if count < 1 or tokens < 16 or visits < 1:
-            raise argparse.ArgumentTypeError(
-                f"--contexts wants COUNT:TOKENS:VISITS (whole numbers, COUNT and VISITS at "
-                f"least 1, TOKENS at least 16), or several comma-separated, e.g. 100:4096:4 "
-                f"or 50:4096:4,100:4096:4, got {text!r}")
-        specs.append((count, tokens, visits))
-    return tuple(specs)
+    return triples(text, "--contexts", "COUNT:TOKENS:VISITS (whole numbers, COUNT and VISITS "
+                   "at least 1, TOKENS at least 16)", (1, 16, 1),
+                   "100:4096:4 or 50:4096:4,100:4096:4")
 
 
 def shapes_spec(text: str) -> tuple[tuple[int, int, int], ...]:
     """``--shapes``: one or more PROMPT:OUTPUT:REQUESTS, comma-separated (round r's bursts
     send the (r mod how many)-th)."""
-    shapes = []
-    for part in text.split(","):
-        try:
-            prompt, output, n = (int(x) for x in part.split(":"))
-        except ValueError:
-            prompt = output = n = 0
-        if prompt < 2 or output < 1 or n < 1:
-            raise argparse.ArgumentTypeError(
-                f"--shapes wants PROMPT:OUTPUT:REQUESTS (whole numbers: mean prompt tokens at "
-                f"least 2, output tokens and requests at least 1), or several comma-separated, "
-                f"e.g. 4000:1024:96,512:256:1000, got {text!r}")
-        shapes.append((prompt, output, n))
-    return tuple(shapes)
+    return triples(text, "--shapes", "PROMPT:OUTPUT:REQUESTS (whole numbers: mean prompt "
+                   "tokens at least 2, output tokens and requests at least 1)", (2, 1, 1),
+                   "4000:1024:96,512:256:1000")
 
 
 def spec_name(spec: tuple[int, int, int]) -> str:
