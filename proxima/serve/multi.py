@@ -13,8 +13,10 @@ after a backoff (1, 2, 4, 8, 16, 30 s), at most :data:`MAX_RESTARTS` times in
 :data:`RESTART_WINDOW_S`; after that the model is given up (503, named by ``/health``)
 while the others keep serving. An engine that exits before it was ever ready (bad model,
 failed self-check) stops everything: exit 1 with its error line. Engines start one after
-another, each once the previous one is ready, so that vLLM's start-up memory profiling of
-one engine does not see another one loading.
+another, each once the previous one is ready: each is sized counting the engines already on
+the GPU's ledger, and one short of memory at start asks them for it (vLLM's start-up memory
+profiling is not the reason: it is skipped where the KV size is given, as it is for every
+elastic engine).
 """
 
 from __future__ import annotations
