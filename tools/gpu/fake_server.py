@@ -54,14 +54,16 @@ def main() -> int:
         publish_text(args.stats_file, json.dumps(dict(
             state, reported_mapped=state["mapped_bytes"] >> 20, bytes_per_granule=1 << 20)))
 
+    def event(kind: str, nbytes: int) -> None:     # under the lock: the last 20 kept
+        state["events"] = state["events"][-19:] + [(time.monotonic(), kind, nbytes >> 20)]
+
     def release() -> None:              # the release delay, as the elastic policy's
         while True:
             time.sleep(0.05)
             with lock:
                 if (active[0] == 0 and state["mapped_bytes"] > args.min_bytes
                         and time.monotonic() - last_end[0] >= args.delay):
-                    state["events"] = state["events"][-19:] + [
-                        (time.monotonic(), "shrink", (state["mapped_bytes"] - args.min_bytes) >> 20)]
+                    event("shrink", state["mapped_bytes"] - args.min_bytes)
                     state["bytes_returned"] += state["mapped_bytes"] - args.min_bytes
                     state["mapped_bytes"] = args.min_bytes
                     state["shrinks"] += 1
@@ -124,8 +126,7 @@ def main() -> int:
                 cache["hits"] += hit * BLOCK
                 want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
                 if want > state["mapped_bytes"]:
-                    state["events"] = state["events"][-19:] + [
-                        (time.monotonic(), "grow", (want - state["mapped_bytes"]) >> 20)]
+                    event("grow", want - state["mapped_bytes"])
                     state["mapped_bytes"] = want
                     state["grows"] += 1
                     write_stats()

@@ -292,10 +292,8 @@ async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     return {"requests": len(requests), "wall_s": round(wall, 3), "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / wall, 1) if wall else None,
-            "errors": len(errors), "first_errors": errors[:5],
-            "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
-            "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3)
-            if ttft else None, "ttfts": ttft}
+            "errors": len(errors), "first_errors": errors[:5], **percentiles(ttft),
+            "ttfts": ttft}
 
 
 class Tail:
@@ -429,12 +427,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             before = metrics(port, BURST_METRICS)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
-            if shape:
-                requests = burst_requests(shape[2], seed=100 * r + j, prompt=shape[0],
-                                          output=shape[1])
-            else:
-                requests = burst_requests(args.requests or 0, seed=100 * r + j,
-                                          prompt=args.prompt, output=args.output, contexts=spec)
+            prompt, output, n = shape or (args.prompt, args.output, args.requests or 0)
+            requests = burst_requests(n, seed=100 * r + j, prompt=prompt, output=output,
+                                      contexts=spec)
             out.log(f"  {name}: burst {i + 1}/{len(schedule)} on {key}: {len(requests)} requests")
             if tail_n:          # long requests this burst leaves behind (not waited for)
                 tails.append(Tail(port, args.model, burst_requests(
@@ -483,7 +478,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                                "errors": sum(t.get("errors", 0) for t in done),
                                "first_errors": [e for t in done for e in t.get("first_errors", [])][:5]}
         tokens = sum(b["output_tokens"] for b in result["bursts"])
-        ttft = sorted(result.pop("all_ttfts", []))
+        ttft = result.pop("all_ttfts", [])
         result["ttft_by_workload"] = {k: percentiles(v) for k, v in
                                       result.pop("ttfts_by", {}).items()}
         result.update(
@@ -491,9 +486,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             aggregate_output_tokens_per_s=round(tokens / wall, 1) if wall else None,
             errors=sum(b["errors"] for b in result["bursts"]),
             preemptions=sum(b["preemptions"] or 0 for b in result["bursts"]),
-            prefix_hit_rate=hit_rate(result["bursts"]),
-            ttft_p50_s=round(statistics.median(ttft), 3) if ttft else None,
-            ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3) if ttft else None)
+            prefix_hit_rate=hit_rate(result["bursts"]), **percentiles(ttft))
         for k, path in stats.items():
             e = kit.read_json(path)
             if e:
@@ -515,6 +508,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
 
 
 def percentiles(values: list[float]) -> dict:
+    """TTFT p50 and p99 (the nearest rank at or below) of ``values``; None where empty."""
     v = sorted(values)
     return {"ttft_p50_s": round(statistics.median(v), 3) if v else None,
             "ttft_p99_s": round(v[min(len(v) - 1, int(0.99 * len(v)))], 3) if v else None}
