@@ -43,6 +43,13 @@ class KvMemory:
     :class:`CannotGrow` if even those cannot be backed -- at start-up that is the same
     failure as stock vLLM running out of memory.
 
+    ``keep_free_bytes``: a map never leaves the GPU with less free memory than this (the
+    driver's figure, read once per map op); the granules beyond it are reported as not
+    mapped, as if the GPU had refused them. The engine's forward allocates its activations
+    through torch outside the KV: a grow that took the last free bytes made the next
+    forward fail with out-of-memory (H100, 2026-12-05). 0: map until the driver refuses.
+    The granules mapped at creation are not held to it (warm-up needs them).
+
     ``spare_granules`` (KV compaction's scratch, :mod:`proxima.vllm.compaction_v1`):
     granules reserved and mapped after the pool's last one, block ids from
     ``pool_granules * granule_blocks`` on in every region. They lie past the end of the
@@ -53,7 +60,8 @@ class KvMemory:
     def __init__(self, region_sizes: Sequence[int], num_blocks: int, *,
                  granule_bytes: int = GRANULE_BYTES, device: int = 0, driver=None,
                  mapped: int | None = None, zero_on_map: bool = True,
-                 spare_granules: int = 0) -> None:
+                 spare_granules: int = 0, keep_free_bytes: int = 0) -> None:
+        self.keep_free_bytes = keep_free_bytes
         self.region_sizes = tuple(int(s) for s in region_sizes)
         self.num_blocks = num_blocks
         self.block_strides = region_block_strides(self.region_sizes, num_blocks)
@@ -122,18 +130,37 @@ class KvMemory:
         for op in ops:
             t0 = time.perf_counter()
             if op.code == MAP:
-                result = self.arena.map(op.first, op.first + op.count, stream)
+                stop = op.first + op.count
+                cut = self._room_stop(op.first, stop)
+                result = self.arena.map(op.first, cut, stream)
                 stats["map_ops"] += 1
                 stats["granules_mapped"] += result.mapped
-                if not result.ok:
-                    failed.append((result.failed.start, len(result.failed)))
-                    stats["map_failures"] += len(result.failed)
+                start = cut if result.ok else result.failed.start
+                if start < stop:
+                    failed.append((start, stop - start))
+                    stats["map_failures"] += stop - start
                 stats["map_seconds"] += time.perf_counter() - t0
             elif op.code == UNMAP:
                 stats["granules_unmapped"] += self.arena.unmap(op.first, op.first + op.count)
                 stats["unmap_ops"] += 1
                 stats["unmap_seconds"] += time.perf_counter() - t0
         return failed
+
+    def _room_stop(self, first: int, stop: int) -> int:
+        """Where a map of granules ``[first, stop)`` stops so that ``keep_free_bytes``
+        stay free: after as many unmapped granules as the driver's free memory holds
+        beyond it."""
+        if not self.keep_free_bytes:
+            return stop
+        self.arena.driver.use_device()
+        free, _ = self.arena.driver.mem_info()
+        room = max(0, (free - self.keep_free_bytes) // self.bytes_per_granule)
+        for g in range(first, stop):
+            if not self.arena.is_mapped(g):
+                if room == 0:
+                    return g
+                room -= 1
+        return stop
 
     def close(self) -> None:
         self._tensors = None

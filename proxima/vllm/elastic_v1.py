@@ -493,9 +493,12 @@ def _vmm_memory(kv_cache_config, device):
         g = granule_blocks(strides, grain)
         mapped, _ = startup_granules(options, _Worker.vllm_config, kv_cache_config, g,
                                      g * sum(strides))
+    # A grow leaves gpu_free_low of the GPU free: the forward's activations come from it.
+    total = torch.cuda.get_device_properties(index).total_memory
     memory = KvMemory(sizes, kv_cache_config.num_blocks, granule_bytes=grain, device=index,
                       mapped=mapped, zero_on_map=options.zero_on_map,
-                      spare_granules=_Worker.spare_granules)
+                      spare_granules=_Worker.spare_granules,
+                      keep_free_bytes=int(float(options.gpu_free_low) * total))
     _Worker.memory = memory
     logger.info("Proxima elastic KV: %d blocks in %d granules of %d blocks (%.1f MiB each, "
                 "%d regions), %.2f GiB reserved, %d granules mapped", memory.num_blocks,

@@ -109,6 +109,27 @@ def test_kv_memory_applies_ops_in_order_and_reports_what_could_not_grow():
         mem.apply([Op.unmap(0, 1)])
 
 
+def test_a_map_leaves_the_memory_kept_free_for_the_forward_and_reports_the_rest():
+    # H100, 2026-12-05: a grow took the GPU's last free bytes and the next forward's
+    # activations failed with out-of-memory. A map now stops where keep_free_bytes would
+    # no longer be free; what it did not map is reported as a failed grow.
+    page, granule = 64 * 1024, 2 * 2 * MiB                  # 2 regions of 2 MiB a granule
+    driver = FakeDriver(capacity=10 * granule)
+    mem = KvMemory([page * 320] * 2, 320, driver=driver, mapped=2,
+                   keep_free_bytes=3 * granule + 1)       # warm-up's 2 are not held to it
+    assert mem.apply([Op.map(2, 8)]) == [(6, 4)]          # 10 - 2 - 3.x: room for 4
+    assert mem.mapped_granules == 6 and mem.stats["map_failures"] == 4
+    assert driver.mem_info()[0] >= 3 * granule + 1
+    assert mem.apply([Op.map(6, 2)]) == [(6, 2)]          # no room: nothing mapped
+    mem.apply([Op.unmap(4, 2)])
+    # 4 mapped, room for 2 more: granule 3 (mapped) takes none, 4 and 5 fit, 6 does not
+    assert mem.apply([Op.map(3, 4)]) == [(6, 1)]
+    assert mem.arena.mapped_ranges() == [range(0, 6)]
+    free = KvMemory([page * 320] * 2, 320, driver=FakeDriver(capacity=10 * granule),
+                    mapped=2)                             # 0: until the driver refuses
+    assert free.apply([Op.map(2, 8)]) == [] and free.mapped_granules == 10
+
+
 def test_kv_memory_that_cannot_start_says_so():
     with pytest.raises(CannotGrow, match="initial KV cache"):
         KvMemory([64 * 1024 * 320], 320, driver=FakeDriver(capacity=4 * MiB))
