@@ -841,3 +841,50 @@ def test_three_models_says_which_engines_were_ready_when_the_start_up_budget_ran
     died = three_models.not_ready("", 1, 3.0, "Error: no config.json")
     assert died.startswith("proxima serve --models exited with 1: Error: no config.json")
     assert died.endswith("ready: none; not ready: big, mid, small")
+
+
+def test_driver_b_counts_an_answer_cut_by_a_dead_engine_as_an_error():
+    """H100, 2026-12-05: an engine died mid-burst (out of memory); vLLM ended each stream
+    with an error chunk and [DONE], and the driver counted 96 short answers as 0 errors
+    (its only sign: 90 tok/s). An error chunk, or fewer tokens than asked with ignore_eos,
+    is now an error of that request."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(PROOF))
+    try:
+        import two_engines
+    finally:
+        sys.path.remove(str(PROOF))
+    answers = {
+        "error": [{"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}},
+                  {"error": {"message": "EngineCore encountered an issue", "code": 500}}],
+        "short": [{"choices": [{"text": "x"}], "usage": {"completion_tokens": 3}}],
+        "whole": [{"choices": [{"text": "x"}], "usage": {"completion_tokens": 8}}],
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for chunk in answers[body["model"]]:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        got = {m: asyncio.run(two_engines.run_burst(port, m, [([1, 2, 3], 8)] * 2, 30))
+               for m in answers}
+    finally:
+        server.shutdown()
+    assert got["error"]["errors"] == 2 and "EngineCore" in got["error"]["first_errors"][0]
+    assert got["short"]["errors"] == 2 and got["short"]["first_errors"][0] == "3 of 8 tokens"
+    assert got["whole"]["errors"] == 0 and got["whole"]["output_tokens"] == 16

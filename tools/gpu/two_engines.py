@@ -253,6 +253,10 @@ async def one(client, port: int, model: str, prompt: list[int], max_tokens: int,
                     done = True
                     break
                 chunk = json.loads(data)
+                if "error" in chunk:        # the engine failed mid-answer (vLLM sends
+                    err = chunk["error"]    # an error chunk, then [DONE])
+                    msg = err.get("message", err) if isinstance(err, dict) else err
+                    return {"error": f"error in stream: {str(msg)[:160]}"}
                 usage = chunk.get("usage")
                 if usage:
                     tokens = usage.get("completion_tokens", tokens)
@@ -263,6 +267,8 @@ async def one(client, port: int, model: str, prompt: list[int], max_tokens: int,
                     first = time.perf_counter() - start
             if not done:
                 return {"error": "stream cut before [DONE]"}
+            if tokens < max_tokens:         # ignore_eos: anything shorter was cut
+                return {"error": f"{tokens} of {max_tokens} tokens"}
     except Exception as exc:  # noqa: BLE001 - counted as an error of this request
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return {"ttft": first if first is not None else time.perf_counter() - start,
