@@ -151,15 +151,23 @@ class SharedPolicyStep:
                 view = self._read()
                 others = view.others_unmet_bytes if view is not None else 0
             free, total = self._gpu_figures()
-        elif policy.stats.short and self.ledger is not None:
-            # waiting for memory: when another engine gave some back, try now rather than
-            # after retry_s
-            view = self._read()
-            if view is not None:
-                mapped = view.others_mapped_bytes
-                if self._others_mapped is not None and mapped < self._others_mapped:
-                    policy.retry_now()
-                self._others_mapped = mapped
+        elif policy.stats.short:
+            # waiting for memory: when another engine gave some back, or the driver says a
+            # granule is free beyond what a map keeps free, try now rather than after
+            # retry_s (the engine that gave may record its unmap before this engine first
+            # reads the ledger after its failure: the driver's figure does not miss it)
+            if self.ledger is not None:
+                view = self._read()
+                if view is not None:
+                    mapped = view.others_mapped_bytes
+                    if self._others_mapped is not None and mapped < self._others_mapped:
+                        policy.retry_now()
+                    self._others_mapped = mapped
+            gpu_free, gpu_total = self._gpu_figures()
+            if gpu_free is not None and gpu_total and (
+                    gpu_free - int(policy.options.gpu_free_low * gpu_total)
+                    >= policy.bytes_per_granule):
+                policy.retry_now()
         if not policy.stats.short:
             self._others_mapped = None
         self.watching = self.watching and others > 0

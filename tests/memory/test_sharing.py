@@ -319,3 +319,31 @@ def test_the_ledger_shows_memory_given_back_only_once_the_workers_have_unmapped_
     assert b.policy.stats.failed_grows == failed_at_yield    # no map failed after the yield
     assert served is not None and served <= yielded + 4
     assert a.ch.held() == a.mapped and a.mapped + b.mapped <= gpu.capacity
+
+
+def test_a_short_engine_retries_when_the_driver_says_memory_is_free_not_after_its_backoff(
+        tmp_path):
+    """Memory held by a process that is not in the ledger (or given back before the waiting
+    engine first read the ledger after its failure: H100, 2026-12-05, the second burst's
+    engine retried only after its 2 s backoff): the driver's free memory is what says so.
+    While the GPU has no granule free beyond what a map keeps free, no retry (no churn);
+    once it has, the grow is tried within the driver's polling interval, not retry_s."""
+    now = [0.0]
+    gpu = Gpu(capacity=20)
+    gpu.held[-1] = set(range(100, 114))          # another process: 14 granules
+    b = Engine("b", tmp_path / "proxima-ledger-0.json", gpu, now, mapped=2,
+               retry_s=5.0, retry_max_s=30.0)
+    run([b], now, 20)
+    b.demand[0] = 10 * G
+    run([b], now, 10)
+    assert b.policy.stats.short and b.mapped == 6        # 20 - 14: a partial map, kept
+    fails = b.policy.stats.failed_grow_attempts
+    run([b], now, 40)                                    # 2 s: still full, backoff 5 s+
+    assert b.policy.stats.failed_grow_attempts == fails  # no retry while nothing is free
+    del gpu.held[-1]                                     # the other process ends
+    for i in range(1, 100):
+        run([b], now, 1)
+        if not b.policy.stats.short:
+            break
+    assert not b.policy.stats.short and b.mapped == 11    # 6 + the 5 that had failed
+    assert i * STEP_S <= b.shared.gpu_every_s + 2 * STEP_S   # not the 5-10 s backoff
