@@ -44,7 +44,9 @@ class PolicyOptions:
     ``cache_hold_s``: how long granules holding cached blocks are kept once in excess
     while nobody asks for the memory (see the module's release rule; at most
     ``release_delay_s``: the rule before the ledger); ``gpu_free_low``: the share of the
-    GPU's memory below which its free memory is short (other processes may be waiting)."""
+    GPU's memory below which its free memory is short (other processes may be waiting); a
+    worker's map also leaves this much free, for the forward's activations
+    (:class:`proxima.memory.kv.KvMemory` ``keep_free_bytes``)."""
 
     min_bytes: int = 0
     max_bytes: int | None = None
