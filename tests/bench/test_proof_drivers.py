@@ -536,17 +536,48 @@ def test_driver_b_refuses_bad_engine_counts_and_a_budget_too_small(tmp_path):
     assert not (tmp_path / "over").exists()
 
 
-def _two_engines():
+def _two_engines(monkeypatch=None, gpu: str = "NVIDIA H200"):
+    """The driver's module; with ``monkeypatch``, a stand-in ``nvidia-smi`` first on PATH
+    (for this test only) that names ``gpu``: what a run without --dry-run reads."""
     sys.path.insert(0, str(PROOF))
     import two_engines
 
+    if monkeypatch is not None:
+        import tempfile
+
+        where = Path(tempfile.mkdtemp(prefix="fake-nvidia-smi-"))
+        smi = where / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho '{gpu}'\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{where}{os.pathsep}{os.environ.get('PATH', '')}")
     return two_engines
 
 
-def test_driver_b_plans_four_engines_on_an_h200():
+def test_driver_b_takes_the_gpus_size_from_its_name_and_refuses_one_not_measured(
+        monkeypatch):
+    """Without --gpu-gib / --static-kv-gib a GPU run plans for the GPU nvidia-smi names
+    (session 24 gave --gpu-gib 79.2 --static-kv-gib 17 by hand on every H100 call; an H200
+    plan on an H100 would start static engines that cannot fit)."""
+    for name, want in (("NVIDIA H100 80GB HBM3", (79.2, 17.0)), ("NVIDIA H200", (139.8, 46.6))):
+        te = _two_engines(monkeypatch, name)
+        args = te.parse([])
+        assert te.resolve(args, ["static", "elastic"])[0] is None
+        assert (args.gpu_gib, args.static_kv_gib) == want
+        args = te.parse(["--gpu-gib", "80", "--static-kv-gib", "16"])    # given: kept
+        assert te.resolve(args, ["static", "elastic"])[0] is None
+        assert (args.gpu_gib, args.static_kv_gib) == (80.0, 16.0)
+    te = _two_engines(monkeypatch, "NVIDIA A100-SXM4-40GB")
+    error = te.resolve(te.parse([]), ["static", "elastic"])[0]
+    assert error == ("the GPU is neither an H200 nor an H100 80GB (nvidia-smi: NVIDIA "
+                     "A100-SXM4-40GB): give --gpu-gib and --static-kv-gib")
+    args = te.parse(["--dry-run"])                          # a dry run asks no GPU
+    assert te.resolve(args, ["static", "elastic"])[0] is None and args.gpu_gib == 139.8
+
+
+def test_driver_b_plans_four_engines_on_an_h200(monkeypatch):
     """The GPU run's plan (no --dry-run): fixed static KV starts side by side, what does not
     fit on the GPU is refused, and two engines keep their defaults."""
-    te = _two_engines()
+    te = _two_engines(monkeypatch)
     args = te.parse(["--engines", "4", "--static-kv-gib", "15", "--requests", "300",
                      "--budget", "560"])
     error, notes = te.resolve(args, ["static", "elastic"])
@@ -740,13 +771,13 @@ def test_three_models_gpu_plan_counts_the_measured_start_ups_and_asks_for_two_ca
     assert not (tmp_path / "o").exists()
 
 
-def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp_path):
+def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp_path, monkeypatch):
     """--user-path: the elastic servers are `proxima serve MODEL --elastic` as the docs tell a
     user, vLLM's options as given, no KV sizing flag, and the driver's stats file through
     --elastic-options (which serve's own parser must take); the static side is unchanged."""
     from proxima.config import elastic_options_text
 
-    te = _two_engines()
+    te = _two_engines(monkeypatch)
     args = te.parse(["--user-path", "--prompt", "4000", "--output", "512", "--requests", "160"])
     assert te.resolve(args, ["static", "elastic"])[0] is None
     stats = tmp_path / "a dir" / ".elastic-A.json"
@@ -772,11 +803,11 @@ def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp
     assert all(t >= -5 for b in bursts for k in "AB" for t, _, _ in b[f"events_{k}"])
 
 
-def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path):
+def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path, monkeypatch):
     """--only ...,single: the upper bound of any sharing (issue 33), ONE stock server at
     --single-util with every engine's bursts sent to it in turn; the summary gives elastic's
     and static's throughput against it."""
-    te = _two_engines()
+    te = _two_engines(monkeypatch)
     args = te.parse(["--only", "single"])
     assert te.resolve(args, ["single"])[0] is None
     cmd = te.server_cmd(8300, True, args, tmp_path / "s.json", single=True)
@@ -797,11 +828,11 @@ def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path):
     assert bad.returncode == 2 and "--single-util" in bad.stderr
 
 
-def test_driver_b_shapes_take_turns_and_each_gets_its_own_ratio_and_ttft(tmp_path):
+def test_driver_b_shapes_take_turns_and_each_gets_its_own_ratio_and_ttft(tmp_path, monkeypatch):
     """--shapes P:O:N,...: issue 33's burst shapes on the same servers, one a round in turn;
     each burst is its shape's (requests, prompt lengths, output tokens), and the summary gives
     each shape its throughput ratio and both setups' TTFT."""
-    te = _two_engines()
+    te = _two_engines(monkeypatch)
     args = te.parse(["--shapes", "4000:512:160,512:256:1000", "--rounds", "2"])
     assert te.resolve(args, ["static", "elastic"])[0] is None
     assert args.max_model_len == 6512                       # the longest shape's request

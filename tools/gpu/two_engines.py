@@ -63,6 +63,7 @@ import random
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -657,9 +658,10 @@ def parse(argv=None):
                     help="the memory plan's estimate of each engine's GPU memory besides KV, "
                          "GiB (dummy Llama-3.1-8B on vLLM 0.26: weights 14.96, activations up "
                          "to 1.8, CUDA graphs 0.98, non-torch 0.22) (default: %(default)s)")
-    ap.add_argument("--gpu-gib", type=float, default=139.8,
-                    help="the GPU's memory for the memory plan, GiB (default: %(default)s, an "
-                         "H200 as vLLM sees it)")
+    ap.add_argument("--gpu-gib", type=float, default=None,
+                    help="the GPU's memory for the memory plan, GiB (default: the GPU's, as "
+                         "vLLM sees it: 139.8 on an H200, 79.2 on an H100 80GB, by the name "
+                         "nvidia-smi gives; 139.8 with --dry-run)")
     ap.add_argument("--start", choices=("parallel", "sequential"), default="parallel",
                     help="start the engines side by side where their KV is fixed, or one "
                          "after the other (default: %(default)s)")
@@ -731,8 +733,14 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
         return (f"--static-util {args.static_util} for {n} engines asks for "
                 f"{n * args.static_util:.2f} of the GPU: give at most {0.95 / n:.3f} (N x it "
                 f"at most 0.95)"), notes
+    known = None if args.dry_run else gpu_known()
+    if args.gpu_gib is None:
+        if not args.dry_run and known is None:
+            return ("the GPU is neither an H200 nor an H100 80GB (nvidia-smi: "
+                    f"{gpu_name() or 'no answer'}): give --gpu-gib and --static-kv-gib"), notes
+        args.gpu_gib = known[0] if known else 139.8
     if args.static_kv_gib is None:
-        args.static_kv_gib = 46.6 if n == 2 else 0.0
+        args.static_kv_gib = ((known[1] if known else 46.6) if n == 2 else 0.0)
     if args.static_kv_gib < 0:
         return f"--static-kv-gib wants 0 (profile) or more GiB, got {args.static_kv_gib}", notes
     base = args.engine_gib
@@ -801,6 +809,30 @@ def setup_seconds(name: str, args) -> tuple[float, str]:
            f"{n} {'side by side' if together else 'one after the other'}")
     return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {how}, {bursts} "
                    f"bursts x {c['burst']:.0f}s, {c['stop']:.0f}s stop)")
+
+
+#: GPUs measured: name in nvidia-smi -> (GiB as vLLM sees it, what --static-util 0.45 gives
+#: two stock engines of dummy Llama-3.1-8B when profiled, GiB of KV: the H200's from session
+#: 6 call 2, the H100's 17 with ~0.6 GiB to spare, sessions 23 and 24)
+GPUS = {"H200": (139.8, 46.6), "H100 80GB": (79.2, 17.0)}
+
+
+def gpu_name() -> str | None:
+    """The first visible GPU's name, as nvidia-smi says it (None: no answer)."""
+    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        done = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=name",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def gpu_known() -> tuple[float, float] | None:
+    """(--gpu-gib, --static-kv-gib) for this GPU when it is one measured (:data:`GPUS`)."""
+    name = gpu_name() or ""
+    return next((v for k, v in GPUS.items() if k in name), None)
 
 
 def main() -> int:
