@@ -20,6 +20,10 @@ whose prefill is complete samples one token a step, to ``max_tokens``.
   engines start before the first tick (their warm-ups mapped), then each takes its
   start-up steps in turn (:func:`proxima.replay.driver_v1.start_up`): its start-up grow
   takes no more than NVML's free memory says, after the other's.
+  The simulated GPU is the KV's room only: a GPU worker's map also leaves ``gpu_free_low``
+  of the whole GPU free for the forward's activations (``KvMemory.keep_free_bytes``), which
+  is not modelled, as the static engines' activation memory is not (both lie outside the
+  KV's room).
 * **Static split**: two stock vLLM engines, each holding half the GPU's KV blocks.
 
 **The clock** is one shared step clock of ``step_seconds`` a tick. At each tick every
