@@ -86,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: build it)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME",
                         help="also put the wheels of this pyproject extra into the wheelhouse, "
-                             "e.g. vllm (the tested stack, some GB), vllm-cu121 (the card stack), "
+                             "e.g. vllm-0-26 (vLLM 0.26.0, the tested stack, some GB), vllm "
+                             "(vLLM 0.33.0, the newest, CPU-tested only), vllm-cu121 (the card "
+                             "stack), "
                              "serve (gunicorn + uvicorn-worker); repeatable; needs network now, "
                              "none later (default: none: the wheelhouse cannot serve)")
     parser.add_argument("--python-version", metavar="X.Y",
