@@ -61,8 +61,9 @@ the GPU can take it). Proxima's options, taken out before vLLM sees the command 
                           leave the rest to other processes, or plan a fit on any machine
   --elastic-options K=V,...  any other option of proxima.vllm.elastic_v1.ElasticOptions
                           (release_delay_s=10, headroom=0.1, eviction=auto, policy=auto, ...;
-                          finite numbers: headroom, band 0 to 100; release_delay_s, retry_s
-                          0 to 86400 seconds; idle_sleep_s 0 to 1)
+                          finite numbers: headroom, band 0 to 100; gpu_free_low 0 to 1;
+                          release_delay_s, retry_s, retry_max_s, cache_hold_s 0 to 86400
+                          seconds; idle_sleep_s 0 to 1)
 No sizing flag is needed: with --elastic the KV pool is reserved (virtual addresses) at
 what the GPU could hold beside the weights (weights estimated from config.json as parameters
 x dtype bytes, plus 2 GiB and 5% for activations and CUDA graphs), and
