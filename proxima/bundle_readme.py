@@ -55,7 +55,7 @@ TRANSFORMERS_OFFLINE=1, so nothing is fetched from a model hub.
         python_use = "    venv/bin/proxima --version\n"
         python_note = (f"The wheelhouse holds {spec} without vLLM: this Python install cannot "
                        "serve (nor replay,\nwhich drives vLLM's scheduler). Serve from the image, "
-                       "or write the bundle with\n`--extra vllm --extra serve` (the tested stack) "
+                       "or write the bundle with\n`--extra vllm-0-26 --extra serve` (the tested stack) "
                        "or `--extra vllm-cu121 --extra serve` (the card stack).")
     nix = manifest.get("nix")
     nix_text = (f"\n## Nix\n\nThe closure of `{nix}`:\n\n    nix-store --import < nix/closure.nar\n"

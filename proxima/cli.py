@@ -90,7 +90,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                 mod = importlib.import_module(module)
             except ModuleNotFoundError as exc:
                 parser.exit(2, f"proxima {name}: not available: missing module {exc.name!r} "
-                               f"(install the tested stack: ./dev, or pip install 'proxima[vllm]')\n")
+                               f"(install the tested stack: ./dev, or pip install 'proxima[vllm-0-26]')\n")
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
     return parser

@@ -337,7 +337,7 @@ def test_the_readme_says_when_the_python_install_cannot_serve(serve_bundle):
     readme = (serve_bundle / "README.md").read_text()
     assert "'proxima[serve]==" in readme
     assert "without vLLM: this Python install cannot serve" in readme
-    assert "--extra vllm --extra serve" in readme
+    assert "--extra vllm-0-26 --extra serve" in readme
 
 
 def copy_with(bundle: Path, tmp_path: Path, needs: dict) -> Path:

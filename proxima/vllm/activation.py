@@ -364,7 +364,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(COMPACTION_ENV, "1 (KV compaction, with PROXIMA_ELASTIC=1) or 0 / unset (off)",
              compaction_mode, None),
     Variable(LEDGER_DIR_ENV, "a writable directory for the per-GPU ledger of elastic engines "
-             "(one per container when containers share /dev/shm), or unset (/dev/shm)",
+             "(every engine of one GPU must use the same one: containers on one GPU mount it), or "
+             "unset (/dev/shm)",
              _ledger_dir, None),
 )}
 
