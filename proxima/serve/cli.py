@@ -206,14 +206,7 @@ def run(args: argparse.Namespace) -> int:
     validate.validate_options(None if demo else vargs.model, vargs.block_size, vargs.host,
                               vargs.port, getattr(vargs, "uds", None))  # vLLM 0.6: no --uds
     if elastic is not None:
-        import json
-
-        from proxima.vllm import activation
-
-        sized = autosize.apply(vargs, argv, elastic, facts, gpu_bytes, demo)
-        if sized is not None:
-            log.info(sized.line())
-        os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
+        size_elastic(vargs, argv, elastic, facts, gpu_bytes, demo)
     if demo:
         log.warning("no MODEL given: serving the embedded demo model as %r: a tiny Llama with "
                     "RANDOM weights (load_format=dummy); its output is noise. Pass a MODEL to "
@@ -236,6 +229,24 @@ def run(args: argparse.Namespace) -> int:
         # same stack in the worker process, and must not delete what the arbiter still uses.
         if os.getpid() == owner:
             shutil.rmtree(rundir, ignore_errors=True)
+
+
+def size_elastic(vargs, argv: list[str], elastic: dict, facts: dict,
+                 gpu_bytes: int | None = None, demo: bool = False):
+    """Size the elastic engine of ``vargs`` (:func:`proxima.serve.autosize.apply`) and put
+    its elastic options, the sizing's among them, in ``PROXIMA_ELASTIC_OPTIONS``: vLLM's
+    engine config, built next, gives them to the connector. Returns the sizing (None: the
+    GPU's size is not known)."""
+    import json
+
+    from proxima.serve import autosize
+    from proxima.vllm import activation
+
+    sized = autosize.apply(vargs, argv, elastic, facts, gpu_bytes, demo)
+    if sized is not None:
+        logs.setup().info(sized.line())
+    os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
+    return sized
 
 
 def _run_gunicorn(vargs, vllm_config, checks, preflight_time, failure_file: Path) -> int:

@@ -348,19 +348,27 @@ def unsupported_reason(side: str = "engine", environ=None) -> str | None:
     return activation.unproven_refusal(vllm.__version__, f"{ENV}=1", environ)
 
 
+def _env_options() -> dict:
+    """``PROXIMA_ELASTIC_OPTIONS`` now (validated; ActivationError, one line, when bad)."""
+    try:
+        return ElasticOptions.from_env()
+    except UserError as exc:
+        raise activation.ActivationError(str(exc)) from None
+
+
 def activate() -> None:
     """Route every engine this process configures through Proxima's KV connector (with the
-    options of ``PROXIMA_ELASTIC_OPTIONS``), and give the engine core the ``proxima_kv``
-    utility method (run-time control: :func:`engine_core_proxima_kv`)."""
+    options ``PROXIMA_ELASTIC_OPTIONS`` holds when the engine's config is built, not when
+    the plugin loaded: ``proxima serve`` builds vLLM's parser, which loads the plugin,
+    before it sizes the engine and writes the sizing into the variable), and give the
+    engine core the ``proxima_kv`` utility method (run-time control:
+    :func:`engine_core_proxima_kv`)."""
     if patches.is_applied(PATCHES, "create_engine_config"):
         return
     reason = unsupported_reason()
     if reason:
         raise activation.ActivationError(reason)
-    try:
-        extra = ElasticOptions.from_env()
-    except UserError as exc:
-        raise activation.ActivationError(str(exc)) from None
+    extra = _env_options()          # a bad value stops the plugin now, not at the config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCore
 
@@ -373,7 +381,11 @@ def activate() -> None:
                 f"{ENV}=1 cannot be combined with --kv-offloading-size: pass the offloading "
                 "connector as --kv-transfer-config instead (Proxima composes with it), or "
                 f"unset {ENV}")
-        self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config, extra)
+        options = _env_options()
+        if options != extra:
+            logger.info("Proxima elastic KV memory: the engine's connector options %s",
+                        options)
+        self.kv_transfer_config = with_elastic_connector(self.kv_transfer_config, options)
         return original(self, *args, **kwargs)
 
     _patch(patches.Patch(EngineArgs, "create_engine_config", create_engine_config),

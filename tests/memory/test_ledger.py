@@ -82,6 +82,29 @@ def test_records_cross_processes_and_clean_exit_removes(tmp_path):
     assert [r.mapped for r in mine.read().records] == [300]
 
 
+def test_other_writers_keep_what_a_record_says_besides_kv(tmp_path):
+    """Every write replaces the file whole: another engine's post (another process) and a
+    starting engine's demand (``autosize.ask_others``' record) keep an engine's non-KV
+    bytes, model and port, which the next engine's sizing reads."""
+    from proxima.memory.ledger import live_records
+
+    path = ledger_path("GPU-x", tmp_path)
+    big = Ledger(path, name="big", model="big", port=8301, nonkv=19011032269)
+    big.post(1 << 30, 1 << 30, maximum=62 << 30)
+    starting = Ledger(path, name="starting")
+    starting.post(0, 0, 3 << 30)
+    starting.close()
+    other = spawn(path, "post", 5, 1, 0)
+    try:
+        records = {r.name: r for r in live_records(path)}
+        assert set(records) == {"big", ""}
+        assert (records["big"].nonkv, records["big"].model, records["big"].port,
+                records["big"].min) == (19011032269, "big", 8301, 1 << 30)
+    finally:
+        finish(other)
+        big.close()
+
+
 def test_sigkill_leaves_no_claim(tmp_path):
     path = tmp_path / "l.json"
     victim = spawn(path, "post", 5 << 30, 1 << 30, 3 << 30)

@@ -255,3 +255,88 @@ def test_the_options_of_vllms_own_parser_are_sized(tmp_path):
     assert elastic == {"min_bytes": DEFAULT_KV_MIN, "max_bytes": T - nonkv,
                        "ledger_model": "chat", "ledger_port": 8123,
                        "ledger_nonkv_bytes": nonkv}
+
+
+CHAIN_OF_THE_SEVERAL_MODELS_SERVE = """
+import json, os, sys
+from types import SimpleNamespace
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()     # vLLM's parser needs a platform
+from proxima.serve import autosize, multi, multi_config, serve_flags, vllm_args
+from proxima.serve.cli import size_elastic
+from proxima.serve.serve_flags import take_elastic_options
+from proxima.vllm import activation, elastic_v1
+
+plan = multi_config.parse_command_line(
+    ["--enforce-eager", *[a for m in sys.argv[1:] for a in ("--model", m)]])
+facts = {"devices": [{"total_memory": 80 << 30, "uuid": "GPU-chain"}]}
+
+
+def engine(n, port):
+    # the model's single-model proxima serve, its argv as the several-models serve builds it,
+    # read in proxima.serve.cli.run's order: the plugin activates when vLLM's parser is built,
+    # the sizing comes after
+    command = multi.engine_command(plan.models[n], port, plan)
+    argv = command[command.index("serve") + 1:]
+    argv, _ = serve_flags.take_compaction(argv)
+    argv, gpu_bytes = autosize.take_gpu_bytes(argv)
+    argv, elastic = take_elastic_options(argv)
+    if elastic:
+        os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
+    vargs = vllm_args.parse(argv)
+    sized = size_elastic(vargs, argv, elastic, facts, gpu_bytes)
+    config = vllm_args.engine_config(vargs)
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    return elastic, sized, elastic_v1.ElasticOptions.from_extra(extra)
+
+
+class Nvml:                                      # NVML's part of open_gpu_ledger, stood in
+    def nvmlInit(self): pass
+    def nvmlDeviceGetHandleByIndex(self, index): return index
+    def nvmlDeviceGetUUID(self, handle): return b"GPU-chain"
+    def nvmlDeviceGetMemoryInfo(self, handle): return SimpleNamespace(free=1, total=80 << 30)
+
+
+import vllm.utils.import_utils as import_utils
+from proxima.vllm.elastic_control import open_gpu_ledger
+
+elastic, first, options = engine(0, 8301)
+platforms._current_platform.is_cuda = lambda: True
+platforms._current_platform.device_id_to_physical_device_id = lambda index: index
+import_utils.import_pynvml = lambda: Nvml()
+ledger, _ = open_gpu_ledger(options)
+ledger.post(1 << 30, 1 << 30, maximum=62 << 30)  # what the big engine posted: 1 granule
+_, second, _ = engine(1, 8302)
+print(json.dumps([elastic, options.max_bytes, options.ledger_nonkv_bytes, first.nonkv,
+                  second.others, second.others_claim, second.kv_max, second.nonkv]))
+"""
+
+
+def test_the_engines_of_the_several_models_serve_count_each_others_weights(tmp_path):
+    """The three-model H100 run (docs/results/h100-2026-12-05-s23): `proxima serve --models
+    FILE` started big (dummy Llama-3.1-8B) then mid; mid counted big as 1.00 GiB (its
+    minimum) instead of ~17.71 + 1.00 GiB: the sizing's elastic options (the ledger's
+    nonkv, --kv-max) were written to PROXIMA_ELASTIC_OPTIONS after the plugin had read the
+    variable, so the connector never got them. Here the real chain on CPU: multi's engine
+    command, the serve's option handling, vLLM's parser and engine config, the connector's
+    options, the GPU ledger (NVML stood in), the second engine's sizing."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tok = "--tokenizer proxima/models/tiny-llama --load-format dummy --max-model-len 8192"
+    env = {k: v for k, v in os.environ.items() if k != "PROXIMA_ELASTIC_OPTIONS"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHAIN_OF_THE_SEVERAL_MODELS_SERVE,
+         f"big=tools/gpu/dummy-llama {tok}", f"mid=tools/gpu/dummy-llama-3b {tok}"],
+        capture_output=True, text=True, timeout=300, cwd=repo,
+        env={**env, "PROXIMA_ALLOCATOR": "1", "PROXIMA_ELASTIC": "1",
+             "PROXIMA_LEDGER_DIR": str(tmp_path), "PROXIMA_ALLOW_UNPROVEN_ELASTIC": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    elastic, max_bytes, ledger_nonkv, nonkv, others, claim, kv_max, mid_nonkv = json.loads(
+        done.stdout.strip().splitlines()[-1])
+    assert ledger_nonkv == nonkv == elastic["ledger_nonkv_bytes"] > 17 * GiB
+    assert max_bytes == elastic["max_bytes"]            # the sizing's --kv-max is applied
+    assert others == 1 and claim == nonkv + GiB         # big's weights and minimum kept
+    assert kv_max == 80 * GiB - mid_nonkv - nonkv - GiB

@@ -794,6 +794,35 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     vllm_v1.deactivate()
 
 
+def test_the_options_set_after_the_plugin_loaded_reach_the_connector(monkeypatch):
+    """``proxima serve`` builds vLLM's parser (the plugin activates then) before it sizes the
+    engine, and only then writes the sizing into PROXIMA_ELASTIC_OPTIONS: the engine config
+    built after that carries what the variable says then, not what it said at activation
+    (the three-model H100 run: every engine's ledger record said nonkv 0, its --kv-max
+    unapplied)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", "stats_file=/tmp/s.json")
+    elastic_v1.activate()
+    sized = {"stats_file": "/tmp/s.json", "min_bytes": 1 << 29, "max_bytes": 3 << 30,
+             "ledger_model": "big", "ledger_port": 8300, "ledger_nonkv_bytes": 19011032269}
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", json.dumps(sized))
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+    try:
+        args.create_engine_config()
+    except Exception:     # no device platform here: the connector is set before that
+        pass
+    extra = args.kv_transfer_config.kv_connector_extra_config
+    assert extra == sized
+    assert elastic_v1.ElasticOptions.from_extra(extra).ledger_nonkv_bytes == 19011032269
+    monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", '{"max_bytes": "lots"}')
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+    from proxima.vllm.activation import ActivationError
+
+    with pytest.raises(ActivationError, match="max_bytes: 'lots' is not a size"):
+        args.create_engine_config()
+
+
 def test_no_gpu_no_ledger():
     """On CPU the connector keeps no GPU ledger (the replay sets its stand-in's own)."""
     from proxima.vllm.elastic_control import open_gpu_ledger
