@@ -752,3 +752,18 @@ def test_help_states_the_exit_statuses(name, lines):
     assert "exit status" in done.stdout
     for line in lines:
         assert line in done.stdout, line
+
+
+@pytest.mark.parametrize("sums, line", [
+    (b"\xff\xfe\x00garbage\n", "SHA256SUMS: not UTF-8 text (the copy is damaged)"),
+    (b"not a sums line\n", "SHA256SUMS:1: not a line '<sha256>  <file>' (the copy is damaged)"),
+])
+def test_bundle_verify_of_a_damaged_sha256sums_is_a_failed_check_not_a_traceback(tmp_path, sums,
+                                                                               line):
+    """A SHA256SUMS that is not UTF-8 used to end in a UnicodeDecodeError traceback, a line
+    without a checksum in 'FAILED : missing'."""
+    (tmp_path / "SHA256SUMS").write_bytes(sums)
+    done = run_proxima(["bundle", "--verify", str(tmp_path)])
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"FAILED {line}" in done.stderr.splitlines(), done.stderr
+    assert done.stderr.splitlines()[-1].startswith("proxima bundle: 1 file(s) of ")
