@@ -767,3 +767,22 @@ def test_bundle_verify_of_a_damaged_sha256sums_is_a_failed_check_not_a_traceback
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"FAILED {line}" in done.stderr.splitlines(), done.stderr
     assert done.stderr.splitlines()[-1].startswith("proxima bundle: 1 file(s) of ")
+
+
+def test_bundle_nix_closure_error_is_one_line(tmp_path):
+    """nix-store's stderr (a warning line, then its error) used to be pasted into the error
+    as is: two lines. A stand-in nix-store on PATH prints what Nix printed here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nix-store").write_text(
+        "#!/bin/sh\necho \"warning: the group 'nixbld' specified in 'build-users-group' does "
+        "not exist\" >&2\necho \"error: 'nope' is too short to be a valid store path\" >&2\n"
+        "exit 1\n")
+    (bin_dir / "nix-store").chmod(0o755)
+    done = run_proxima(["bundle", "--out", str(tmp_path / "b"), "--nix-closure",
+                        "/nix/store/nope"],
+                       env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert_bad_input(done, "bundle", ["--nix-closure /nix/store/nope: not a valid store path "
+                                      "(error: 'nope' is too short to be a valid store path); "
+                                      "build it first"])
+    assert "warning" not in done.stderr and not (tmp_path / "b").exists()
