@@ -67,9 +67,16 @@ exit status:
   130  interrupted (Ctrl-C)"""
 
 
+def _dir_name(text: str) -> Path:
+    """A directory named on the command line: '' is refused (Path('') would be '.')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a directory name, got {text!r}")
+    return Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
-    parser.add_argument("--out", type=Path, metavar="DIR",
+    parser.add_argument("--out", type=_dir_name, metavar="DIR",
                         help="directory to write; must not exist or be empty (default: none, "
                              "required unless --verify)")
     parser.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
@@ -96,12 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wheel platform tag of the serving machine, e.g. "
                              "manylinux_2_28_x86_64; repeatable (default: this machine's)")
     parser.add_argument("--tar", action="store_true", help="also write DIR.tar (default: off)")
-    parser.add_argument("--verify", type=Path, metavar="DIR",
+    parser.add_argument("--verify", type=_dir_name, metavar="DIR",
                         help="check DIR against its SHA256SUMS and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.verify:
+        writing = [flag for flag, value in (
+            ("--out", args.out), ("--image", args.image), ("--nix-closure", args.nix_closure),
+            ("--model", args.model), ("--wheel", args.wheel), ("--extra", args.extra),
+            ("--python-version", args.python_version), ("--platform", args.platform),
+            ("--tar", args.tar)) if value]
+        if writing:
+            raise UserError(f"--verify DIR checks a bundle and writes nothing: "
+                            f"{', '.join(writing)} do not apply with it (drop them, or drop "
+                            f"--verify to write a bundle)")
         try:
             bad = verify(args.verify)
         except bundle_install.Refused as exc:

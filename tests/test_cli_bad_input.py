@@ -191,6 +191,14 @@ ROWS = [
         ["drop one of them"]),
     Row("bundle-no-out", ["bundle"], ["--out DIR is required"]),
     Row("bundle-verify-missing", ["bundle", "--verify", "{tmp}/nobundle"], ["no SHA256SUMS"]),
+    Row("bundle-out-empty", ["bundle", "--out", ""],              # was: --out {cwd} exists
+        ["argument --out: needs a directory name, got ''"]),
+    Row("bundle-verify-empty", ["bundle", "--verify", ""],        # was: checked the cwd
+        ["argument --verify: needs a directory name, got ''"]),
+    Row("bundle-verify-and-out", ["bundle", "--verify", "{tmp}/nobundle", "--out",
+                                  "{tmp}/b3", "--tar"],           # --out was ignored
+        ["--verify DIR checks a bundle and writes nothing: --out, --tar do not apply with it"],
+        absent=["{tmp}/b3"]),
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
