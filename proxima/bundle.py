@@ -224,6 +224,9 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
     out = plan.out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
     done = False
     try:
         build(plan, staging)
