@@ -228,6 +228,18 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["--kv-max: 'lots' is not a size"]),
+    Row("serve-kv-max-below-kv-min", ["serve", "--elastic", "--kv-min", "8GiB", "--kv-max",
+                                      "4GiB"],             # named max_bytes and min_bytes
+        ["--kv-max 4GiB is below --kv-min 8GiB"]),
+    Row("serve-models-kv-max-below-kv-min", ["serve", "--model",
+                                             f"a={TINY} --kv-min 8GiB --kv-max 4GiB"],
+        ["model 'a': --kv-max 4GiB is below --kv-min 8GiB"]),
+    Row("serve-kv-min-and-elastic-options-min", ["serve", "--elastic", "--elastic-options",
+                                                 "min_bytes=1GiB", "--kv-min", "2GiB"],
+        ["--kv-min 2GiB and --elastic-options' min_bytes both set min_bytes: give one"]),
+    Row("serve-idle-release-and-elastic-options", ["serve", "--elastic", "--elastic-options",
+                                                   "idle_release_s=5", "--idle-release", "9"],
+        ["--idle-release 9 and --elastic-options' idle_release_s both set"]),  # 9 won
     # ---- issue 36: sizing and fit, before the GPU is probed ------------------------------
     Row("serve-gpu-bytes-without-elastic", ["serve", TINY, "--gpu-memory-bytes", "80GiB"],
         ["--gpu-memory-bytes sizes elastic engines: add --elastic"]),
