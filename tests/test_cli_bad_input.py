@@ -553,6 +553,10 @@ ROWS = [
          "--models {tmp}/models-twice.toml: models[2])"]),
     Row("serve-multi-file-missing", ["serve", "--models", "{tmp}/nosuch.toml"],
         ["--models {tmp}/nosuch.toml: the file does not exist"]),
+    Row("serve-multi-file-empty-name", ["serve", "--models", ""],   # was: "is a directory"
+        ["--models needs a file name, got ''"]),
+    Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
+        ["--models {tmp}/models.yaml: YAML is not read: write the same fields as TOML"]),
     Row("serve-compaction-without-elastic", ["serve", "--compaction"],
         ["--compaction needs --elastic"]),
 ] + [
@@ -629,6 +633,7 @@ def world(tmp_path_factory):
     (tmp / "models-syntax.toml").write_text(f'[[models]]\n{model}args = [1,,2]\nport = 1\n')
     (tmp / "models-syntax.json").write_text('{"models": [\n  {"name": "a",\n   "path": }]}\n')
     (tmp / "models-twice.toml").write_text(f"[[models]]\n{model}[[models]]\n{model}")
+    (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

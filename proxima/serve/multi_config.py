@@ -210,7 +210,14 @@ def _size_value(value, where: str) -> str:
 def load_models_file(path: str) -> MultiPlan:
     """A models file (TOML, or JSON for ``*.json``): syntax errors name the line, field
     errors the field (``models[2].kv_max``)."""
+    if not path.strip():
+        raise UserError(f"--models needs a file name, got {path!r}: give a TOML (or .json) "
+                        f"file with one [[models]] table per model")
     file = Path(path).expanduser()
+    if file.suffix.lower() in (".yaml", ".yml"):
+        raise UserError(f"--models {path}: YAML is not read: write the same fields as TOML "
+                        f"(or JSON, in a .json file), one [[models]] table per model (see "
+                        f"proxima serve --help)")
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
         raise UserError(f"--models {path}: the file {what}: give a TOML (or .json) file "
