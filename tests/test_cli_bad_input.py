@@ -553,6 +553,8 @@ ROWS = [
          "--models {tmp}/models-twice.toml: models[2])"]),
     Row("serve-multi-file-missing", ["serve", "--models", "{tmp}/nosuch.toml"],
         ["--models {tmp}/nosuch.toml: the file does not exist"]),
+    Row("serve-multi-file-json-key-twice", ["serve", "--models", "{tmp}/models-key-twice.json"],
+        ["--models {tmp}/models-key-twice.json: the key 'name' is given twice in one object"]),
     Row("serve-multi-file-empty-name", ["serve", "--models", ""],   # was: "is a directory"
         ["--models needs a file name, got ''"]),
     Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
@@ -633,6 +635,8 @@ def world(tmp_path_factory):
     (tmp / "models-syntax.toml").write_text(f'[[models]]\n{model}args = [1,,2]\nport = 1\n')
     (tmp / "models-syntax.json").write_text('{"models": [\n  {"name": "a",\n   "path": }]}\n')
     (tmp / "models-twice.toml").write_text(f"[[models]]\n{model}[[models]]\n{model}")
+    (tmp / "models-key-twice.json").write_text(       # was: served as 'b'
+        json.dumps({"models": [{"name": "a", "path": TINY}]}).replace('"a"', '"a", "name": "b"'))
     (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
