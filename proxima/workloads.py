@@ -356,7 +356,19 @@ def _parse_trace_line(line: str):
     if depth > TRACE_MAX_DEPTH:
         raise _TraceLineError(f"JSON nested {depth:,} deep, past the bound of "
                               f"{TRACE_MAX_DEPTH}")
-    return json.loads(line, parse_int=_parse_int, parse_float=_parse_float)
+    return json.loads(line, parse_int=_parse_int, parse_float=_parse_float,
+                      object_pairs_hook=_keys_once)
+
+
+def _keys_once(pairs: list) -> dict:
+    """An object whose keys are each given once (json.loads would keep a repeated key's
+    last value silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _TraceLineError(f"key {key!r} is given twice")
+        out[key] = value
+    return out
 
 
 def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,

@@ -104,6 +104,10 @@ ROWS = [
     Row("replay-trace-unknown-key", ["replay", "--trace", "{tmp}/unknown.jsonl"],
         ["unknown key 'temperature': the keys are prompt_len, output_len"]),
     Row("replay-trace-nul", ["replay", "--trace", "{tmp}/nul.jsonl"], ["holds a NUL byte"]),
+    Row("replay-trace-key-twice", ["replay", "--trace", "{tmp}/twice.jsonl"],  # used the last
+        ["{tmp}/twice.jsonl:2: key 'prompt_len' is given twice: a trace line looks like"]),
+    Row("bench-trace-key-twice", ["bench", "--base-url", "{url:good}", "--trace",
+                                  "{tmp}/twice.jsonl"], ["key 'prompt_len' is given twice"]),
     Row("replay-trace-dir", ["replay", "--trace", "{tmp}/outdir"],
         ["cannot read trace {tmp}/outdir: it is a directory"]),
     Row("replay-trace-missing", ["replay", "--trace", "{tmp}/missing.jsonl"],
@@ -611,6 +615,8 @@ def world(tmp_path_factory):
     (tmp / "misspelt.jsonl").write_text(good + '{"promt_len": 10, "output_len": 5}\n')
     (tmp / "arival.jsonl").write_text('{"prompt_len": 10, "output_len": 5, "arival_step": 3}\n')
     (tmp / "unknown.jsonl").write_text('{"prompt_len": 10, "output_len": 5, "temperature": 0}\n')
+    (tmp / "twice.jsonl").write_text(good + '{"prompt_len": 10, "output_len": 5, '
+                                     '"prompt_len": 11}\n')
     (tmp / "nul.jsonl").write_text(good.replace("10", "1\x000"))
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "notjson.jsonl").write_text("prompt_len=10\n")
