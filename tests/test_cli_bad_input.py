@@ -213,6 +213,9 @@ ROWS = [
         ["--watch shows the status again and again: it cannot set --min/--max"]),
     Row("kv-ledger-dir-missing", ["kv", "--ledger-dir", "{tmp}/nowhere"],
         ["--ledger-dir", "is not a directory"]),
+    Row("kv-ledger-dir-env-missing", ["kv"],         # was: "no Proxima engine is running"
+        ["PROXIMA_LEDGER_DIR '/nonexistent/proxima-ledgers' is not a directory"],
+        env={"PROXIMA_LEDGER_DIR": "/nonexistent/proxima-ledgers"}),
     Row("kv-bad-url", ["kv", "--url", "notaurl"], ["--url must look like http://HOST:PORT"]),
     Row("kv-bad-size", ["kv", "--url", "{closed}", "--max", "lots"], ["--max: 'lots' is not a size"]),
     Row("kv-max-below-min", ["kv", "--url", "{closed}", "--min", "8GiB", "--max", "1GiB"],
