@@ -172,6 +172,13 @@ ROWS = [
         ["--base-url must look like http://HOST:PORT"]),
     Row("bench-labels", ["bench", "--base-url", "{url:good}", "--label", "a", "--label", "b"],
         ["got 2 --label for 1 --base-url"]),
+    Row("bench-label-empty", ["bench", "--base-url", "{url:good}", "--label", ""],
+        ["--label needs a name, got ''"]),                 # ran with a blank column heading
+    Row("bench-result-filename-empty", ["bench", "--base-url", "{url:good}", "--save-result",
+                                        "--result-filename", ""],
+        ["--result-filename needs a name, got ''"]),       # wrote the default name instead
+    Row("bench-result-dir-empty", ["bench", "--base-url", "{url:good}", "--save-result",
+                                   "--result-dir", " "], ["--result-dir needs a name, got ' '"]),
     Row("bench-no-server", ["bench"], ["give --base-url URL"]),
     Row("bench-offline-no-model", ["bench", "--offline"], ["--offline needs --model DIR"]),
     Row("bench-offline-missing-model", ["bench", "--offline", "--model", "{tmp}/nomodel"],

@@ -80,6 +80,10 @@ def _targets(args):
     if len(labels) != len(urls):
         raise UserError(f"got {len(labels)} --label for {len(urls)} --base-url: give one "
                         f"label per server, in the same order")
+    for label in labels:
+        if not label.strip():
+            raise UserError(f"--label needs a name, got {label!r}: it names its server in the "
+                            f"table and the JSON")
     if len(set(labels)) != len(labels):
         raise UserError(f"--label values must differ, got {', '.join(labels)}")
     return [Target(label, url) for label, url in zip(labels, urls)]

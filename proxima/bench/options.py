@@ -159,6 +159,10 @@ def resolve_aliases(args) -> None:
     """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
     if args.trace is not None and not args.trace.strip():
         raise UserError(f"--trace needs a file name, got {args.trace!r}")
+    for flag, value in (("--result-filename", getattr(args, "result_filename", None)),
+                        ("--result-dir", getattr(args, "result_dir", None))):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} needs a name, got {value!r}")
     if args.dataset_name is not None:
         name = args.dataset_name
         if name in WORKLOADS:
