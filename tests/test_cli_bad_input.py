@@ -194,6 +194,12 @@ ROWS = [
         ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "1"}),
     Row("serve-block-size", ["serve", "--block-size", "17"], ["--block-size 17 is not supported"]),
     Row("serve-missing-model", ["serve", "{tmp}/nomodel"], ["does not exist"]),
+    # an empty model went on to the GPU pre-flight, then to vLLM as the model ''
+    Row("serve-empty-model", ["serve", ""], ["the model is empty (''): give a model directory"]),
+    Row("serve-empty-model-option", ["serve", "--model", " "], ["the model is empty (' ')"]),
+    Row("selfcheck-empty-model", ["selfcheck", "--model", ""], ["the model is empty ('')"]),
+    Row("selfcheck-url-empty-model", ["selfcheck", "--url", "{closed}", "--model", ""],
+        ["--no-engine and --model do not apply with it"]),
     Row("selfcheck-url-not-url", ["selfcheck", "--url", "notaurl"],
         ["--url must look like http://HOST:PORT", "'notaurl'"]),
     Row("selfcheck-url-closed", ["selfcheck", "--url", "{closed}"], ["cannot reach"]),
