@@ -416,6 +416,10 @@ ROWS = [
         ["--step-seconds: '-1' is out of range", "seconds above 0 to 60"]),
     Row("replay-step-seconds-5000-digits", ["replay", "--elastic", "--step-seconds", "9" * 5000],
         ["(5000 characters) is out of range"]),
+    Row("replay-eviction-auto-colon", ["replay", "--elastic", "--eviction", "auto:"],
+        ["--eviction: eviction policy 'auto:': give lru, auto, auto:Q"]),    # ran as auto
+    Row("replay-eviction-lru-colon", ["replay", "--elastic", "--eviction", "lru:"],
+        ["--eviction: eviction policy 'lru:'"]),                            # ran as lru
     Row("replay-eviction-bogus-without-elastic", ["replay", "--eviction", "bogus"],
         ["--eviction: eviction policy 'bogus'", "lru, auto"]),
     Row("replay-elastic-options-env-garbage", ["replay", "--requests", "4"],
