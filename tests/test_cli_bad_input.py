@@ -184,7 +184,7 @@ ROWS = [
     Row("bench-offline-missing-model", ["bench", "--offline", "--model", "{tmp}/nomodel"],
         ["no such directory"]),
     Row("bench-offline-online-flag", ["bench", "--offline", "--model", TINY, "--base-url",
-                                      "http://x:1"], ["--base-url do not apply with --offline"]),
+                                      "http://x:1"], ["--base-url does not apply with --offline"]),
     Row("bench-offline-plot-txt", ["bench", "--offline", "--model", TINY, "--plot",
                                    "{tmp}/x.txt"], ["must end in .png"]),
     Row("serve-bad-value-no-gpu", ["serve", "--max-model-len", "abc"],

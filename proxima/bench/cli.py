@@ -126,7 +126,8 @@ def _workload_info(args, workload: Workload, specs, mode: str) -> dict:
 def run_online_mode(args) -> int:
     stray = given(args, OFFLINE_ONLY)
     if stray:
-        raise UserError(f"{', '.join(stray)} only apply with --offline")
+        raise UserError(f"{', '.join(stray)} only {'applies' if len(stray) == 1 else 'apply'} "
+                        f"with --offline")
     if not args.base_url:
         raise UserError("give --base-url URL (a server to load, e.g. http://127.0.0.1:8000) "
                         "or --offline")
@@ -229,7 +230,8 @@ def _elastic_options(args) -> dict | None:
 def run_offline_mode(args) -> int:
     stray = given(args, ONLINE_ONLY)
     if stray:
-        raise UserError(f"{', '.join(stray)} do not apply with --offline (no server is used)")
+        raise UserError(f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply "
+                        f"with --offline (no server is used)")
     if not args.model:
         raise UserError("--offline needs --model DIR (a model directory, or a config.json "
                         "directory with --load-format dummy)")
