@@ -195,8 +195,13 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
                         f"(it has: {', '.join(sorted(known)) or 'none'})")
     pip_target = []
     if python_version is not None:
-        if not re.fullmatch(r"3\.\d+", python_version):
+        form = re.fullmatch(r"(\d+)\.(\d+)", python_version)
+        if not form:
             raise UserError(f"--python-version {python_version}: give X.Y, e.g. 3.12")
+        least = _least_python()
+        if least and (int(form[1]), int(form[2])) < least:
+            raise UserError(f"--python-version {python_version}: proxima needs Python >= "
+                            f"{least[0]}.{least[1]} (its requires-python): give that or newer")
         pip_target += ["--python-version", python_version, "--implementation", "cp"]
     for tag in platforms:
         if not re.fullmatch(r"[a-z0-9_]+", tag) or tag == "any":
@@ -209,6 +214,18 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
     return Plan(out=out, images=checked, extras=sorted(set(extras)), wheel=wheel, root=root,
                 model=model, nix_paths=nix_paths, nix_closure=nix_closure,
                 pip_target=pip_target)
+
+
+def _least_python() -> tuple[int, int] | None:
+    """The oldest Python proxima installs on (its Requires-Python, ``>=X.Y``), if known."""
+    from importlib import metadata
+
+    try:
+        needs = metadata.metadata("proxima").get("Requires-Python") or ""
+    except metadata.PackageNotFoundError:
+        return None
+    form = re.fullmatch(r"\s*>=\s*(\d+)\.(\d+)\s*", needs)
+    return (int(form[1]), int(form[2])) if form else None
 
 
 # ---- writing --------------------------------------------------------------------------------

@@ -208,6 +208,11 @@ ROWS = [
         ["drop one of them"]),
     Row("bundle-no-out", ["bundle"], ["--out DIR is required"]),
     Row("bundle-verify-missing", ["bundle", "--verify", "{tmp}/nobundle"], ["no SHA256SUMS"]),
+    Row("bundle-python-2", ["bundle", "--out", "{tmp}/b4", "--python-version", "2.7"],
+        ["--python-version 2.7: proxima needs Python >= 3.10"], absent=["{tmp}/b4"]),  # "give X.Y"
+    Row("bundle-python-3-5", ["bundle", "--out", "{tmp}/b4", "--python-version", "3.5"],
+        ["--python-version 3.5: proxima needs Python >= 3.10 (its requires-python)"],
+        absent=["{tmp}/b4"]),                                # went on to pip for Python 3.5
     Row("bundle-out-empty", ["bundle", "--out", ""],              # was: --out {cwd} exists
         ["argument --out: needs a directory name, got ''"]),
     Row("bundle-verify-empty", ["bundle", "--verify", ""],        # was: checked the cwd
