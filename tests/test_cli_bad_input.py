@@ -846,3 +846,11 @@ def test_bundle_nix_closure_error_is_one_line(tmp_path):
                                       "(error: 'nope' is too short to be a valid store path); "
                                       "build it first"])
     assert "warning" not in done.stderr and not (tmp_path / "b").exists()
+
+
+def test_serve_help_gives_the_several_models_endpoints_defaults():
+    """With several models --host/--port are proxima's own (the endpoint's), not vLLM's:
+    their defaults were not said anywhere."""
+    help_text = " ".join(run_proxima(["serve", "--help"]).stdout.split())
+    assert "one OpenAI endpoint on --host/--port (default: 0.0.0.0, port 8000)" in help_text
+    assert "on a free port unless given one" in help_text

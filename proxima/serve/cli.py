@@ -82,9 +82,11 @@ or `proxima kv --url URL --max SIZE`; every engine on the GPU: `proxima kv [--wa
 
 Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
 or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
-idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
-with backoff when it dies), and one OpenAI endpoint on --host/--port routes by the request's
-"model": /v1/models lists every model, /health is 200 only when every engine is ready,
+idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its
+own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, on a free port unless
+given one, restarted with backoff when it dies), and one OpenAI endpoint on --host/--port
+(default: 0.0.0.0, port 8000) routes by the request's "model": /v1/models lists every
+model, /health is 200 only when every engine is ready,
 /metrics carries every engine's series labelled model="NAME", an unknown model is a 404, a
 model whose engine is (re)starting a 503; /engines/NAME/... reaches one engine (e.g.
 proxima kv --url http://HOST:PORT/engines/NAME). Options outside --model go to every engine.
