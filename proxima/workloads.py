@@ -312,6 +312,8 @@ def _trace_lines(path: Path):
                 raise UserError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
                                 f"at column {exc.start + 1}): a trace is a JSON Lines text "
                                 f"file, one request per line") from None
+            if lineno == 1 and text.startswith("\ufeff"):
+                text = text[1:]                 # a byte-order mark, as some editors write
             if "\x00" in text:
                 raise UserError(f"{path}:{lineno}: holds a NUL byte: a trace is a JSON Lines "
                                 f"text file, one request per line (is this a binary file?)")

@@ -104,6 +104,8 @@ ROWS = [
     Row("replay-trace-unknown-key", ["replay", "--trace", "{tmp}/unknown.jsonl"],
         ["unknown key 'temperature': the keys are prompt_len, output_len"]),
     Row("replay-trace-nul", ["replay", "--trace", "{tmp}/nul.jsonl"], ["holds a NUL byte"]),
+    Row("replay-trace-bom", ["replay", "--trace", "{tmp}/bom.jsonl"],   # was: "not JSON
+        ["{tmp}/bom.jsonl:2: missing 'output_len'"]),                   # (Unexpected UTF-8 BOM"
     Row("replay-trace-key-twice", ["replay", "--trace", "{tmp}/twice.jsonl"],  # used the last
         ["{tmp}/twice.jsonl:2: key 'prompt_len' is given twice: a trace line looks like"]),
     Row("bench-trace-key-twice", ["bench", "--base-url", "{url:good}", "--trace",
@@ -584,6 +586,10 @@ ROWS = [
         ["--models {tmp}/nosuch.toml: the file does not exist"]),
     Row("serve-multi-file-json-key-twice", ["serve", "--models", "{tmp}/models-key-twice.json"],
         ["--models {tmp}/models-key-twice.json: the key 'name' is given twice in one object"]),
+    Row("serve-multi-file-toml-bom", ["serve", "--models", "{tmp}/models-bom.toml"],
+        ["model 'a': --kv-min: '1XB' is not a size"]),    # was: line 1: Invalid statement
+    Row("serve-multi-file-json-bom", ["serve", "--models", "{tmp}/models-bom.json"],
+        ["model 'a': --kv-min: '1XB' is not a size"]),    # was: Unexpected UTF-8 BOM
     Row("serve-multi-file-empty-name", ["serve", "--models", ""],   # was: "is a directory"
         ["--models needs a file name, got ''"]),
     Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
@@ -668,6 +674,10 @@ def world(tmp_path_factory):
     (tmp / "models-twice.toml").write_text(f"[[models]]\n{model}[[models]]\n{model}")
     (tmp / "models-key-twice.json").write_text(       # was: served as 'b'
         json.dumps({"models": [{"name": "a", "path": TINY}]}).replace('"a"', '"a", "name": "b"'))
+    (tmp / "models-bom.toml").write_text(f'\ufeff[[models]]\n{model}kv_min = "1XB"\n')
+    (tmp / "models-bom.json").write_text('\ufeff' + json.dumps(
+        {"models": [{"name": "a", "path": TINY, "kv_min": "1XB"}]}))
+    (tmp / "bom.jsonl").write_text('\ufeff' + good + '{"prompt_len": 10}\n')
     (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:

@@ -236,7 +236,7 @@ def load_models_file(path: str) -> MultiPlan:
         raise UserError(f"--models {path}: the file {what}: give a TOML (or .json) file "
                         f"with one [[models]] table per model")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")     # an editor's BOM is no error
     except UnicodeDecodeError as exc:
         raise UserError(f"--models {path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
