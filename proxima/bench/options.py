@@ -48,7 +48,8 @@ exit status:
        report Proxima active (offline: or the stock runs did)
   2    bad input or environment (one line), nothing measured
   130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): with --json, what was
-       measured so far is kept ("partial": true: the runs or rounds finished)
+       measured so far is kept ("partial": true: the runs or rounds finished); online
+       with --repeat K, the finished rounds' table is printed (and --plot written) too
 
 vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
 (= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
