@@ -858,9 +858,16 @@ def test_bundle_nix_closure_error_is_one_line(tmp_path):
     assert "warning" not in done.stderr and not (tmp_path / "b").exists()
 
 
-def test_serve_help_gives_the_several_models_endpoints_defaults():
-    """With several models --host/--port are proxima's own (the endpoint's), not vLLM's:
-    their defaults were not said anywhere."""
+def test_serve_help_gives_the_defaults_of_proxima_s_own_options():
+    """serve's help is text, not argparse's (the rest are vLLM's options): every option
+    of proxima's says its default. With several models --host/--port are proxima's own (the
+    endpoint's), not vLLM's: their defaults were not said anywhere; nor --elastic's."""
     help_text = " ".join(run_proxima(["serve", "--help"]).stdout.split())
     assert "one OpenAI endpoint on --host/--port (default: 0.0.0.0, port 8000)" in help_text
     assert "on a free port unless given one" in help_text
+    for option in ("--elastic switch it on (sets PROXIMA_ELASTIC=1; default: off)",
+                   "--compaction KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic; "
+                   "default: off)", "--kv-min SIZE least KV memory kept mapped (default 512MiB",
+                   "(default: never)", "--gpu-memory-bytes SIZE size for a GPU of this many "
+                   "bytes (default: the GPU's memory)"):
+        assert option in help_text, option

@@ -47,8 +47,9 @@ self-check passed and while the engine is down. Proxima's metrics (proxima_*) ar
 Elastic KV memory (vLLM 0.26.0): the KV pool is reserved at its maximum but backed by GPU
 memory only as the load needs it, and unused memory is given back (another engine or job on
 the GPU can take it). Proxima's options, taken out before vLLM sees the command line:
-  --elastic               switch it on (sets PROXIMA_ELASTIC=1)
-  --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic)
+  --elastic               switch it on (sets PROXIMA_ELASTIC=1; default: off)
+  --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic;
+                          default: off)
   --kv-min SIZE           least KV memory kept mapped (default 512MiB, less on a GPU
                           that has no more room)
   --kv-max SIZE           most KV memory mapped (default: the GPU's memory less this
