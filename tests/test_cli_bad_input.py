@@ -871,3 +871,24 @@ def test_serve_help_gives_the_defaults_of_proxima_s_own_options():
                    "(default: never)", "--gpu-memory-bytes SIZE size for a GPU of this many "
                    "bytes (default: the GPU's memory)"):
         assert option in help_text, option
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tmp_path):
+    """`proxima kv --watch | head -1`: the next write met the closed pipe and Python printed
+    a BrokenPipeError traceback (exit 1). Now exit 141, as a shell reports a process SIGPIPE
+    ended, and nothing on stderr."""
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "kv", "--watch", "0.2",
+                             "--ledger-dir", str(tmp_path)], cwd=REPO, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline()            # the first round's time stamp: running
+        proc.stdout.close()                      # as head -1 does
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 141 and stderr == "", stderr
