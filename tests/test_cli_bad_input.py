@@ -892,3 +892,29 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 141 and stderr == "", stderr
+
+
+@pytest.mark.parametrize("command", [["replay", "--requests", "3"],
+                                     ["bench", "--base-url", "{url:good}", "--requests", "2",
+                                      "--model", "tiny"]])
+def test_a_closed_stdout_does_not_lose_the_json_of_a_finished_run(world, tmp_path, command):
+    """The table was printed before --json was written: with stdout's reader gone (`| true`)
+    the print raised and the finished run's JSON was never written."""
+    pytest.importorskip("vllm", reason="replay needs vLLM (./dev test)")
+    out = tmp_path / "r.json"
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli",
+                             *[fill(a, world) for a in command], "--no-progress", "--json",
+                             str(out)], cwd=REPO, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()                          # the reader is gone before the table
+    try:
+        stderr = proc.stderr.read()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 141 and "Traceback" not in stderr, stderr
+    assert json.loads(out.read_text())["results"]

@@ -29,7 +29,7 @@ from proxima.bench.options import add_arguments  # noqa: F401 - the command's fl
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
 from proxima.interrupts import describe
-from proxima.ioutil import check_distinct_paths, logs_to_stderr
+from proxima.ioutil import check_distinct_paths, logs_to_stderr, print_table
 from proxima.workloads import RequestSpec, Workload, check_sizes, load_trace, make_workload
 
 
@@ -355,13 +355,15 @@ def offline_report(args, config, workload: Workload, specs, measured: dict) -> d
 
 
 def _emit(rep: dict, args) -> int:
-    print(report_mod.format_table(rep))
+    closed = print_table(report_mod.format_table(rep))
     if args.json:
         report_mod.write_json(rep, args.json)
         print(f"proxima bench: wrote {args.json}", file=sys.stderr)
     if args.plot:
         report_mod.write_plot(rep, args.plot)
         print(f"proxima bench: wrote {args.plot}", file=sys.stderr)
+    if closed:
+        raise closed
     return 0
 
 
