@@ -67,9 +67,16 @@ exit status:
   130  interrupted (Ctrl-C)"""
 
 
+def _dir_name(text: str) -> Path:
+    """A directory named on the command line: '' is refused (Path('') would be '.')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a directory name, got {text!r}")
+    return Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
-    parser.add_argument("--out", type=Path, metavar="DIR",
+    parser.add_argument("--out", type=_dir_name, metavar="DIR",
                         help="directory to write; must not exist or be empty (default: none, "
                              "required unless --verify)")
     parser.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
@@ -98,12 +105,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wheel platform tag of the serving machine, e.g. "
                              "manylinux_2_28_x86_64; repeatable (default: this machine's)")
     parser.add_argument("--tar", action="store_true", help="also write DIR.tar (default: off)")
-    parser.add_argument("--verify", type=Path, metavar="DIR",
+    parser.add_argument("--verify", type=_dir_name, metavar="DIR",
                         help="check DIR against its SHA256SUMS and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.verify:
+        writing = [flag for flag, value in (
+            ("--out", args.out), ("--image", args.image), ("--nix-closure", args.nix_closure),
+            ("--model", args.model), ("--wheel", args.wheel), ("--extra", args.extra),
+            ("--python-version", args.python_version), ("--platform", args.platform),
+            ("--tar", args.tar)) if value]
+        if writing:
+            raise UserError(f"--verify DIR checks a bundle and writes nothing: "
+                            f"{', '.join(writing)} do not apply with it (drop them, or drop "
+                            f"--verify to write a bundle)")
         try:
             bad = verify(args.verify)
         except bundle_install.Refused as exc:
@@ -181,8 +197,13 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
                         f"(it has: {', '.join(sorted(known)) or 'none'})")
     pip_target = []
     if python_version is not None:
-        if not re.fullmatch(r"3\.\d+", python_version):
+        form = re.fullmatch(r"(\d+)\.(\d+)", python_version)
+        if not form:
             raise UserError(f"--python-version {python_version}: give X.Y, e.g. 3.12")
+        least = _least_python()
+        if least and (int(form[1]), int(form[2])) < least:
+            raise UserError(f"--python-version {python_version}: proxima needs Python >= "
+                            f"{least[0]}.{least[1]} (its requires-python): give that or newer")
         pip_target += ["--python-version", python_version, "--implementation", "cp"]
     for tag in platforms:
         if not re.fullmatch(r"[a-z0-9_]+", tag) or tag == "any":
@@ -195,6 +216,18 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
     return Plan(out=out, images=checked, extras=sorted(set(extras)), wheel=wheel, root=root,
                 model=model, nix_paths=nix_paths, nix_closure=nix_closure,
                 pip_target=pip_target)
+
+
+def _least_python() -> tuple[int, int] | None:
+    """The oldest Python proxima installs on (its Requires-Python, ``>=X.Y``), if known."""
+    from importlib import metadata
+
+    try:
+        needs = metadata.metadata("proxima").get("Requires-Python") or ""
+    except metadata.PackageNotFoundError:
+        return None
+    form = re.fullmatch(r"\s*>=\s*(\d+)\.(\d+)\s*", needs)
+    return (int(form[1]), int(form[2])) if form else None
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -210,6 +243,9 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
     out = plan.out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
     done = False
     try:
         build(plan, staging)

@@ -183,11 +183,17 @@ def verify(bundle: Path) -> list[str]:
     sums = bundle / SUMS
     if not sums.is_file():
         raise Refused(f"{bundle}: no {SUMS}; is this a proxima bundle?")
-    listed = {}
-    for line in sums.read_text().splitlines():
+    try:
+        text = sums.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return [f"{SUMS}: not UTF-8 text (the copy is damaged)"]
+    listed, bad = {}, []
+    for number, line in enumerate(text.splitlines(), 1):
         digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            bad.append(f"{SUMS}:{number}: not a line '<sha256>  <file>' (the copy is damaged)")
+            continue
         listed[name] = digest
-    bad = []
     for name, digest in sorted(listed.items()):
         path = bundle / name
         if not path.is_file():

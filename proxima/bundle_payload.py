@@ -134,8 +134,16 @@ def nix_requisites(store_path: str) -> list[str]:
                            capture_output=True, text=True)
     if query.returncode != 0:
         raise UserError(f"--nix-closure {store_path}: not a valid store path "
-                        f"({query.stderr.strip()[-300:]}); build it first, e.g. nix build .#proxima")
+                        f"({_nix_error(query.stderr)}); build it first, e.g. nix build .#proxima")
     return query.stdout.split()
+
+
+def _nix_error(stderr: str) -> str:
+    """Nix's own complaint as one line: its warnings (e.g. about build users) dropped, the
+    rest joined, at most 300 characters."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith("warning:")] or lines
+    return " ".join(kept)[-300:] or "no message"
 
 
 def export_nix_closure(store_path: str, paths: list[str], dest: Path) -> str:
@@ -145,7 +153,7 @@ def export_nix_closure(store_path: str, paths: list[str], dest: Path) -> str:
         done = subprocess.run(["nix-store", "--export", *paths], stdout=fh,
                               stderr=subprocess.PIPE)
     if done.returncode != 0:
-        raise UserError(f"nix-store --export failed: {done.stderr.decode(errors='replace')[-300:]}")
+        raise UserError(f"nix-store --export failed: {_nix_error(done.stderr.decode(errors='replace'))}")
     (dest / "store-path").write_text(store_path + "\n")
     return f"{store_path} ({len(paths)} store paths)"
 

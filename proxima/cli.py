@@ -21,7 +21,12 @@ EXIT_STATUS = """\
 exit status of every command: 0 done; 1 done, but a check failed or the results are
 not trustworthy (the command says why; see its --help); 2 bad input or environment (one
 line: what was wrong, the value, what to do; nothing was run or written); 130 interrupted
-(Ctrl-C, SIGINT), 143 terminated (SIGTERM): replay and bench keep what was finished."""
+(Ctrl-C, SIGINT), 143 terminated (SIGTERM): replay and bench keep what was finished;
+141 stdout's reader went away (a closed pipe, e.g. | head)."""
+
+#: exit status when stdout's reader went away (a closed pipe, e.g. ``| head``): a shell's
+#: for a process that SIGPIPE ended, 128 + 13, without Python's traceback
+EXIT_BROKEN_PIPE = 141
 
 #: commands that stop on SIGTERM as on Ctrl-C (finished work kept, exit 143) instead of dying
 SIGTERM_STOPS = ("replay", "bench")
@@ -118,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:          # Ctrl-C; SIGTERM too where SIGTERM_STOPS
         print(f"proxima {args.command}: {describe(exc)}", file=sys.stderr)
         return exit_status(exc)
+    except BrokenPipeError:                   # the reader of stdout went away (| head)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing to flush
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

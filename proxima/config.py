@@ -157,6 +157,10 @@ def parse_number(value, name: str = "", *, least: float = 0, most: float, unit: 
     amount, written = _decimal(value, name, accepted, "a number")
     if written:
         _refuse(name, value, "is not a number", accepted)
+    # the bounds, and a float value, as written (0.1, not the binary 0.1000000000000000055...)
+    least, most = Decimal(repr(least)), Decimal(repr(most))
+    if isinstance(value, float):
+        amount = Decimal(repr(value))
     if amount < least or amount > most or (above and amount == least):
         _refuse(name, value, "is out of range", accepted)
     return value if isinstance(value, (int, float)) else float(amount)

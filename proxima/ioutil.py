@@ -259,3 +259,14 @@ def logs_to_stderr(name: str) -> None:
     for handler in logging.getLogger(name).handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
+
+
+def print_table(text: str) -> BrokenPipeError | None:
+    """``text`` on stdout, flushed; the BrokenPipeError if stdout's reader went away
+    (``| head``), for the caller to raise once its --json and --plot are written: a closed
+    stdout must not lose the files of a finished run."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError as exc:
+        return exc
+    return None

@@ -312,6 +312,8 @@ def _trace_lines(path: Path):
                 raise UserError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
                                 f"at column {exc.start + 1}): a trace is a JSON Lines text "
                                 f"file, one request per line") from None
+            if lineno == 1 and text.startswith("\ufeff"):
+                text = text[1:]                 # a byte-order mark, as some editors write
             if "\x00" in text:
                 raise UserError(f"{path}:{lineno}: holds a NUL byte: a trace is a JSON Lines "
                                 f"text file, one request per line (is this a binary file?)")
@@ -356,7 +358,19 @@ def _parse_trace_line(line: str):
     if depth > TRACE_MAX_DEPTH:
         raise _TraceLineError(f"JSON nested {depth:,} deep, past the bound of "
                               f"{TRACE_MAX_DEPTH}")
-    return json.loads(line, parse_int=_parse_int, parse_float=_parse_float)
+    return json.loads(line, parse_int=_parse_int, parse_float=_parse_float,
+                      object_pairs_hook=_keys_once)
+
+
+def _keys_once(pairs: list) -> dict:
+    """An object whose keys are each given once (json.loads would keep a repeated key's
+    last value silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _TraceLineError(f"key {key!r} is given twice")
+        out[key] = value
+    return out
 
 
 def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,

@@ -172,6 +172,17 @@ def test_without_a_model_it_says_how_to_mount_one(tmp_path, wheel):
     assert verify(out) == []
 
 
+def test_the_bundle_directory_has_the_mode_mkdir_gives_not_mkdtemps_0700(tmp_path, wheel):
+    """It is written under a temporary name (mkdtemp: mode 0700) and renamed: it kept 0700,
+    so another user (docker load, install.py run by the service account) could not read it."""
+    umask = os.umask(0o027)
+    try:
+        out = write_bundle(tmp_path / "b", wheel=wheel)
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o750
+
+
 def test_nix_closure_exports_and_imports_into_another_store(tmp_path, wheel):
     if shutil.which("nix-store") is None:
         pytest.skip("nix-store not installed (CI installs it: bash nix/ci-checks.sh)")

@@ -104,6 +104,12 @@ ROWS = [
     Row("replay-trace-unknown-key", ["replay", "--trace", "{tmp}/unknown.jsonl"],
         ["unknown key 'temperature': the keys are prompt_len, output_len"]),
     Row("replay-trace-nul", ["replay", "--trace", "{tmp}/nul.jsonl"], ["holds a NUL byte"]),
+    Row("replay-trace-bom", ["replay", "--trace", "{tmp}/bom.jsonl"],   # was: "not JSON
+        ["{tmp}/bom.jsonl:2: missing 'output_len'"]),                   # (Unexpected UTF-8 BOM"
+    Row("replay-trace-key-twice", ["replay", "--trace", "{tmp}/twice.jsonl"],  # used the last
+        ["{tmp}/twice.jsonl:2: key 'prompt_len' is given twice: a trace line looks like"]),
+    Row("bench-trace-key-twice", ["bench", "--base-url", "{url:good}", "--trace",
+                                  "{tmp}/twice.jsonl"], ["key 'prompt_len' is given twice"]),
     Row("replay-trace-dir", ["replay", "--trace", "{tmp}/outdir"],
         ["cannot read trace {tmp}/outdir: it is a directory"]),
     Row("replay-trace-missing", ["replay", "--trace", "{tmp}/missing.jsonl"],
@@ -168,12 +174,19 @@ ROWS = [
         ["--base-url must look like http://HOST:PORT"]),
     Row("bench-labels", ["bench", "--base-url", "{url:good}", "--label", "a", "--label", "b"],
         ["got 2 --label for 1 --base-url"]),
+    Row("bench-label-empty", ["bench", "--base-url", "{url:good}", "--label", ""],
+        ["--label needs a name, got ''"]),                 # ran with a blank column heading
+    Row("bench-result-filename-empty", ["bench", "--base-url", "{url:good}", "--save-result",
+                                        "--result-filename", ""],
+        ["--result-filename needs a name, got ''"]),       # wrote the default name instead
+    Row("bench-result-dir-empty", ["bench", "--base-url", "{url:good}", "--save-result",
+                                   "--result-dir", " "], ["--result-dir needs a name, got ' '"]),
     Row("bench-no-server", ["bench"], ["give --base-url URL"]),
     Row("bench-offline-no-model", ["bench", "--offline"], ["--offline needs --model DIR"]),
     Row("bench-offline-missing-model", ["bench", "--offline", "--model", "{tmp}/nomodel"],
         ["no such directory"]),
     Row("bench-offline-online-flag", ["bench", "--offline", "--model", TINY, "--base-url",
-                                      "http://x:1"], ["--base-url do not apply with --offline"]),
+                                      "http://x:1"], ["--base-url does not apply with --offline"]),
     Row("bench-offline-plot-txt", ["bench", "--offline", "--model", TINY, "--plot",
                                    "{tmp}/x.txt"], ["must end in .png"]),
     Row("serve-bad-value-no-gpu", ["serve", "--max-model-len", "abc"],
@@ -183,6 +196,12 @@ ROWS = [
         ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "1"}),
     Row("serve-block-size", ["serve", "--block-size", "17"], ["--block-size 17 is not supported"]),
     Row("serve-missing-model", ["serve", "{tmp}/nomodel"], ["does not exist"]),
+    # an empty model went on to the GPU pre-flight, then to vLLM as the model ''
+    Row("serve-empty-model", ["serve", ""], ["the model is empty (''): give a model directory"]),
+    Row("serve-empty-model-option", ["serve", "--model", " "], ["the model is empty (' ')"]),
+    Row("selfcheck-empty-model", ["selfcheck", "--model", ""], ["the model is empty ('')"]),
+    Row("selfcheck-url-empty-model", ["selfcheck", "--url", "{closed}", "--model", ""],
+        ["--no-engine and --model do not apply with it"]),
     Row("selfcheck-url-not-url", ["selfcheck", "--url", "notaurl"],
         ["--url must look like http://HOST:PORT", "'notaurl'"]),
     Row("selfcheck-url-closed", ["selfcheck", "--url", "{closed}"], ["cannot reach"]),
@@ -191,6 +210,19 @@ ROWS = [
         ["drop one of them"]),
     Row("bundle-no-out", ["bundle"], ["--out DIR is required"]),
     Row("bundle-verify-missing", ["bundle", "--verify", "{tmp}/nobundle"], ["no SHA256SUMS"]),
+    Row("bundle-python-2", ["bundle", "--out", "{tmp}/b4", "--python-version", "2.7"],
+        ["--python-version 2.7: proxima needs Python >= 3.10"], absent=["{tmp}/b4"]),  # "give X.Y"
+    Row("bundle-python-3-5", ["bundle", "--out", "{tmp}/b4", "--python-version", "3.5"],
+        ["--python-version 3.5: proxima needs Python >= 3.10 (its requires-python)"],
+        absent=["{tmp}/b4"]),                                # went on to pip for Python 3.5
+    Row("bundle-out-empty", ["bundle", "--out", ""],              # was: --out {cwd} exists
+        ["argument --out: needs a directory name, got ''"]),
+    Row("bundle-verify-empty", ["bundle", "--verify", ""],        # was: checked the cwd
+        ["argument --verify: needs a directory name, got ''"]),
+    Row("bundle-verify-and-out", ["bundle", "--verify", "{tmp}/nobundle", "--out",
+                                  "{tmp}/b3", "--tar"],           # --out was ignored
+        ["--verify DIR checks a bundle and writes nothing: --out, --tar do not apply with it"],
+        absent=["{tmp}/b3"]),
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
@@ -201,6 +233,9 @@ ROWS = [
         ["--watch shows the status again and again: it cannot set --min/--max"]),
     Row("kv-ledger-dir-missing", ["kv", "--ledger-dir", "{tmp}/nowhere"],
         ["--ledger-dir", "is not a directory"]),
+    Row("kv-ledger-dir-env-missing", ["kv"],         # was: "no Proxima engine is running"
+        ["PROXIMA_LEDGER_DIR '/nonexistent/proxima-ledgers' is not a directory"],
+        env={"PROXIMA_LEDGER_DIR": "/nonexistent/proxima-ledgers"}),
     Row("kv-bad-url", ["kv", "--url", "notaurl"], ["--url must look like http://HOST:PORT"]),
     Row("kv-bad-size", ["kv", "--url", "{closed}", "--max", "lots"], ["--max: 'lots' is not a size"]),
     Row("kv-max-below-min", ["kv", "--url", "{closed}", "--min", "8GiB", "--max", "1GiB"],
@@ -220,6 +255,18 @@ ROWS = [
                                      "--elastic-options", "speed=9"], ["unknown option(s) speed"]),
     Row("serve-elastic-bad-size", ["serve", "--elastic", "--kv-max", "lots"],
         ["--kv-max: 'lots' is not a size"]),
+    Row("serve-kv-max-below-kv-min", ["serve", "--elastic", "--kv-min", "8GiB", "--kv-max",
+                                      "4GiB"],             # named max_bytes and min_bytes
+        ["--kv-max 4GiB is below --kv-min 8GiB"]),
+    Row("serve-models-kv-max-below-kv-min", ["serve", "--model",
+                                             f"a={TINY} --kv-min 8GiB --kv-max 4GiB"],
+        ["model 'a': --kv-max 4GiB is below --kv-min 8GiB"]),
+    Row("serve-kv-min-and-elastic-options-min", ["serve", "--elastic", "--elastic-options",
+                                                 "min_bytes=1GiB", "--kv-min", "2GiB"],
+        ["--kv-min 2GiB and --elastic-options' min_bytes both set min_bytes: give one"]),
+    Row("serve-idle-release-and-elastic-options", ["serve", "--elastic", "--elastic-options",
+                                                   "idle_release_s=5", "--idle-release", "9"],
+        ["--idle-release 9 and --elastic-options' idle_release_s both set"]),  # 9 won
     # ---- issue 36: sizing and fit, before the GPU is probed ------------------------------
     Row("serve-gpu-bytes-without-elastic", ["serve", TINY, "--gpu-memory-bytes", "80GiB"],
         ["--gpu-memory-bytes sizes elastic engines: add --elastic"]),
@@ -376,6 +423,10 @@ ROWS = [
         ["--step-seconds: '-1' is out of range", "seconds above 0 to 60"]),
     Row("replay-step-seconds-5000-digits", ["replay", "--elastic", "--step-seconds", "9" * 5000],
         ["(5000 characters) is out of range"]),
+    Row("replay-eviction-auto-colon", ["replay", "--elastic", "--eviction", "auto:"],
+        ["--eviction: eviction policy 'auto:': give lru, auto, auto:Q"]),    # ran as auto
+    Row("replay-eviction-lru-colon", ["replay", "--elastic", "--eviction", "lru:"],
+        ["--eviction: eviction policy 'lru:'"]),                            # ran as lru
     Row("replay-eviction-bogus-without-elastic", ["replay", "--eviction", "bogus"],
         ["--eviction: eviction policy 'bogus'", "lru, auto"]),
     Row("replay-elastic-options-env-garbage", ["replay", "--requests", "4"],
@@ -533,6 +584,16 @@ ROWS = [
          "--models {tmp}/models-twice.toml: models[2])"]),
     Row("serve-multi-file-missing", ["serve", "--models", "{tmp}/nosuch.toml"],
         ["--models {tmp}/nosuch.toml: the file does not exist"]),
+    Row("serve-multi-file-json-key-twice", ["serve", "--models", "{tmp}/models-key-twice.json"],
+        ["--models {tmp}/models-key-twice.json: the key 'name' is given twice in one object"]),
+    Row("serve-multi-file-toml-bom", ["serve", "--models", "{tmp}/models-bom.toml"],
+        ["model 'a': --kv-min: '1XB' is not a size"]),    # was: line 1: Invalid statement
+    Row("serve-multi-file-json-bom", ["serve", "--models", "{tmp}/models-bom.json"],
+        ["model 'a': --kv-min: '1XB' is not a size"]),    # was: Unexpected UTF-8 BOM
+    Row("serve-multi-file-empty-name", ["serve", "--models", ""],   # was: "is a directory"
+        ["--models needs a file name, got ''"]),
+    Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
+        ["--models {tmp}/models.yaml: YAML is not read: write the same fields as TOML"]),
     Row("serve-compaction-without-elastic", ["serve", "--compaction"],
         ["--compaction needs --elastic"]),
 ] + [
@@ -585,6 +646,8 @@ def world(tmp_path_factory):
     (tmp / "misspelt.jsonl").write_text(good + '{"promt_len": 10, "output_len": 5}\n')
     (tmp / "arival.jsonl").write_text('{"prompt_len": 10, "output_len": 5, "arival_step": 3}\n')
     (tmp / "unknown.jsonl").write_text('{"prompt_len": 10, "output_len": 5, "temperature": 0}\n')
+    (tmp / "twice.jsonl").write_text(good + '{"prompt_len": 10, "output_len": 5, '
+                                     '"prompt_len": 11}\n')
     (tmp / "nul.jsonl").write_text(good.replace("10", "1\x000"))
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "notjson.jsonl").write_text("prompt_len=10\n")
@@ -609,6 +672,13 @@ def world(tmp_path_factory):
     (tmp / "models-syntax.toml").write_text(f'[[models]]\n{model}args = [1,,2]\nport = 1\n')
     (tmp / "models-syntax.json").write_text('{"models": [\n  {"name": "a",\n   "path": }]}\n')
     (tmp / "models-twice.toml").write_text(f"[[models]]\n{model}[[models]]\n{model}")
+    (tmp / "models-key-twice.json").write_text(       # was: served as 'b'
+        json.dumps({"models": [{"name": "a", "path": TINY}]}).replace('"a"', '"a", "name": "b"'))
+    (tmp / "models-bom.toml").write_text(f'\ufeff[[models]]\n{model}kv_min = "1XB"\n')
+    (tmp / "models-bom.json").write_text('\ufeff' + json.dumps(
+        {"models": [{"name": "a", "path": TINY, "kv_min": "1XB"}]}))
+    (tmp / "bom.jsonl").write_text('\ufeff' + good + '{"prompt_len": 10}\n')
+    (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -752,3 +822,99 @@ def test_help_states_the_exit_statuses(name, lines):
     assert "exit status" in done.stdout
     for line in lines:
         assert line in done.stdout, line
+
+
+@pytest.mark.parametrize("sums, line", [
+    (b"\xff\xfe\x00garbage\n", "SHA256SUMS: not UTF-8 text (the copy is damaged)"),
+    (b"not a sums line\n", "SHA256SUMS:1: not a line '<sha256>  <file>' (the copy is damaged)"),
+])
+def test_bundle_verify_of_a_damaged_sha256sums_is_a_failed_check_not_a_traceback(tmp_path, sums,
+                                                                               line):
+    """A SHA256SUMS that is not UTF-8 used to end in a UnicodeDecodeError traceback, a line
+    without a checksum in 'FAILED : missing'."""
+    (tmp_path / "SHA256SUMS").write_bytes(sums)
+    done = run_proxima(["bundle", "--verify", str(tmp_path)])
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"FAILED {line}" in done.stderr.splitlines(), done.stderr
+    assert done.stderr.splitlines()[-1].startswith("proxima bundle: 1 file(s) of ")
+
+
+def test_bundle_nix_closure_error_is_one_line(tmp_path):
+    """nix-store's stderr (a warning line, then its error) used to be pasted into the error
+    as is: two lines. A stand-in nix-store on PATH prints what Nix printed here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nix-store").write_text(
+        "#!/bin/sh\necho \"warning: the group 'nixbld' specified in 'build-users-group' does "
+        "not exist\" >&2\necho \"error: 'nope' is too short to be a valid store path\" >&2\n"
+        "exit 1\n")
+    (bin_dir / "nix-store").chmod(0o755)
+    done = run_proxima(["bundle", "--out", str(tmp_path / "b"), "--nix-closure",
+                        "/nix/store/nope"],
+                       env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert_bad_input(done, "bundle", ["--nix-closure /nix/store/nope: not a valid store path "
+                                      "(error: 'nope' is too short to be a valid store path); "
+                                      "build it first"])
+    assert "warning" not in done.stderr and not (tmp_path / "b").exists()
+
+
+def test_serve_help_gives_the_defaults_of_proxima_s_own_options():
+    """serve's help is text, not argparse's (the rest are vLLM's options): every option
+    of proxima's says its default. With several models --host/--port are proxima's own (the
+    endpoint's), not vLLM's: their defaults were not said anywhere; nor --elastic's."""
+    help_text = " ".join(run_proxima(["serve", "--help"]).stdout.split())
+    assert "one OpenAI endpoint on --host/--port (default: 0.0.0.0, port 8000)" in help_text
+    assert "on a free port unless given one" in help_text
+    for option in ("--elastic switch it on (sets PROXIMA_ELASTIC=1; default: off)",
+                   "--compaction KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic; "
+                   "default: off)", "--kv-min SIZE least KV memory kept mapped (default 512MiB",
+                   "(default: never)", "--gpu-memory-bytes SIZE size for a GPU of this many "
+                   "bytes (default: the GPU's memory)"):
+        assert option in help_text, option
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tmp_path):
+    """`proxima kv --watch | head -1`: the next write met the closed pipe and Python printed
+    a BrokenPipeError traceback (exit 1). Now exit 141, as a shell reports a process SIGPIPE
+    ended, and nothing on stderr."""
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "kv", "--watch", "0.2",
+                             "--ledger-dir", str(tmp_path)], cwd=REPO, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline()            # the first round's time stamp: running
+        proc.stdout.close()                      # as head -1 does
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 141 and stderr == "", stderr
+
+
+@pytest.mark.parametrize("command", [["replay", "--requests", "3"],
+                                     ["bench", "--base-url", "{url:good}", "--requests", "2",
+                                      "--model", "tiny"]])
+def test_a_closed_stdout_does_not_lose_the_json_of_a_finished_run(world, tmp_path, command):
+    """The table was printed before --json was written: with stdout's reader gone (`| true`)
+    the print raised and the finished run's JSON was never written."""
+    pytest.importorskip("vllm", reason="replay needs vLLM (./dev test)")
+    out = tmp_path / "r.json"
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli",
+                             *[fill(a, world) for a in command], "--no-progress", "--json",
+                             str(out)], cwd=REPO, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()                          # the reader is gone before the table
+    try:
+        stderr = proc.stderr.read()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 141 and "Traceback" not in stderr, stderr
+    assert json.loads(out.read_text())["results"]

@@ -57,11 +57,11 @@ class EvictionPolicy:
         quantile Q), ``age:N`` (fixed horizon of N steps), ``window:W`` (the W oldest,
         any age). ValueError naming the value otherwise."""
         value = str(text).strip().lower()
-        kind, _, arg = value.partition(":")
+        kind, colon, arg = value.partition(":")
         try:
-            if kind in ("lru", "strict") and not arg:
+            if kind in ("lru", "strict") and not colon:
                 return cls(max_window=0)
-            if kind == "auto":
+            if kind == "auto" and (arg or not colon):      # "auto:" names no quantile
                 return cls(quantile=float(arg)) if arg else cls()
             if kind == "age" and arg:
                 return cls(horizon=int(arg))

@@ -28,7 +28,8 @@ from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, given, resolve_alia
 from proxima.bench.options import add_arguments  # noqa: F401 - the command's flags (proxima.cli)
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
-from proxima.ioutil import check_distinct_paths, logs_to_stderr
+from proxima.interrupts import describe
+from proxima.ioutil import check_distinct_paths, logs_to_stderr, print_table
 from proxima.workloads import RequestSpec, Workload, check_sizes, load_trace, make_workload
 
 
@@ -80,6 +81,10 @@ def _targets(args):
     if len(labels) != len(urls):
         raise UserError(f"got {len(labels)} --label for {len(urls)} --base-url: give one "
                         f"label per server, in the same order")
+    for label in labels:
+        if not label.strip():
+            raise UserError(f"--label needs a name, got {label!r}: it names its server in the "
+                            f"table and the JSON")
     if len(set(labels)) != len(labels):
         raise UserError(f"--label values must differ, got {', '.join(labels)}")
     return [Target(label, url) for label, url in zip(labels, urls)]
@@ -122,7 +127,8 @@ def _workload_info(args, workload: Workload, specs, mode: str) -> dict:
 def run_online_mode(args) -> int:
     stray = given(args, OFFLINE_ONLY)
     if stray:
-        raise UserError(f"{', '.join(stray)} only apply with --offline")
+        raise UserError(f"{', '.join(stray)} only {'applies' if len(stray) == 1 else 'apply'} "
+                        f"with --offline")
     if not args.base_url:
         raise UserError("give --base-url URL (a server to load, e.g. http://127.0.0.1:8000) "
                         "or --offline")
@@ -151,7 +157,6 @@ def run_online_mode(args) -> int:
     workload, specs = request_list(args)
     try:
         from proxima.bench.online import check_servers, run_online
-        from proxima.bench.online_summary import merge_rounds
     except ModuleNotFoundError as exc:
         raise UserError(f"online mode needs {exc.name!r}: pip install aiohttp tqdm") from None
     concurrency = args.concurrency
@@ -168,34 +173,54 @@ def run_online_mode(args) -> int:
     info.update(model=model, endpoint=endpoint, concurrency=concurrency,
                 request_rate=args.request_rate, timeout_s=timeout, repeat=repeat)
     rounds = []
-    for r in range(repeat):
-        # Round r sends the workload made with seed + r (prompts the servers' prefix caches
-        # have not seen), to every server; even rounds go in reverse server order.
-        _, round_specs = request_list(args, seed=args.seed + r) if r else (workload, specs)
-        order = targets if r % 2 == 0 else targets[::-1]
-        if repeat > 1:
-            print(f"proxima bench: round {r + 1}/{repeat} (seed {args.seed + r}): "
-                  f"{', '.join(t.label for t in order)}", file=sys.stderr, flush=True)
-        result = run_online(order, round_specs, model, endpoint=endpoint,
-                            concurrency=concurrency, rate=args.request_rate,
-                            seed=args.seed + r, timeout_s=timeout,
-                            progress=not args.no_progress)
-        rounds.append({t.label: result[t.label] for t in targets})
-        if args.json and r + 1 < repeat:     # a bench cut short keeps the rounds it measured
-            report_mod.write_json({"mode": "online", "partial": True, "rounds_done": r + 1,
-                                   "rounds_planned": repeat, "workload": info,
-                                   "environment": environment(False), "per_round": rounds},
-                                  args.json)
-    results = merge_rounds(rounds)
-    untrusted = untrustworthy(results)
-    rep = {"mode": "online", "partial": False, "workload": info,
-           "environment": environment(False), "trustworthy": not untrusted,
-           "notes": untrusted,
-           "results": results, "ratios": ratios(results, report_mod.RATIO_KEYS["online"])}
+    try:
+        for r in range(repeat):
+            # Round r sends the workload made with seed + r (prompts the servers' prefix caches
+            # have not seen), to every server; even rounds go in reverse server order.
+            _, round_specs = request_list(args, seed=args.seed + r) if r else (workload, specs)
+            order = targets if r % 2 == 0 else targets[::-1]
+            if repeat > 1:
+                print(f"proxima bench: round {r + 1}/{repeat} (seed {args.seed + r}): "
+                      f"{', '.join(t.label for t in order)}", file=sys.stderr, flush=True)
+            result = run_online(order, round_specs, model, endpoint=endpoint,
+                                concurrency=concurrency, rate=args.request_rate,
+                                seed=args.seed + r, timeout_s=timeout,
+                                progress=not args.no_progress)
+            rounds.append({t.label: result[t.label] for t in targets})
+            if args.json and r + 1 < repeat:     # a bench cut short keeps these rounds
+                report_mod.write_json({"mode": "online", "partial": True, "rounds_done": r + 1,
+                                       "rounds_planned": repeat, "workload": info,
+                                       "environment": environment(False), "per_round": rounds},
+                                      args.json)
+    except KeyboardInterrupt as exc:       # Ctrl-C, or SIGTERM (proxima.interrupts)
+        if not rounds:
+            raise
+        print(f"proxima bench: {describe(exc)} during round {len(rounds) + 1} of {repeat}: "
+              f"keeping the {len(rounds)} finished", file=sys.stderr, flush=True)
+        _emit(_online_report(rounds, info, partial=(len(rounds), repeat)), args)
+        raise
+    rep = _online_report(rounds, info)
+    untrusted = rep["notes"]
     _emit(rep, args)
     for reason in untrusted:
         print(f"proxima bench: not trustworthy: {reason}", file=sys.stderr)
     return 1 if untrusted else 0
+
+
+def _online_report(rounds: list, info: dict, partial: tuple[int, int] | None = None) -> dict:
+    """The online report of the rounds measured; ``partial``: (rounds done, planned) of a
+    bench cut short (Ctrl-C, SIGTERM), which keeps each round's figures too."""
+    from proxima.bench.online_summary import merge_rounds
+
+    results = merge_rounds(rounds)
+    untrusted = untrustworthy(results)
+    rep = {"mode": "online", "partial": partial is not None, "workload": info,
+           "environment": environment(False), "trustworthy": not untrusted,
+           "notes": untrusted,
+           "results": results, "ratios": ratios(results, report_mod.RATIO_KEYS["online"])}
+    if partial is not None:
+        rep.update(rounds_done=partial[0], rounds_planned=partial[1], per_round=rounds)
+    return rep
 
 
 def untrustworthy(results: dict) -> list[str]:
@@ -225,7 +250,8 @@ def _elastic_options(args) -> dict | None:
 def run_offline_mode(args) -> int:
     stray = given(args, ONLINE_ONLY)
     if stray:
-        raise UserError(f"{', '.join(stray)} do not apply with --offline (no server is used)")
+        raise UserError(f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply "
+                        f"with --offline (no server is used)")
     if not args.model:
         raise UserError("--offline needs --model DIR (a model directory, or a config.json "
                         "directory with --load-format dummy)")
@@ -329,13 +355,15 @@ def offline_report(args, config, workload: Workload, specs, measured: dict) -> d
 
 
 def _emit(rep: dict, args) -> int:
-    print(report_mod.format_table(rep))
+    closed = print_table(report_mod.format_table(rep))
     if args.json:
         report_mod.write_json(rep, args.json)
         print(f"proxima bench: wrote {args.json}", file=sys.stderr)
     if args.plot:
         report_mod.write_plot(rep, args.plot)
         print(f"proxima bench: wrote {args.plot}", file=sys.stderr)
+    if closed:
+        raise closed
     return 0
 
 

@@ -48,7 +48,8 @@ exit status:
        report Proxima active (offline: or the stock runs did)
   2    bad input or environment (one line), nothing measured
   130  interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): with --json, what was
-       measured so far is kept ("partial": true: the runs or rounds finished)
+       measured so far is kept ("partial": true: the runs or rounds finished); online
+       with --repeat K, the finished rounds' table is printed (and --plot written) too
 
 vllm bench serve's flag names work too: --num-prompts N (= --requests), --max-concurrency C
 (= --concurrency; with --request-rate it caps the requests in flight), --request-rate inf
@@ -159,6 +160,10 @@ def resolve_aliases(args) -> None:
     """vllm bench serve's spellings -> proxima bench's own (one-line errors otherwise)."""
     if args.trace is not None and not args.trace.strip():
         raise UserError(f"--trace needs a file name, got {args.trace!r}")
+    for flag, value in (("--result-filename", getattr(args, "result_filename", None)),
+                        ("--result-dir", getattr(args, "result_dir", None))):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} needs a name, got {value!r}")
     if args.dataset_name is not None:
         name = args.dataset_name
         if name in WORKLOADS:

@@ -117,7 +117,9 @@ def _describe(report: dict) -> str:
                   else f"concurrency {w['concurrency']}")
         parts.append(f"{pacing}, endpoint {w['endpoint']}, model {w['model']}")
         if (w.get("repeat") or 1) > 1:
-            parts.append(f"{w['repeat']} rounds (medians; round r uses seed + r - 1)")
+            done = (f"{report['rounds_done']} of {w['repeat']}" if report.get("partial")
+                    and report.get("rounds_done") is not None else w["repeat"])
+            parts.append(f"{done} rounds (medians; round r uses seed + r - 1)")
     else:
         parts.append(f"model {w['model']}")
         arrivals = (w.get("settings") or {}).get("arrivals")

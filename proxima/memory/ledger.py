@@ -36,6 +36,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,12 +93,19 @@ def load_records(path: str | os.PathLike) -> dict[str, Record]:
     """Every record in the ledger file at ``path`` (live or not), by key; a missing,
     unreadable or damaged file reads as empty, a malformed record is skipped."""
     try:
-        with open(path, "rb") as f:
+        # not waiting on a FIFO put in the ledger's place (/dev/shm is everyone's): only a
+        # regular file is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return {}          # missing, or not ours
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)   # a FIFO, a device, a directory: the next write replaces it whole
+            return {}
+        with os.fdopen(fd, "rb") as f:
             raw = json.loads(f.read() or b"{}")
-    except FileNotFoundError:
-        return {}
     except (OSError, ValueError):
-        return {}          # not ours or damaged: the next write replaces it whole
+        return {}          # damaged: the next write replaces it whole
     out = {}
     entries = raw.get("engines", []) if isinstance(raw, dict) else []
     for entry in entries if isinstance(entries, list) else []:

@@ -27,7 +27,7 @@ import sys
 
 from proxima import interrupts
 from proxima.errors import UserError
-from proxima.ioutil import logs_to_stderr, write_text_atomic
+from proxima.ioutil import logs_to_stderr, print_table, write_text_atomic
 from proxima.replay.elastic import auto_granule_blocks, check_runs_here, resolve_rates
 from proxima.replay.options import DEFAULT_NUM_BLOCKS, PRESSURE_NUM_BLOCKS, validate
 from proxima.replay.options import add_arguments  # noqa: F401 - the command's flags (proxima.cli)
@@ -212,7 +212,7 @@ def _json_text(report: dict) -> str:
 
 def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
     """The table on stdout; --json and --plot written whole (temporary name, then renamed)."""
-    print(format_table(report), flush=True)
+    closed = print_table(format_table(report))
     if args.json:
         write_text_atomic(args.json, _json_text(report))
         print(f"wrote {args.json}", file=sys.stderr)
@@ -225,6 +225,8 @@ def _emit(report: dict, args, runs: dict, workload, done: int) -> None:
                             for label, rs in runs.items()}, args.plot,
                    largest_request_blocks=largest)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if closed:
+        raise closed
 
 
 #: options only one engine generation's driver has: args name -> (flag, the generation,

@@ -37,7 +37,7 @@ import sys
 from types import SimpleNamespace
 
 from proxima.errors import UserError
-from proxima.ioutil import write_text_atomic
+from proxima.ioutil import print_table, write_text_atomic
 from proxima.replay.elastic import (ElasticReplay, auto_granule_blocks, check_runs_here,
                                     resolve_rates)
 from proxima.replay.table import LATENCY_PARITY
@@ -332,7 +332,7 @@ def run(args, driver, version: str, progress) -> int:
     report = {**head, "results": sides,
               "checks": comparison_checks(args.workload, sides["static"], sides["elastic"],
                                           gpu)}
-    print(format_table(report), flush=True)
+    closed = print_table(format_table(report))
     if args.json:
         write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
@@ -342,6 +342,8 @@ def run(args, driver, version: str, progress) -> int:
         write_plot(report, {side: sorted(t for e in r.engines for t in e.finish_ticks)
                             for side, r in results.items()}, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if closed:
+        raise closed
     failed = [k for k, v in report["checks"].items() if not v]
     if failed:
         print(f"proxima replay: comparison checks FAILED: {', '.join(failed)} (the figures "

@@ -47,8 +47,9 @@ self-check passed and while the engine is down. Proxima's metrics (proxima_*) ar
 Elastic KV memory (vLLM 0.26.0): the KV pool is reserved at its maximum but backed by GPU
 memory only as the load needs it, and unused memory is given back (another engine or job on
 the GPU can take it). Proxima's options, taken out before vLLM sees the command line:
-  --elastic               switch it on (sets PROXIMA_ELASTIC=1)
-  --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic)
+  --elastic               switch it on (sets PROXIMA_ELASTIC=1; default: off)
+  --compaction            KV compaction too (sets PROXIMA_COMPACTION=1; needs --elastic;
+                          default: off)
   --kv-min SIZE           least KV memory kept mapped (default 512MiB, less on a GPU
                           that has no more room)
   --kv-max SIZE           most KV memory mapped (default: the GPU's memory less this
@@ -83,9 +84,11 @@ or `proxima kv --url URL --max SIZE`; every engine on the GPU: `proxima kv [--wa
 
 Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
 or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
-idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, restarted
-with backoff when it dies), and one OpenAI endpoint on --host/--port routes by the request's
-"model": /v1/models lists every model, /health is 200 only when every engine is ready,
+idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its
+own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, on a free port unless
+given one, restarted with backoff when it dies), and one OpenAI endpoint on --host/--port
+(default: 0.0.0.0, port 8000) routes by the request's "model": /v1/models lists every
+model, /health is 200 only when every engine is ready,
 /metrics carries every engine's series labelled model="NAME", an unknown model is a 404, a
 model whose engine is (re)starting a 503; /engines/NAME/... reaches one engine (e.g.
 proxima kv --url http://HOST:PORT/engines/NAME). Options outside --model go to every engine.

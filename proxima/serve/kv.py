@@ -163,8 +163,14 @@ def run(args: argparse.Namespace) -> int:
         if args.min_bytes is not None or args.max_bytes is not None:
             raise UserError("--min/--max set one engine's bounds: give its --url (every "
                             "engine's is in the table of `proxima kv`)")
-        if args.ledger_dir is not None and not os.path.isdir(args.ledger_dir):
-            raise UserError(f"--ledger-dir {args.ledger_dir!r} is not a directory")
+        from proxima.memory.ledger import DIR_ENV
+
+        named = (("--ledger-dir", args.ledger_dir) if args.ledger_dir is not None
+                 else (DIR_ENV, os.environ.get(DIR_ENV) or None))
+        if named[1] is not None and not os.path.isdir(named[1]):
+            raise UserError(f"{named[0]} {named[1]!r} is not a directory: give the directory "
+                            f"the engines' GPU ledgers are in (their {DIR_ENV}; default "
+                            f"/dev/shm)")
         from proxima.serve import kvtop
 
         return kvtop.run(args.ledger_dir, args.json, watch)

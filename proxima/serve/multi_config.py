@@ -207,26 +207,49 @@ def _size_value(value, where: str) -> str:
     return str(value)
 
 
+class _KeyTwice(ValueError):
+    """A JSON object holds a key twice (json.loads would keep the last silently)."""
+
+
+def _once_each(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _KeyTwice(key)
+        out[key] = value
+    return out
+
+
 def load_models_file(path: str) -> MultiPlan:
     """A models file (TOML, or JSON for ``*.json``): syntax errors name the line, field
     errors the field (``models[2].kv_max``)."""
+    if not path.strip():
+        raise UserError(f"--models needs a file name, got {path!r}: give a TOML (or .json) "
+                        f"file with one [[models]] table per model")
     file = Path(path).expanduser()
+    if file.suffix.lower() in (".yaml", ".yml"):
+        raise UserError(f"--models {path}: YAML is not read: write the same fields as TOML "
+                        f"(or JSON, in a .json file), one [[models]] table per model (see "
+                        f"proxima serve --help)")
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
         raise UserError(f"--models {path}: the file {what}: give a TOML (or .json) file "
                         f"with one [[models]] table per model")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")     # an editor's BOM is no error
     except UnicodeDecodeError as exc:
         raise UserError(f"--models {path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise UserError(f"--models {path}: cannot read it ({exc.strerror})") from None
     if file.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_once_each)
         except json.JSONDecodeError as exc:
             raise UserError(f"--models {path}:{exc.lineno}: not valid JSON ({exc.msg}, column "
                             f"{exc.colno})") from None
+        except _KeyTwice as exc:
+            raise UserError(f"--models {path}: the key {exc.args[0]!r} is given twice in one "
+                            f"object: give it once (TOML refuses this too)") from None
     else:
         import tomllib
 

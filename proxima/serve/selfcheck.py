@@ -61,7 +61,7 @@ def _validate(args: argparse.Namespace) -> None:
         from proxima.serve.remote import server_url
 
         server_url(args.url)
-        if args.no_engine or args.model:
+        if args.no_engine or args.model is not None:
             raise UserError("--url reads a running server's report: --no-engine and --model "
                             "do not apply with it")
     if args.model is not None:

@@ -100,10 +100,20 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
     if "--elastic-options" in given:
         options.update(config.elastic_options_text(given["--elastic-options"],
                                                    "--elastic-options"))
+    for flag, key in (("--kv-min", "min_bytes"), ("--kv-max", "max_bytes"),
+                      ("--idle-release", "idle_release_s")):
+        if flag in given and key in options:
+            raise UserError(f"{flag} {given[flag]} and --elastic-options' {key} both set "
+                            f"{key}: give one of them")
     for flag, key in (("--kv-min", "min_bytes"), ("--kv-max", "max_bytes")):
         if flag in given:
             config.parse_size(given[flag], flag)
             options[key] = given[flag]
+    least, most = given.get("--kv-min"), given.get("--kv-max")
+    if least is not None and most is not None and \
+            config.parse_size(most, "--kv-max") < config.parse_size(least, "--kv-min"):
+        raise UserError(f"--kv-max {most} is below --kv-min {least}: "
+                        f"give a maximum at least the minimum")
     if "--idle-release" in given:
         options["idle_release_s"] = config.ELASTIC_OPTIONS["idle_release_s"](
             "--idle-release", given["--idle-release"])

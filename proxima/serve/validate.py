@@ -72,11 +72,13 @@ def _looks_like_path(model: str) -> bool:
 def check_model(model: str | None) -> None:
     """A local model must be a directory with config.json (or Mistral's params.json), or a
     .gguf file. Anything else that is not on disk is left to vLLM as a Hugging Face id."""
+    hint = ("give a model directory (with config.json), a Hugging Face model id, or no MODEL "
+            "for the embedded demo model")
+    if model is not None and not model.strip():
+        raise UserError(f"the model is empty ({model!r}): {hint}")
     if model is None or not _looks_like_path(model):
         return
     path = Path(model).expanduser()
-    hint = ("give a model directory (with config.json), a Hugging Face model id, or no MODEL "
-            "for the embedded demo model")
     if not path.exists():
         raise UserError(f"model path {model!r} does not exist: {hint}")
     if path.is_file():

@@ -44,7 +44,7 @@ def test_wrong_model_lists_what_is_served(capsys, fake_server):
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--label", "x", "--label", "y"], "got 2 --label for 1 --base-url"),
     (["--repeat", "0"], "--repeat must be >= 1, got 0"),
-    (["--kv-cache-memory-bytes", "100"], "--kv-cache-memory-bytes only apply with --offline"),
+    (["--kv-cache-memory-bytes", "100"], "--kv-cache-memory-bytes only applies with --offline"),
     (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
     (["--trace", "/nonexistent.jsonl"], "cannot read trace /nonexistent.jsonl"),
 ])

@@ -345,8 +345,9 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
                                                       signame, status):
     """`proxima bench --repeat K` as a user runs it, stopped once round 2 started (its line
     on stderr): exit 143 for SIGTERM (it used to die with the signal), 130 for SIGINT; the
-    JSON holds the rounds finished, whole (no temporary file left), one stderr line says
-    why it stopped, no traceback."""
+    JSON holds the rounds finished, whole (no temporary file left), their table is printed
+    (it was not: without --json they were lost), stderr says how many were kept and why it
+    stopped, no traceback."""
     import os
     import signal
     import subprocess
@@ -373,7 +374,7 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
         else:
             pytest.fail("no round marker:\n" + "".join(seen))
         proc.send_signal(getattr(signal, signame))
-        _, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -385,4 +386,10 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
     rep = json.loads(out.read_text())
     assert rep["partial"] is True and rep["rounds_done"] >= 1
     assert rep["per_round"][0]["A"]["completed"] == 4
+    done = rep["rounds_done"]
+    assert (f"proxima bench: {word} during round {done + 1} of 100000: keeping the {done} "
+            f"finished") in stderr, stderr
+    assert rep["results"]["A"]["requests"] > 0 and len(rep["per_round"]) == done
+    assert stdout.splitlines()[0].startswith("online benchmark") and "completed" in stdout
+    assert f"{done} of 100000 rounds (medians" in stdout.splitlines()[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "trace.jsonl"]

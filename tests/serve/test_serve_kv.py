@@ -203,7 +203,7 @@ def test_serve_takes_its_elastic_options_out_of_the_command_line():
     (["--kv-max", "8GiB"], "--kv-max needs --elastic"),
     (["--elastic", "--kv-max"], "--kv-max needs a value"),
     (["--elastic", "--kv-max", "lots"], "--kv-max: 'lots' is not a size"),
-    (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "is below min_bytes"),
+    (["--elastic", "--kv-min", "8GiB", "--kv-max", "4GiB"], "--kv-max 4GiB is below --kv-min 8GiB"),
     (["--elastic", "--elastic-options", "bogus=1"], "unknown option"),
     (["--elastic", "--elastic-options", "nokey"], "is not key=value"),
     (["--elastic=1"], "--elastic takes no value"),

@@ -119,3 +119,21 @@ def test_watch_stops_on_ctrl_c_with_exit_130(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_fifo_in_the_ledgers_place_is_skipped_not_waited_on(tmp_path):
+    """/dev/shm is everyone's: a FIFO named like a GPU's ledger made `proxima kv` (and an
+    engine's sizing, which reads the same file) wait forever for a writer. It reads as no
+    engine; a real ledger beside it is still shown. (The timeout only stops a hung run.)"""
+    os.mkfifo(ledger_path("GPU-fifo", tmp_path))
+    proc = engine(ledger_path("GPU-real", tmp_path), "m", 8000, GiB, GiB, 2 * GiB, 0)
+    try:
+        try:
+            done = cli("--ledger-dir", str(tmp_path))
+        except subprocess.TimeoutExpired:
+            raise AssertionError("proxima kv hung on the FIFO") from None
+    finally:
+        proc.stdin.close()
+        proc.wait()
+    assert done.returncode == 0, done.stderr
+    assert "GPU GPU-real: 1 engine(s)" in done.stdout and "GPU-fifo" not in done.stdout

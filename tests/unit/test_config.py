@@ -127,6 +127,18 @@ def test_above_excludes_the_least_value():
         parse_number("0", "--step-seconds", most=60, unit="seconds", above=True)
 
 
+def test_a_bound_that_is_not_a_binary_fraction_is_inclusive_as_written():
+    """`proxima kv --watch 0.1` was refused as "out of range: from 0.1 to 3600": the text
+    0.1 was compared exactly with the float 0.1000000000000000055..."""
+    assert parse_number("0.1", "--watch", least=0.1, most=3600, unit="seconds") == 0.1
+    assert parse_number("0.3", "x", least=0, most=0.3, unit="seconds") == 0.3
+    assert parse_number(0.1, "x", least=0, most=0.1, unit="seconds") == 0.1   # a float too
+    with pytest.raises(ConfigError, match="'0.09' is out of range"):
+        parse_number("0.09", "--watch", least=0.1, most=3600, unit="seconds")
+    with pytest.raises(ConfigError, match="'0.1' is out of range"):
+        parse_number("0.1", "x", least=0.1, most=1, unit="s", above=True)
+
+
 @pytest.mark.parametrize("value, expected", [(3, 3), ("3", 3), ("1e3", 1000), ("1_000", 1000),
                                              (0, 0)])
 def test_counts_parse(value, expected):
