@@ -877,21 +877,29 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tmp_path):
     """`proxima kv --watch | head -1`: the next write met the closed pipe and Python printed
     a BrokenPipeError traceback (exit 1). Now exit 141, as a shell reports a process SIGPIPE
     ended, and nothing on stderr."""
+    rc, stderr = _with_stdout_closed(["kv", "--watch", "0.2", "--ledger-dir", str(tmp_path)],
+                                     after_line=True, timeout=120)   # as head -1 does
+    assert rc == 141 and stderr == "", stderr
+
+
+def _with_stdout_closed(args: list[str], *, after_line: bool, timeout: float):
+    """``proxima ARGS`` whose stdout's reader goes away (after its first line, or at once);
+    returns (exit status, stderr)."""
     full = dict(os.environ)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "kv", "--watch", "0.2",
-                             "--ledger-dir", str(tmp_path)], cwd=REPO, env=full,
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", *args], cwd=REPO, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline()            # the first round's time stamp: running
-        proc.stdout.close()                      # as head -1 does
+        if after_line:
+            assert proc.stdout.readline()        # running: its first line came
+        proc.stdout.close()
         stderr = proc.stderr.read()
-        proc.wait(timeout=120)
+        proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 141 and stderr == "", stderr
+    return proc.returncode, stderr
 
 
 @pytest.mark.parametrize("command", [["replay", "--requests", "3"],
@@ -902,19 +910,7 @@ def test_a_closed_stdout_does_not_lose_the_json_of_a_finished_run(world, tmp_pat
     the print raised and the finished run's JSON was never written."""
     pytest.importorskip("vllm", reason="replay needs vLLM (./dev test)")
     out = tmp_path / "r.json"
-    full = dict(os.environ)
-    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli",
-                             *[fill(a, world) for a in command], "--no-progress", "--json",
-                             str(out)], cwd=REPO, env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    proc.stdout.close()                          # the reader is gone before the table
-    try:
-        stderr = proc.stderr.read()
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 141 and "Traceback" not in stderr, stderr
+    rc, stderr = _with_stdout_closed([*[fill(a, world) for a in command], "--no-progress",
+                                      "--json", str(out)], after_line=False, timeout=300)
+    assert rc == 141 and "Traceback" not in stderr, stderr        # gone before the table
     assert json.loads(out.read_text())["results"]

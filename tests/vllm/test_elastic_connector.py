@@ -763,8 +763,6 @@ def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
 
 
 def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugin(monkeypatch):
-    from vllm.engine.arg_utils import EngineArgs
-
     from proxima.vllm.plugin import register
 
     monkeypatch.setenv("PROXIMA_ALLOCATOR", "1")
@@ -772,12 +770,7 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", "min_bytes=2GiB,release_delay_s=3,eviction=lru")
     register()
     try:
-        args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
-        try:
-            args.create_engine_config()
-        except Exception:     # no device platform here: the connector is set before that
-            pass
-        extra = args.kv_transfer_config.kv_connector_extra_config
+        extra = _connector_extra()
         assert extra == {"min_bytes": "2GiB", "release_delay_s": 3, "eviction": "lru"}
         from vllm.v1.engine.core import EngineCore
 
@@ -794,6 +787,19 @@ def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugi
     vllm_v1.deactivate()
 
 
+def _connector_extra() -> dict:
+    """The connector options of the engine config vLLM builds now (tiny-llama; on CPU the
+    config stops at the device platform, after the connector is set)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
+    try:
+        args.create_engine_config()
+    except Exception:     # no device platform here: the connector is set before that
+        pass
+    return args.kv_transfer_config.kv_connector_extra_config
+
+
 def test_the_options_set_after_the_plugin_loaded_reach_the_connector(monkeypatch):
     """``proxima serve`` builds vLLM's parser (the plugin activates then) before it sizes the
     engine, and only then writes the sizing into PROXIMA_ELASTIC_OPTIONS: the engine config
@@ -807,12 +813,7 @@ def test_the_options_set_after_the_plugin_loaded_reach_the_connector(monkeypatch
     sized = {"stats_file": "/tmp/s.json", "min_bytes": 1 << 29, "max_bytes": 3 << 30,
              "ledger_model": "big", "ledger_port": 8300, "ledger_nonkv_bytes": 19011032269}
     monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", json.dumps(sized))
-    args = EngineArgs(model="proxima/models/tiny-llama", skip_tokenizer_init=True)
-    try:
-        args.create_engine_config()
-    except Exception:     # no device platform here: the connector is set before that
-        pass
-    extra = args.kv_transfer_config.kv_connector_extra_config
+    extra = _connector_extra()
     assert extra == sized
     assert elastic_v1.ElasticOptions.from_extra(extra).ledger_nonkv_bytes == 19011032269
     monkeypatch.setenv("PROXIMA_ELASTIC_OPTIONS", '{"max_bytes": "lots"}')
