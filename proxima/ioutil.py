@@ -270,3 +270,23 @@ def print_table(text: str) -> BrokenPipeError | None:
     except BrokenPipeError as exc:
         return exc
     return None
+
+
+class KeyTwice(ValueError):
+    """A JSON object gives a key twice (``json.loads`` would keep its last value silently);
+    ``key``: which."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r} is given twice")
+        self.key = key
+
+
+def object_keys_once(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook`` for input a person wrote: KeyTwice where an
+    object gives a key twice."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise KeyTwice(key)
+        out[key] = value
+    return out

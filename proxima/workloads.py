@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxima.errors import UserError
+from proxima.ioutil import KeyTwice, object_keys_once
 
 WORKLOADS = ("chat", "sharegpt", "multiturn", "pressure", "bursts")
 BURSTS, BURST_GAP_STEPS, BURST_PREFIX_TOKENS = 4, 1500, 512
@@ -359,18 +360,7 @@ def _parse_trace_line(line: str):
         raise _TraceLineError(f"JSON nested {depth:,} deep, past the bound of "
                               f"{TRACE_MAX_DEPTH}")
     return json.loads(line, parse_int=_parse_int, parse_float=_parse_float,
-                      object_pairs_hook=_keys_once)
-
-
-def _keys_once(pairs: list) -> dict:
-    """An object whose keys are each given once (json.loads would keep a repeated key's
-    last value silently)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _TraceLineError(f"key {key!r} is given twice")
-        out[key] = value
-    return out
+                      object_pairs_hook=object_keys_once)
 
 
 def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
@@ -400,7 +390,7 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not JSON ({exc.msg}): a trace line looks like "
                             f'{{"prompt_len": 100, "output_len": 50}}') from None
-        except _TraceLineError as exc:
+        except (_TraceLineError, KeyTwice) as exc:
             raise UserError(f"{where}: {exc}: a trace line looks like {_TRACE_EXAMPLE}") from None
         except (ValueError, RecursionError) as exc:   # any other limit of the parser
             raise UserError(f"{where}: not JSON that can be read ({exc}): a trace line "

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxima.errors import UserError
+from proxima.ioutil import KeyTwice, object_keys_once
 from proxima.serve.serve_flags import flag_value
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
@@ -207,19 +208,6 @@ def _size_value(value, where: str) -> str:
     return str(value)
 
 
-class _KeyTwice(ValueError):
-    """A JSON object holds a key twice (json.loads would keep the last silently)."""
-
-
-def _once_each(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _KeyTwice(key)
-        out[key] = value
-    return out
-
-
 def load_models_file(path: str) -> MultiPlan:
     """A models file (TOML, or JSON for ``*.json``): syntax errors name the line, field
     errors the field (``models[2].kv_max``)."""
@@ -243,12 +231,12 @@ def load_models_file(path: str) -> MultiPlan:
         raise UserError(f"--models {path}: cannot read it ({exc.strerror})") from None
     if file.suffix == ".json":
         try:
-            data = json.loads(text, object_pairs_hook=_once_each)
+            data = json.loads(text, object_pairs_hook=object_keys_once)
         except json.JSONDecodeError as exc:
             raise UserError(f"--models {path}:{exc.lineno}: not valid JSON ({exc.msg}, column "
                             f"{exc.colno})") from None
-        except _KeyTwice as exc:
-            raise UserError(f"--models {path}: the key {exc.args[0]!r} is given twice in one "
+        except KeyTwice as exc:
+            raise UserError(f"--models {path}: the key {exc.key!r} is given twice in one "
                             f"object: give it once (TOML refuses this too)") from None
     else:
         import tomllib
