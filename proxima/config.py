@@ -265,6 +265,7 @@ ELASTIC_OPTIONS: dict[str, Callable] = {
     "idle_sleep_s": _number(MAX_IDLE_SLEEP_S, "seconds"),
     "idle_release_s": lambda name, value: None if value is None else parse_number(
         value, name, least=0, most=MAX_DELAY_S, unit="seconds (or null: never)"),
+    "sleep_mode": _BOOL,
     "granule_bytes": _size(least=1, nullable=True),
     "zero_on_map": _BOOL,
     "initial_granules": _count(1, "granules", nullable=True,
@@ -299,6 +300,11 @@ def elastic_options(extra, source: str = "") -> dict:
         raise ConfigError(_prefixed(source, f"max_bytes ({size_text(most)}) is below min_bytes "
                                             f"({size_text(least)}): give a maximum at least "
                                             f"the minimum"))
+    if out.get("sleep_mode") and (out.get("idle_release_s") is None
+                                  or out.get("policy", "auto") != "auto"):
+        raise ConfigError(_prefixed(source, "sleep_mode needs idle_release_s and policy auto "
+                                            "(the engine gives back all its KV before its "
+                                            "weights go to host memory): give both"))
     if out.get("compactor") is not None and out.get("policy") == "off":
         raise ConfigError(_prefixed(source, "the compactor hook needs the pool to place by "
                                             "granule: use policy fixed or auto, not off"))

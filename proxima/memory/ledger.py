@@ -299,6 +299,14 @@ class Ledger:
         self._posted = state
         return True
 
+    def repost(self) -> bool:
+        """Write this engine's last record again, now (``nonkv`` changed: an engine that
+        sleeps). Returns whether there was one to write."""
+        if self._posted is None:
+            return False
+        mapped, minimum, unmet, maximum = self._posted
+        return self.post(mapped, minimum, unmet, force=True, maximum=maximum)
+
     def close(self) -> None:
         """Remove this engine's record (a clean shutdown; a killed engine's record is
         dropped by readers instead)."""

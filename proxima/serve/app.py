@@ -11,6 +11,9 @@ and the engine takes minutes to start. The gate answers from the first second:
   in the engine core through vLLM's utility call (:func:`proxima.vllm.elastic_v1.
   engine_core_proxima_kv`); 503 while the engine is not ready, 404 without elastic KV,
   400 for a bad request.
+- ``POST /proxima/sleep``, ``POST /proxima/wake_up``: the engine's weights to host memory
+  and back, once its KV is given back (``--sleep-mode``; :mod:`proxima.serve.engine_sleep`);
+  ``GET /proxima/kv`` says ``"sleeping"``. An asleep engine answers inference with 503.
 - ``/metrics``: vLLM's exposition once its app exists; before that the same registry directly,
   so Proxima's gauges and the process metrics are scrapeable during start-up.
 - anything else: vLLM's app when ready (and the self-check's canary while checking); 503 with
@@ -27,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxima.serve import logs, metrics
+from proxima.serve.engine_sleep import EngineSleep
 from proxima.serve.engine_checks import CANARY_HEADER
 from proxima.serve.supervisor import CHECKING, ENGINE_DEAD, FAILED, READY, Supervisor
 
@@ -48,6 +52,7 @@ class ProximaApp:
 
     def __init__(self, supervisor: Supervisor):
         self.supervisor = supervisor
+        self.sleep = EngineSleep(supervisor)
         metrics.register()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -62,6 +67,9 @@ class ProximaApp:
                 return await JSONResponse(self.supervisor.status())(scope, receive, send)
             if path == "/proxima/kv":
                 return await (await self._kv(Request(scope, receive)))(scope, receive, send)
+            if path in ("/proxima/sleep", "/proxima/wake_up"):
+                answer = await self.sleep.route(Request(scope, receive), path[len("/proxima/"):])
+                return await answer(scope, receive, send)
             if path == "/metrics" or path.startswith("/metrics/"):
                 # Scrapes are answered in every phase: metrics matter most when things go wrong.
                 if self.supervisor.inner is not None:
@@ -69,6 +77,8 @@ class ProximaApp:
                 return await _metrics_response()(scope, receive, send)
         canary = Request(scope).headers.get(CANARY_HEADER) if kind == "http" else None
         inner = self.supervisor.inner
+        if inner is not None and self.sleep.sleeping and kind == "http":
+            return await self.sleep.unavailable()(scope, receive, send)
         if inner is not None and self.supervisor.admits(canary):
             return await inner(scope, receive, send)
         if kind == "websocket":
@@ -114,6 +124,8 @@ class ProximaApp:
         if isinstance(answer, dict) and "error" in answer:
             status = 404 if "not active" in answer["error"] else 400
             return JSONResponse(answer, status_code=status)
+        if isinstance(answer, dict):
+            answer.update(sleeping=self.sleep.sleeping, sleep_state=self.sleep.state)
         return JSONResponse(answer)
 
     def _health(self) -> Response:

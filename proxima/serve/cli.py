@@ -58,6 +58,10 @@ the GPU can take it). Proxima's options, taken out before vLLM sees the command 
                           --max-num-seqs sequences of --max-model-len tokens could use)
   --idle-release SECONDS  after this long with no request, give back ALL the KV memory
                           (the minimum too), regrown on the next request (default: never)
+  --sleep-mode            start vLLM's sleep mode too (--enable-sleep-mode; needs
+                          --idle-release): POST /proxima/sleep puts the weights in host
+                          memory once the KV is given back, POST /proxima/wake_up brings
+                          them back (default: off; with several models: --sleep-after)
   --gpu-memory-bytes SIZE size for a GPU of this many bytes (default: the GPU's memory):
                           leave the rest to other processes, or plan a fit on any machine
   --elastic-options K=V,...  any other option of proxima.vllm.elastic_v1.ElasticOptions
@@ -84,7 +88,7 @@ or `proxima kv --url URL --max SIZE`; every engine on the GPU: `proxima kv [--wa
 
 Several models, one endpoint: every --model 'NAME=PATH [options]' (one quoted argument)
 or [[models]] table of --models FILE (TOML, or JSON; fields name, path, args, kv_min, kv_max,
-idle_release, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its
+idle_release, sleep_after, port; at the top host, port, compaction, args, gpu_memory_bytes) gets its
 own supervised engine (`proxima serve PATH --elastic` on 127.0.0.1, on a free port unless
 given one, restarted with backoff when it dies), and one OpenAI endpoint on --host/--port
 (default: 0.0.0.0, port 8000) routes by the request's "model": /v1/models lists every
@@ -96,7 +100,10 @@ Each engine is sized as above, counting the engines started before it (they star
 after another); models that cannot fit together even at their minimums (weights from each
 config.json, plus activations and --kv-min) are refused before any starts (with
 --gpu-memory-bytes, before the GPU is probed). Per model: idle_release in the file, or
---idle-release inside --model. See docs/operations.md, "Several models behind one endpoint".
+--idle-release inside --model; sleep_after in the file, or --sleep-after SECONDS inside
+--model (default: never): after that long without a request the model's weights go to
+host memory (its KV given back first: it implies --idle-release, at most SECONDS); its
+next request wakes it (a slower first token; 503 with Retry-After if the wake fails). See docs/operations.md, "Several models behind one endpoint".
 
 Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the
 same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
@@ -134,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     from proxima.serve import autosize
 
+    serve_flags.refuse_sleep_after(argv)
     argv, compaction = serve_flags.take_compaction(argv)
     argv, gpu_bytes = autosize.take_gpu_bytes(argv)
     argv, elastic = take_elastic_options(argv)
@@ -146,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         from proxima.vllm import activation
 
         os.environ[activation.ELASTIC_ENV] = "1"
+        if elastic.get("sleep_mode") and "--enable-sleep-mode" not in argv:
+            argv.append("--enable-sleep-mode")      # vLLM's, coordinated by Proxima
         if elastic:
             os.environ[activation.ELASTIC_OPTIONS_ENV] = json.dumps(elastic)
         log.info("elastic KV memory on%s", f": {elastic}" if elastic else "")

@@ -68,7 +68,8 @@ def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tup
 
 #: Proxima's own serve options (taken out of the command line): flag -> takes a value
 ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
-                 "--elastic-options": True, "--idle-release": True}
+                 "--elastic-options": True, "--idle-release": True, "--sleep-mode": False}
+SLEEP_AFTER_FLAG = "--sleep-after"
 
 
 def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
@@ -84,7 +85,7 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
                                             f"{flag} needs a value (e.g. {flag} 8GiB)")
             else:
                 if eq:
-                    raise UserError(f"--elastic takes no value, got {token!r}")
+                    raise UserError(f"{flag} takes no value, got {token!r}")
                 given[flag] = True
             i += 1
             continue
@@ -117,5 +118,22 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
     if "--idle-release" in given:
         options["idle_release_s"] = config.ELASTIC_OPTIONS["idle_release_s"](
             "--idle-release", given["--idle-release"])
+    if "--sleep-mode" in given:
+        options["sleep_mode"] = True
+        if options.get("idle_release_s") is None:
+            raise UserError("--sleep-mode needs --idle-release SECONDS (the engine gives back "
+                            "all its KV before its weights go to host memory): add it")
     config.elastic_options(options, "proxima serve --elastic")
     return rest, options
+
+
+def refuse_sleep_after(argv: list[str]) -> None:
+    """``--sleep-after`` is per model of the several-models serve (its router puts an idle
+    model to sleep and wakes it): one line where it is given to one engine alone."""
+    for token in argv:
+        if token.partition("=")[0] == SLEEP_AFTER_FLAG:
+            raise UserError(f"{SLEEP_AFTER_FLAG} is an option of one model behind proxima "
+                            f"serve's endpoint (its router sleeps and wakes the model): give "
+                            f"it inside --model 'NAME=PATH {SLEEP_AFTER_FLAG} SECONDS', or for "
+                            f"one engine alone use --elastic --idle-release S --sleep-mode and "
+                            f"POST /proxima/sleep, /proxima/wake_up")

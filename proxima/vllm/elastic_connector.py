@@ -160,12 +160,17 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                                 f"(data_parallel_size={parallel.data_parallel_size}): idle "
                                 "ranks read stale block ids; unset PROXIMA_ELASTIC")
             model = vllm_config.model_config
-            if model is not None and model.enable_sleep_mode:
+            if model is not None and model.enable_sleep_mode and not self.options.sleep_mode:
+                # allowed only as proxima serve --sleep-mode sets it up (sleep_mode: the KV
+                # given back by the idle release before the sleep, the wake coordinated
+                # through the GPU's ledger): Proxima's KV is outside vLLM's memory pool and
+                # nothing Proxima allocates through torch is in it (NOTES.md, point 2)
                 raise UserError("vLLM's sleep mode is not supported with elastic KV memory "
-                                "(its sleep would not give back Proxima's KV, and a wake is not "
-                                "coordinated with the GPU's other engines: "
-                                "docs/results/sleep-mode/NOTES.md); use --idle-release, or "
-                                "drop --enable-sleep-mode")
+                                "on its own (its sleep would not give back Proxima's KV, and a "
+                                "wake is not coordinated with the GPU's other engines: "
+                                "docs/results/sleep-mode/NOTES.md); use --sleep-after SECONDS "
+                                "per model of proxima serve --model NAME=PATH, or "
+                                "--idle-release, and drop --enable-sleep-mode")
             # --- KV compaction (issue 14): its scratch granules past the pool, and the
             # worker applies its moves before the forward
             compaction = compaction_options.worker_side(vllm_config, self.options.compaction,
@@ -410,6 +415,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             return {"error": f"elastic KV runs with policy {self.options.policy!r}: its size "
                              "is fixed (start it with policy auto to set min/max)",
                     **self.status()}
+        request = dict(request or {})
+        if "asleep_bytes" in request:       # POST /proxima/sleep and /proxima/wake_up
+            answer = self._asleep(request.pop("asleep_bytes"))
+            if answer is not None:
+                return answer
         if request:
             unknown = sorted(set(request) - {"min_bytes", "max_bytes"})
             if unknown:
@@ -430,6 +440,29 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("Proxima elastic KV: limits set to min %d, max %s bytes", lo,
                         "pool" if hi is None else hi)
         return self.status()
+
+    def _asleep(self, freed) -> dict | None:
+        """``asleep_bytes``: the GPU memory vLLM's sleep frees (the weights), taken off what
+        this engine's ledger record says it holds besides KV while it sleeps (0: awake
+        again, the record's full figure back), so the other engines may use it; the wake
+        first asks for it back. None when done, else the error answer."""
+        if isinstance(freed, bool) or not isinstance(freed, int) or freed < 0:
+            return {"error": f"asleep_bytes must be a number of bytes from 0, got {freed!r}"}
+        ledger = self.shared.ledger if self.shared is not None else None
+        if ledger is None:
+            return None
+        full = getattr(self, "_nonkv_awake", None)
+        if full is None:
+            full = self._nonkv_awake = ledger.nonkv
+        ledger.nonkv = max(0, full - freed)
+        try:
+            if not ledger.repost():
+                self.shared.post()
+        except OSError:
+            pass                            # a full or vanished /dev/shm: it serves on
+        logger.info("Proxima elastic KV: the ledger counts %d bytes besides KV (%s)",
+                    ledger.nonkv, "asleep" if freed else "awake")
+        return None
 
     # ================================================================ reporting
     def status(self) -> dict:

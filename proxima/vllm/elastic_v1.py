@@ -129,6 +129,10 @@ class ElasticOptions:
     ``idle_release_s``: an engine idle this long gives back all its KV memory, its
     minimum included, and grows again on its next request (None: never;
     :class:`proxima.memory.policy.PolicyOptions`).
+    ``sleep_mode``: this engine runs with vLLM's ``--enable-sleep-mode`` beside elastic KV
+    (``proxima serve --sleep-mode``, set for a model given ``--sleep-after``): its weights
+    go to host memory only once the idle release gave back its KV (``POST /proxima/sleep``;
+    needs ``idle_release_s``, policy ``auto``); without it a sleep-mode engine is refused.
     """
 
     policy: str = "auto"
@@ -160,6 +164,7 @@ class ElasticOptions:
     ledger_model: str | None = None
     ledger_port: int | None = None
     ledger_nonkv_bytes: int = 0
+    sleep_mode: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ElasticOptions":

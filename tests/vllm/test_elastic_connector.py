@@ -762,6 +762,59 @@ def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
     assert "fixed" in fixed.control({"min_bytes": 0})["error"]
 
 
+def test_asleep_the_ledger_record_stops_counting_the_weights_and_awake_counts_them_again(
+        tmp_path):
+    """POST /proxima/sleep and /proxima/wake_up tell the engine core (``proxima_kv``'s
+    ``asleep_bytes``): the other engines then see the weights' memory as free, and a wake
+    claims it back before vLLM maps the weights again."""
+    from proxima.memory.ledger import Ledger, ledger_path, live_records
+
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=0.0, initial_granules=1))
+    conn = scheduler.connector
+    path = ledger_path("sleep", tmp_path)
+    conn.shared.ledger = Ledger(path, nonkv=10 << 30)
+    conn.control({})
+    conn.shared.post()
+    assert [r.nonkv for r in live_records(path)] == [10 << 30]
+    status = conn.control({"asleep_bytes": 8 << 30})
+    assert "error" not in status and status["mapped_bytes"] == conn.bytes_per_granule
+    assert [r.nonkv for r in live_records(path)] == [2 << 30]     # activations, graphs stay
+    conn.control({"asleep_bytes": 0})
+    assert [r.nonkv for r in live_records(path)] == [10 << 30]
+    conn.control({"asleep_bytes": 20 << 30})                      # never below 0
+    assert [r.nonkv for r in live_records(path)] == [0]
+    for bad in (-1, "8GiB", True, None):
+        assert "asleep_bytes must be a number of bytes" in conn.control({"asleep_bytes": bad})["error"]
+    assert "unknown field" in conn.control({"asleep_bytes": 0, "size": 1})["error"]
+
+
+@pytest.mark.parametrize("sleep_mode", [False, True])
+def test_a_sleep_mode_engine_is_refused_unless_proxima_serve_set_it_up(sleep_mode):
+    """vLLM's --enable-sleep-mode beside elastic KV only with the ``sleep_mode`` option
+    (proxima serve --sleep-mode: the KV given back first, the wake coordinated)."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from proxima.errors import UserError
+
+    options = {"policy": "auto", "idle_release_s": 5, **({"sleep_mode": True} if sleep_mode
+                                                         else {})}
+    scheduler = scheduler_for(True, 4 * GRANULE, 1, elastic_config(**options))
+    config = copy.copy(scheduler.vllm_config)
+    config.model_config = copy.copy(config.model_config)
+    config.model_config.enable_sleep_mode = True
+    make = lambda: ProximaElasticConnector(config, KVConnectorRole.WORKER,  # noqa: E731
+                                           scheduler.kv_cache_config)
+    if sleep_mode:
+        assert make().options.sleep_mode is True
+    else:
+        with pytest.raises(UserError, match="sleep mode is not supported with elastic KV "
+                                            "memory on its own.*--sleep-after"):
+            make()
+
+
 def test_elastic_options_come_from_the_environment_and_a_bad_one_stops_the_plugin(monkeypatch):
     from proxima.vllm.plugin import register
 
