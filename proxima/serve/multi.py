@@ -320,7 +320,8 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
     for spec in plan.models:
         engine_port = spec.port if spec.port is not None else free_port(avoid=taken)
         taken.add(engine_port)
-        backend = Backend(name=spec.name, url=f"http://{ENGINE_HOST}:{engine_port}", path=spec.path)
+        backend = Backend(name=spec.name, url=f"http://{ENGINE_HOST}:{engine_port}", path=spec.path,
+                          sleep_after=spec.sleep_after)
         engines.append(Engine(backend=backend, command=engine_command(spec, engine_port, plan),
                               env=engine_env()))
     return plan, host, port, engines
@@ -361,10 +362,10 @@ def check_fit(plan: multi_config.MultiPlan, facts: dict | None = None) -> int | 
         total, others, source)
 
 
-def check_engines_options(plan: multi_config.MultiPlan) -> None:
+def check_engines_options(plan: multi_config.MultiPlan) -> dict:
     """The GPU pre-flight once, the models' fit on the GPU, and each model's options through
     vLLM's own parser (as the single-model serve does), so bad input is refused before any
-    engine starts."""
+    engine starts. Returns the GPU's facts (the probe's)."""
     from proxima.serve import gpuprobe, vllm_args
     from proxima.serve.preflight import run_preflight
 
@@ -396,6 +397,7 @@ def check_engines_options(plan: multi_config.MultiPlan) -> None:
             vllm_args.check_supported(vargs)
         except UserError as exc:
             raise UserError(f"{label}: {exc}") from None
+    return facts
 
 
 def _option_sets(plan: multi_config.MultiPlan):
@@ -419,10 +421,15 @@ def run(argv: list[str]) -> int:
 
     logs.setup()
     plan, host, port, engines = prepare(argv)
-    check_engines_options(plan)
+    facts = check_engines_options(plan)
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
-    return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan)))
+    from proxima.serve import autosize
+    from proxima.serve.sleepwake import gpu_room
+
+    room = gpu_room(autosize.gpu_facts(facts)[2])
+    return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan),
+                             sleep_options={"make_room": room}))
 
 
 class Endpoint:
@@ -430,13 +437,14 @@ class Endpoint:
     engines' :class:`Supervisor`, started and stopped together (the router's lifespan)."""
 
     def __init__(self, engines: list[Engine], host: str, port: int, *, health_interval=1.0,
-                 api_keys=(), **supervisor_options):
+                 api_keys=(), sleep_options=None, **supervisor_options):
         import uvicorn
 
         self.code, self.line = 0, None
         self.supervisor = Supervisor(engines, on_fatal=self._fatal, **supervisor_options)
         self.router = Router([e.backend for e in engines], health_interval=health_interval,
-                             api_keys=api_keys, on_startup=self.supervisor.start, on_shutdown=self.supervisor.stop)
+                             api_keys=api_keys, on_startup=self.supervisor.start,
+                             on_shutdown=self.supervisor.stop, sleep_options=sleep_options)
         config = uvicorn.Config(self.router, host=host, port=port, lifespan="on",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=10)

@@ -10,7 +10,7 @@ Command line (every ``--model`` value is ONE argument: quote it)::
 ``NAME=PATH`` names the model (the ``model`` clients send) and where it is (a directory
 with config.json, or a Hugging Face id); the tokens after it are that model's own ``vllm
 serve`` options, plus Proxima's ``--kv-min``/``--kv-max``/``--idle-release``/
-``--elastic-options`` and the engine's local ``--port``. Options outside ``--model`` (other
+``--sleep-after``/``--elastic-options`` and the engine's local ``--port``. Options outside ``--model`` (other
 than ``--host``, ``--port``, ``--models``, ``--compaction``, ``--gpu-memory-bytes``) are given
 to every engine.
 
@@ -29,6 +29,8 @@ Models file (``--models FILE``; TOML, or JSON when the name ends in ``.json``)::
     kv_min = "2GiB"
     kv_max = "20GiB"
     idle_release = 300                    # --idle-release SECONDS (optional)
+    sleep_after = 900                     # --sleep-after SECONDS (optional; implies
+                                          # the idle release, at most this)
     port = 8101                           # the engine's local port (optional)
 
 Every check raises :class:`~proxima.errors.UserError` with one line.
@@ -50,7 +52,10 @@ from proxima.serve.serve_flags import flag_value
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 TOP_KEYS = ("host", "port", "compaction", "args", "models", "gpu_memory_bytes")
-MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port", "idle_release")
+MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port", "idle_release",
+              "sleep_after")
+#: per-model flags taken out of a model's options (Proxima's, not vLLM's)
+MODEL_FLAGS = ("--port", "--kv-min", "--kv-max", "--idle-release", "--sleep-after")
 #: per-model options that the multi-model layout sets itself
 RESERVED = {
     "--host": "every engine listens on 127.0.0.1; --host belongs to the endpoint (outside --model)",
@@ -74,6 +79,7 @@ class ModelSpec:
     kv_min: str | None = None
     kv_max: str | None = None
     idle_release: str | None = None                 # --idle-release SECONDS
+    sleep_after: float | None = None                # --sleep-after SECONDS (checked)
     port: int | None = None                         # the engine's local port (None: pick one)
     origin: str = ""                                # where it was given, for error lines
 
@@ -85,6 +91,10 @@ class ModelSpec:
             out += ["--kv-max", str(self.kv_max)]
         if self.idle_release is not None:
             out += ["--idle-release", str(self.idle_release)]
+        elif self.sleep_after is not None:      # implied: the KV goes before the weights
+            out += ["--idle-release", f"{self.sleep_after:g}"]
+        if self.sleep_after is not None:
+            out += ["--sleep-mode"]
         return out
 
 
@@ -134,10 +144,12 @@ def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
         norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
         if norm in RESERVED:
             raise UserError(f"{where}: {norm} cannot be given for one model: {RESERVED[norm]}")
-        if norm in ("--port", "--kv-min", "--kv-max", "--idle-release"):
+        if norm in MODEL_FLAGS:
             value, i = flag_value(args, i, inline if eq else None, f"{where}: {norm} needs a value")
             if norm == "--port":
                 spec.port = _port(value, f"{where}: --port")
+            elif norm == "--sleep-after":
+                spec.sleep_after = sleep_seconds(value, f"{where}: --sleep-after")
             else:
                 setattr(spec, norm[2:].replace("-", "_"), value)
         elif norm == "--elastic":
@@ -146,6 +158,53 @@ def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
             rest.append(token)
         i += 1
     spec.args = rest + spec.args
+
+
+#: the shortest --sleep-after: a sleep and a wake take seconds each
+MIN_SLEEP_AFTER_S = 1.0
+
+
+def sleep_seconds(value, where: str) -> float:
+    """``--sleep-after`` / ``sleep_after``: seconds from :data:`MIN_SLEEP_AFTER_S` to a day."""
+    from proxima.config import MAX_DELAY_S, parse_number
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UserError(f"{where}: must be seconds (a number), got {value!r}")
+    return float(parse_number(value, where, least=MIN_SLEEP_AFTER_S, most=MAX_DELAY_S,
+                              unit="seconds"))
+
+
+def check_sleep_after(spec: ModelSpec, common: list[str]) -> None:
+    """A model's ``--sleep-after`` against its idle release and its elastic options: one
+    UserError line. (Every engine of the several-models serve is elastic; an
+    ``--elastic-options`` policy other than auto has no idle release.)"""
+    if spec.sleep_after is None:
+        return
+    from proxima.config import MAX_DELAY_S, parse_number, parse_options_text
+
+    where = f"model {spec.name!r}: --sleep-after {spec.sleep_after:g}"
+    if spec.idle_release is not None:
+        release = float(parse_number(spec.idle_release, f"model {spec.name!r}: --idle-release",
+                                     least=0, most=MAX_DELAY_S, unit="seconds"))
+        if spec.sleep_after < release:
+            raise UserError(f"{where} is below its --idle-release {spec.idle_release}: the "
+                            f"model gives back its KV before its weights: give --sleep-after "
+                            f"at least the idle release (or leave --idle-release out: it is "
+                            f"then the --sleep-after)")
+    tokens = [*common, *spec.args, ""]
+    for i, token in enumerate(tokens[:-1]):
+        flag, eq, inline = token.partition("=")
+        if flag != "--elastic-options":
+            continue
+        options = parse_options_text(inline if eq else tokens[i + 1], "--elastic-options")
+        if "idle_release_s" in options:
+            raise UserError(f"{where}: give the idle release as --idle-release (at most the "
+                            f"--sleep-after), not --elastic-options' idle_release_s")
+        policy = options.get("policy", "auto")
+        if policy != "auto":
+            raise UserError(f"{where} needs elastic KV with policy auto (its idle release "
+                            f"gives back the KV before the sleep), got --elastic-options "
+                            f"policy={policy}: drop the policy, or --sleep-after")
 
 
 def parse_model_option(value: str) -> ModelSpec:
@@ -280,7 +339,7 @@ def load_models_file(path: str) -> MultiPlan:
         plan.common = _args(data["args"], f"{where}: args")
         for token in plan.common:
             norm = "--" + token.partition("=")[0][2:].replace("_", "-")
-            if norm in RESERVED or norm in ("--port", "--kv-min", "--kv-max", "--idle-release"):
+            if norm in RESERVED or norm in MODEL_FLAGS or norm == "--sleep-mode":
                 raise UserError(f"{where}: args: {norm} cannot be given for every model here "
                                 f"(per model: the [[models]] table; the endpoint: host/port)")
     models = data.get("models")
@@ -311,6 +370,8 @@ def load_models_file(path: str) -> MultiPlan:
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise UserError(f"{at}.idle_release: must be seconds (a number), got {value!r}")
             spec.idle_release = str(value)
+        if "sleep_after" in entry:
+            spec.sleep_after = sleep_seconds(entry["sleep_after"], f"{at}.sleep_after")
         if "args" in entry:
             _split_model_args(_args(entry["args"], f"{at}.args"), spec, f"{at}.args")
         plan.models.append(spec)
@@ -382,6 +443,8 @@ def check_plan(plan: MultiPlan, check_model=None) -> None:
             raise UserError(f"model name {spec.name!r} is given twice ({seen[spec.name].origin} "
                             f"and {spec.origin}): every model needs its own name")
         seen[spec.name] = spec
+    for spec in plan.models:
+        check_sleep_after(spec, plan.common)
     for spec in plan.models:
         if check_model is not None:
             try:

@@ -18,6 +18,10 @@ Routes (an ASGI app; :class:`Router`; aiohttp to the engines):
   HELP/TYPE per family; plus ``proxima_router_engine_up`` and ``..._restarts_total``.
 - ``/engines/NAME/...``: passed to that engine as ``/...`` (``proxima kv --url
   http://HOST:PORT/engines/NAME``, ``/engines/NAME/proxima/selfcheck``).
+
+A model given ``sleep_after`` sleeps when idle and wakes on its next request
+(:mod:`proxima.serve.sleepwake`); ``/v1/models`` still lists it (``proxima_sleeping``),
+``/health`` counts it ready, ``/metrics`` has ``proxima_sleeping{model=...}``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+
+from proxima.serve import sleepwake
 
 log = logging.getLogger("proxima.serve")
 
@@ -61,6 +67,18 @@ class Backend:
     ever_ready: bool = False
     pid: int | None = None              # its process (the engine's proxima serve), if running
     models_entry: dict | None = field(default=None, repr=False)
+    # sleep and wake (proxima.serve.sleepwake): only for a model given sleep_after
+    sleep_after: float | None = None
+    sleep_state: str = sleepwake.AWAKE
+    sleep_generation: int = 0           # the engine's generation the sleep state is about
+    last_request: float = 0.0           # monotonic: the last request's begin or end
+    in_flight: int = 0
+    sleep_retry_at: float = 0.0
+    weights_bytes: int = 0              # what the engine's sleep freed (its answer)
+    sleeps: int = 0
+    wakes: int = 0
+    wake_failures: int = 0
+    last_wake_s: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -91,7 +109,7 @@ class Router:
     def __init__(self, backends: list[Backend], *, health_interval: float = 1.0,
                  poll_health: bool = True, connect_timeout: float = 5.0,
                  metrics_timeout: float = 5.0, api_keys=(), on_startup=None,
-                 on_shutdown=None):
+                 on_shutdown=None, sleep_options: dict | None = None):
         self.backends = {b.name: b for b in backends}
         self.health_interval = health_interval
         self.poll_health = poll_health
@@ -101,6 +119,7 @@ class Router:
         self.on_startup, self.on_shutdown = on_startup, on_shutdown
         self.session = None
         self._poller: asyncio.Task | None = None
+        self.sleepwake = sleepwake.SleepWake(self, **(sleep_options or {}))
 
     # -- lifespan --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,10 +134,12 @@ class Router:
                 connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         if self.poll_health:
             self._poller = asyncio.create_task(self._poll_forever(), name="proxima-router-health")
+        self.sleepwake.start()
         if self.on_startup is not None:
             await self.on_startup()
 
     async def stop(self) -> None:
+        await self.sleepwake.stop()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -246,7 +267,8 @@ class Router:
 
         engines = {name: {"state": b.state, **({"detail": b.detail or WHY.get(b.state, "")}
                                                if not b.ready else {}),
-                          "restarts": b.restarts, "pid": b.pid}
+                          "restarts": b.restarts, "pid": b.pid,
+                          **({"sleep": b.sleep_state} if b.sleep_after else {})}
                    for name, b in self.backends.items()}
         not_ready = [name for name, b in self.backends.items() if not b.ready]
         if not not_ready:
@@ -266,6 +288,8 @@ class Router:
         if backend.path is not None:
             entry.setdefault("root", backend.path)
         entry["proxima_state"] = backend.state
+        if backend.sleep_after:
+            entry["proxima_sleeping"] = backend.sleep_state != sleepwake.AWAKE
         return entry
 
     async def _model_by_path(self, request, name: str):
@@ -310,7 +334,15 @@ class Router:
             name = next(iter(self.backends))
         if not isinstance(name, str) or name not in self.backends:
             return self._unknown_model(name)
-        return await self._forward(self.backends[name], request, request.url.path, body)
+        backend = self.backends[name]
+        if backend.sleep_after:
+            why = await self.sleepwake.awake(backend)
+            if why is not None:
+                return openai_error(503, sleepwake.unavailable_message(backend, why),
+                                    "ServiceUnavailableError", "model", 503,
+                                    headers={"Retry-After": sleepwake.RETRY_AFTER_S})
+        return await self._forward(backend, request, request.url.path, body,
+                                   end=self.sleepwake.begin(backend))
 
     async def _engine_passthrough(self, request, path: str):
         rest = path[len("/engines/"):]
@@ -322,7 +354,19 @@ class Router:
                                            await request.body())
         return self._unknown_model(rest.split("/", 1)[0])
 
-    async def _forward(self, backend: Backend, request, path: str, body: bytes):
+    async def _forward(self, backend: Backend, request, path: str, body: bytes, end=None):
+        """``end``: called once when the engine's answer is over (or never came)."""
+        try:
+            response = await self._forward_to(backend, request, path, body, end)
+        except BaseException:
+            if end is not None:
+                end()
+            raise
+        if end is not None and not hasattr(response, "body_iterator"):
+            end()
+        return response
+
+    async def _forward_to(self, backend: Backend, request, path: str, body: bytes, end):
         from starlette.background import BackgroundTask
         from starlette.responses import StreamingResponse
 
@@ -355,10 +399,14 @@ class Router:
                 # an answer not read to its end (the client left): close the connection, so
                 # the engine sees it and aborts the request
                 upstream.release() if whole else upstream.close()
+                if end is not None:
+                    end()
 
         def finish():
             if not upstream.closed:   # the client left before the first chunk
                 upstream.close()
+            if end is not None:
+                end()
 
         return StreamingResponse(chunks(), status_code=upstream.status, headers=out_headers,
                                  background=BackgroundTask(finish))
@@ -396,6 +444,11 @@ def merge_expositions(scrapes: list[tuple[str, str | None]], backends: dict | No
     families: dict[str, Metric] = {}
     up = Metric("proxima_router_engine_up", "1 when the model's engine answered the scrape "
                 "and is ready", "gauge")
+    sleeping = Metric("proxima_sleeping", "1 while the model sleeps (its weights in host "
+                      "memory; falling asleep or waking too), 0 awake", "gauge")
+    wakes = Metric("proxima_router_wakes", "times the model was woken by a request", "counter")
+    wake_s = Metric("proxima_router_last_wake_seconds", "seconds the model's last wake took "
+                    "(room on the GPU and vLLM's wake; NaN: none yet)", "gauge")
     restarts = Metric("proxima_router_engine_restarts", "times the model's engine was "
                       "restarted after it died", "counter")
     for name, text in scrapes:
@@ -404,6 +457,13 @@ def merge_expositions(scrapes: list[tuple[str, str | None]], backends: dict | No
                       1.0 if text is not None and (backend is None or backend.ready) else 0.0)
         restarts.add_sample("proxima_router_engine_restarts_total", {"model": name},
                             float(backend.restarts if backend is not None else 0))
+        if backend is not None and backend.sleep_after:
+            sleeping.add_sample("proxima_sleeping", {"model": name},
+                                0.0 if backend.sleep_state == sleepwake.AWAKE else 1.0)
+            wakes.add_sample("proxima_router_wakes_total", {"model": name}, float(backend.wakes))
+            wake_s.add_sample("proxima_router_last_wake_seconds", {"model": name},
+                              float("nan") if backend.last_wake_s is None
+                              else backend.last_wake_s)
         if text is None:
             continue
         try:
@@ -428,6 +488,10 @@ def merge_expositions(scrapes: list[tuple[str, str | None]], backends: dict | No
         def collect(self):
             yield up
             yield restarts
+            if sleeping.samples:
+                yield sleeping
+                yield wakes
+                yield wake_s
             yield from families.values()
 
     return generate_latest(_Once()).decode()

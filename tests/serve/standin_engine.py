@@ -10,6 +10,12 @@ NAME``), so a test sees which engine served a request. With ``--gate FILE`` a st
 its first chunk and then waits until FILE exists: a test proves that the endpoint passed
 that chunk on before the engine finished; and if the rest cannot be written (the endpoint
 closed the connection) it creates FILE.cut.
+
+Sleep and wake, as ``proxima serve --sleep-mode`` answers them (proxima.serve.engine_sleep):
+``POST /proxima/sleep`` puts it to sleep (200; again while asleep: 200, no second sleep),
+``POST /proxima/wake_up`` wakes it (after ``--wake-delay S``; 500 with ``--wake-fail``),
+and while it sleeps its inference routes answer 503. ``GET /proxima/kv`` says
+``sleeping`` and counts the sleeps and wakes done.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,7 +54,18 @@ def metrics_text(name: str, served: int) -> str:
         f'vllm:e2e_request_latency_seconds_sum{{model_name="{name}"}} {0.5 * served}\n')
 
 
-def make_handler(name: str, health: int, gate: str | None, served: list):
+class SleepState:
+    def __init__(self, wake_delay: float = 0.0, wake_fail: bool = False):
+        self.asleep = False
+        self.sleeps = self.wakes = 0
+        self.wake_delay, self.wake_fail = wake_delay, wake_fail
+        self.lock = threading.Lock()        # one sleep or wake at a time, as the engine's
+
+
+def make_handler(name: str, health: int, gate: str | None, served: list,
+                 sleep: SleepState | None = None):
+    sleep = sleep or SleepState()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
 
@@ -82,12 +100,38 @@ def make_handler(name: str, health: int, gate: str | None, served: list):
                 self.end_headers()
                 self.wfile.write(body)
             elif self.path == "/proxima/kv":
-                self._json(200, {"engine": name, "mapped_bytes": 1})
+                self._json(200, {"engine": name, "mapped_bytes": 1, "sleeping": sleep.asleep,
+                                 "sleeps": sleep.sleeps, "wakes": sleep.wakes})
             else:
                 self._json(404, {"error": "not found", "engine": name})
 
+        def _sleep_route(self, action: str):
+            with sleep.lock:
+                if action == "sleep":
+                    if not sleep.asleep:
+                        sleep.asleep = True
+                        sleep.sleeps += 1
+                    return self._json(200, {"sleeping": True, "seconds": 0.01,
+                                            "weights_bytes": 2**30, "engine": name})
+                if not sleep.asleep:
+                    return self._json(200, {"sleeping": False, "seconds": 0.0, "engine": name})
+                time.sleep(sleep.wake_delay)
+                if sleep.wake_fail:
+                    return self._json(500, {"error": "vLLM's wake failed (RuntimeError: "
+                                                     "CUDA out of memory)", "engine": name})
+                sleep.asleep = False
+                sleep.wakes += 1
+                return self._json(200, {"sleeping": False, "seconds": sleep.wake_delay,
+                                        "engine": name})
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path in ("/proxima/sleep", "/proxima/wake_up"):
+                return self._sleep_route(self.path[len("/proxima/"):])
+            if sleep.asleep:
+                return self._json(503, {"error": {"message": "the model is asleep",
+                                                  "type": "ServiceUnavailableError",
+                                                  "code": 503}, "engine": name})
             served.append(body)
             if body.get("model") != name:
                 return self._json(404, {"error": f"model {body.get('model')!r} is not {name!r}",
@@ -132,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--health", type=int, default=200)
     parser.add_argument("--gate")
+    parser.add_argument("--wake-delay", type=float, default=0.0)
+    parser.add_argument("--wake-fail", action="store_true")
     parser.add_argument("--arbiter", action="store_true",
                         help="serve from a forked worker and wait on it, as gunicorn's arbiter "
                              "does: the worker shares stdout and outlives a kill -9 of this pid")
@@ -147,7 +193,8 @@ def main(argv=None) -> int:
             return 0
     served: list = []
     httpd = ThreadingHTTPServer(("127.0.0.1", args.port),
-                                make_handler(args.model, args.health, args.gate, served))
+                                make_handler(args.model, args.health, args.gate, served,
+                                             SleepState(args.wake_delay, args.wake_fail)))
     httpd.daemon_threads = True
     print(f"stand-in engine {args.model} on 127.0.0.1:{args.port} (pid {os.getpid()})", flush=True)
     httpd.serve_forever(poll_interval=0.05)

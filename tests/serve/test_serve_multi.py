@@ -77,16 +77,18 @@ class Lines:
 
 @pytest.fixture
 def endpoint(tmp_path):
-    """Factory: ``endpoint({name: [extra stand-in options]}, **Supervisor options)`` -> a
-    Running endpoint whose engines are all ready (stopped after the test)."""
+    """Factory: ``endpoint({name: [extra stand-in options]}, sleep_after={name: seconds},
+    **Endpoint options)`` -> a Running endpoint whose engines are all ready (stopped after
+    the test)."""
     started = []
 
-    def start(models: dict, wait_ready=True, **options):
+    def start(models: dict, wait_ready=True, sleep_after=None, **options):
         engines = []
         for name, extra in models.items():
             port = free_port()
             engines.append(multi.Engine(
-                backend=Backend(name=name, url=f"http://127.0.0.1:{port}", path=f"/models/{name}"),
+                backend=Backend(name=name, url=f"http://127.0.0.1:{port}", path=f"/models/{name}",
+                                sleep_after=(sleep_after or {}).get(name)),
                 command=standin(name, port, *extra),
                 env={**os.environ, "PYTHONPATH": str(REPO)}))
         out = Lines()

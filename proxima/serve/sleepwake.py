@@ -1,0 +1,260 @@
+"""Idle models sleep and wake on their next request: the several-models endpoint's side
+(``--sleep-after SECONDS`` per model; the engine's side is :mod:`proxima.serve.engine_sleep`).
+
+The router (:mod:`proxima.serve.router`) tells :class:`SleepWake` when each request for a
+model begins and ends. A model with ``sleep_after`` whose engine is ready, with no request
+in flight and none begun or ended for ``sleep_after`` seconds, is put to sleep: ``POST
+/proxima/sleep`` on its engine (which waits for its KV to be given back by the idle
+release, then moves the weights to host memory). A request for a sleeping model wakes it
+first and is held meanwhile (the client sees a slower first token, not an error):
+
+1. room: the weights' bytes (as the engine's sleep answered) must be free on the GPU; what
+   is short is asked of the GPU's other engines through the ledger's unmet demand, as a
+   starting engine does (:func:`proxima.serve.autosize.ask_others`), bounded;
+2. ``POST /proxima/wake_up`` on the engine, bounded;
+3. the held request (and every other that came meanwhile: one wake for them all) goes on.
+
+A wake that fails or times out answers the held requests 503 in OpenAI's error shape with
+``Retry-After``; the model stays listed and asleep, and its next request tries again. One
+log line per sleep and per wake, with the seconds it took. An engine that restarts
+starts awake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+log = logging.getLogger("proxima.serve")
+
+AWAKE, FALLING_ASLEEP, ASLEEP, WAKING = "awake", "falling-asleep", "asleep", "waking"
+WAKE_TIMEOUT_S = 120.0          # room + wake, at most
+SLEEP_TIMEOUT_S = 30.0          # how long an engine's sleep waits for its KV to be given back
+SLEEP_RETRY_S = 10.0            # after a sleep the engine refused (a request came, ...)
+RETRY_AFTER_S = "10"
+
+
+class WakeFailed(Exception):
+    """A wake that did not happen; its message says why (one line)."""
+
+
+RoomFn = Callable[[str, int, float], Awaitable[None]]
+
+
+class SleepWake:
+    """The sleep/wake state machine of the router's models (those with ``sleep_after``)."""
+
+    def __init__(self, router, *, make_room: RoomFn | None = None,
+                 wake_timeout: float = WAKE_TIMEOUT_S, sleep_timeout: float = SLEEP_TIMEOUT_S,
+                 retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None):
+        self.router = router
+        self.make_room = make_room
+        self.wake_timeout = wake_timeout
+        self.sleep_timeout = sleep_timeout
+        self.retry_s = retry_s
+        afters = [b.sleep_after for b in router.backends.values() if b.sleep_after]
+        self.tick_s = tick_s if tick_s is not None else \
+            min([1.0, *(a / 4 for a in afters)]) if afters else 1.0
+        self._wakes: dict[str, asyncio.Task] = {}
+        self._sleeps: dict[str, asyncio.Task] = {}
+        self._loop: asyncio.Task | None = None
+        now = time.monotonic()
+        for backend in router.backends.values():
+            backend.last_request = now
+
+    @property
+    def active(self) -> bool:
+        return any(b.sleep_after for b in self.router.backends.values())
+
+    # -- lifespan --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.active and self._loop is None:
+            self._loop = asyncio.create_task(self._forever(), name="proxima-router-sleep")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop, *self._wakes.values(), *self._sleeps.values()) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- requests --------------------------------------------------------------------------
+    def begin(self, backend) -> Callable[[], None]:
+        """A request for ``backend`` goes to its engine now; returns its end (call once)."""
+        backend.in_flight += 1
+        backend.last_request = time.monotonic()
+        done = False
+
+        def end() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                backend.in_flight -= 1
+                backend.last_request = time.monotonic()
+        return end
+
+    async def awake(self, backend) -> str | None:
+        """Wait until ``backend``'s model is awake (waking it if asleep): None, or why it
+        could not be woken (one line)."""
+        self._forget_restart(backend)
+        backend.last_request = time.monotonic()
+        if not backend.sleep_after or backend.sleep_state == AWAKE:
+            return None
+        falling = self._sleeps.get(backend.name)
+        if falling is not None:
+            await asyncio.shield(falling)
+            if backend.sleep_state == AWAKE:        # the engine refused the sleep
+                return None
+        task = self._wakes.get(backend.name)
+        if task is None:
+            task = self._wakes[backend.name] = asyncio.create_task(
+                self._wake(backend), name=f"proxima-wake-{backend.name}")
+            task.add_done_callback(lambda _t, n=backend.name: self._wakes.pop(n, None))
+        try:
+            await asyncio.shield(task)
+        except WakeFailed as exc:
+            return str(exc)
+        return None
+
+    def _forget_restart(self, backend) -> None:
+        if backend.sleep_state != AWAKE and backend.generation != backend.sleep_generation:
+            backend.sleep_state = AWAKE             # a restarted engine starts awake
+
+    # -- sleeping --------------------------------------------------------------------------
+    async def _forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
+            for backend in self.router.backends.values():
+                self._forget_restart(backend)
+                if self.due(backend, now):
+                    self._sleeps[backend.name] = asyncio.create_task(
+                        self._sleep(backend), name=f"proxima-sleep-{backend.name}")
+
+    def due(self, backend, now: float) -> bool:
+        return bool(backend.sleep_after and backend.ready and backend.sleep_state == AWAKE
+                    and backend.in_flight == 0 and backend.name not in self._sleeps
+                    and now - backend.last_request >= backend.sleep_after
+                    and now >= backend.sleep_retry_at)
+
+    async def _sleep(self, backend) -> None:
+        began = time.monotonic()
+        backend.sleep_state = FALLING_ASLEEP
+        backend.sleep_generation = backend.generation
+        try:
+            status, answer = await self._post(backend, "/proxima/sleep",
+                                              {"timeout_s": self.sleep_timeout},
+                                              self.sleep_timeout + 60)
+            if status != 200:
+                backend.sleep_state = AWAKE
+                backend.sleep_retry_at = time.monotonic() + self.retry_s
+                log.info("model %s: not put to sleep now (its engine answered %d: %s); "
+                         "trying again in %g s", backend.name, status,
+                         _why(answer), self.retry_s)
+                return
+            backend.sleep_state = ASLEEP
+            backend.weights_bytes = int(answer.get("weights_bytes") or 0)
+            backend.sleeps += 1
+            log.info("model %s: asleep in %.2f s (idle %g s; weights ~%.2f GiB in host "
+                     "memory)", backend.name, time.monotonic() - began, backend.sleep_after,
+                     backend.weights_bytes / 2**30)
+        except Exception as exc:  # noqa: BLE001 - the engine went away: it stays awake
+            backend.sleep_state = AWAKE
+            backend.sleep_retry_at = time.monotonic() + self.retry_s
+            log.warning("model %s: sleep failed (%s: %s)", backend.name, type(exc).__name__, exc)
+        finally:
+            self._sleeps.pop(backend.name, None)
+
+    # -- waking ----------------------------------------------------------------------------
+    async def _wake(self, backend) -> None:
+        began = time.monotonic()
+        backend.sleep_state = WAKING
+        room_s = 0.0
+        try:
+            if self.make_room is not None and backend.weights_bytes:
+                try:
+                    await asyncio.wait_for(
+                        self.make_room(backend.name, backend.weights_bytes, self.wake_timeout),
+                        self.wake_timeout)
+                except asyncio.TimeoutError:
+                    raise WakeFailed(f"no room on the GPU for its weights "
+                                     f"({backend.weights_bytes / 2**30:.2f} GiB) within "
+                                     f"{self.wake_timeout:g} s") from None
+                room_s = time.monotonic() - began
+            left = max(1.0, self.wake_timeout - room_s)
+            try:
+                status, answer = await self._post(backend, "/proxima/wake_up", None, left)
+            except asyncio.TimeoutError:
+                raise WakeFailed(f"its engine did not wake within {left:.0f} s") from None
+            except Exception as exc:  # noqa: BLE001 - the engine is gone
+                raise WakeFailed(f"its engine did not answer ({type(exc).__name__})") from None
+            if status != 200:
+                raise WakeFailed(f"its engine answered {status} to the wake: {_why(answer)}")
+        except WakeFailed as exc:
+            backend.sleep_state = ASLEEP
+            backend.wake_failures += 1
+            log.error("model %s: wake failed after %.2f s: %s", backend.name,
+                      time.monotonic() - began, exc)
+            raise
+        except BaseException:
+            backend.sleep_state = ASLEEP
+            raise
+        backend.sleep_state = AWAKE
+        backend.wakes += 1
+        backend.last_wake_s = time.monotonic() - began
+        backend.last_request = time.monotonic()
+        log.info("model %s: awake in %.2f s (room %.2f s, wake %.2f s)", backend.name,
+                 backend.last_wake_s, room_s, backend.last_wake_s - room_s)
+
+    async def _post(self, backend, path: str, body, timeout: float) -> tuple[int, dict]:
+        import aiohttp
+
+        async with self.router.session.post(
+                f"{backend.url}{path}", json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout)) as answer:
+            try:
+                payload = await answer.json(content_type=None)
+            except Exception:  # noqa: BLE001 - not JSON: its text says why
+                payload = {"error": (await answer.text())[:300]}
+            return answer.status, payload if isinstance(payload, dict) else {}
+
+
+def _why(answer: dict) -> str:
+    error = answer.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error or answer)[:300]
+
+
+def unavailable_message(backend, why: str) -> str:
+    """What the held requests are told (503, OpenAI's error shape) when the wake failed."""
+    return f"The model `{backend.name}` is asleep and could not be woken now: {why}. Retry later."
+
+
+def gpu_room(uuid: str | None, ledger_dir: str | None = None) -> RoomFn | None:
+    """The wake's room on the GPU ``uuid``: what of ``need`` bytes is not free now (NVML) is
+    asked of the other engines through the GPU's ledger, waiting until it is (bounded).
+    None without a GPU uuid (nothing to ask)."""
+    if not uuid:
+        return None
+    from proxima.errors import UserError
+    from proxima.serve import autosize
+
+    free = autosize._nvml_free(uuid)
+
+    async def room(name: str, need: int, timeout: float) -> None:
+        now = await asyncio.to_thread(free)
+        if now is None or now >= need:
+            return
+        short = need - now
+        log.info("model %s: asking the GPU's other engines for %.2f GiB to wake it", name,
+                 short / 2**30)
+        try:
+            await asyncio.to_thread(autosize.ask_others, uuid, short, free,
+                                    ledger_dir=ledger_dir, timeout=timeout)
+        except UserError:
+            raise WakeFailed(f"the GPU's other engines did not give back the "
+                             f"{short / 2**30:.2f} GiB its weights need within "
+                             f"{timeout:g} s") from None
+    return room

@@ -1,0 +1,98 @@
+"""``--sleep-after SECONDS`` (issue 36, item 3): read per model from ``--model`` and the
+models file, checked before anything starts (one line), and turned into the engine's
+``--idle-release`` + ``--sleep-mode`` (vLLM's ``--enable-sleep-mode`` beside elastic KV)."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxima import config
+from proxima.errors import UserError
+from proxima.serve import multi, serve_flags, validate
+from proxima.serve.multi_config import check_plan, parse_command_line
+
+from .conftest import assert_one_line_error, free_port, run_proxima
+from .test_serve_multi_config import TINY
+
+
+def plan_of(*argv):
+    plan = parse_command_line(list(argv))
+    check_plan(plan, validate.check_model)
+    return plan
+
+
+def test_sleep_after_from_the_command_line_and_the_file_implies_the_idle_release(tmp_path,
+                                                                                 monkeypatch):
+    file = tmp_path / "models.toml"
+    file.write_text(f'[[models]]\nname = "chat"\npath = "{TINY}"\nsleep_after = 600\n'
+                    f'idle_release = 120\n')
+    plan = plan_of("--models", str(file), "--model", f"small={TINY} --sleep-after 90",
+                   "--model", f"other={TINY}")
+    chat, small, other = plan.models
+    assert (chat.sleep_after, small.sleep_after, other.sleep_after) == (600.0, 90.0, None)
+    # the idle release given is kept; else it is the sleep_after (the KV goes first)
+    assert chat.elastic_args() == ["--idle-release", "120", "--sleep-mode"]
+    assert small.elastic_args() == ["--idle-release", "90", "--sleep-mode"]
+    assert other.elastic_args() == []
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    _, _, _, engines = multi.prepare(["--models", str(file), "--port", str(free_port()),
+                                      "--model", f"small={TINY} --sleep-after 90"])
+    assert [e.backend.sleep_after for e in engines] == [600.0, 90.0]
+    assert engines[1].command[-3:] == ["--idle-release", "90", "--sleep-mode"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", f"a={TINY} --sleep-after 30 --idle-release 60"],
+     "model 'a': --sleep-after 30 is below its --idle-release 60"),
+    (["--model", f"a={TINY} --sleep-after -5"], "--sleep-after: '-5' is out of range"),
+    (["--model", f"a={TINY} --sleep-after nan"], "is not finite"),
+    (["--model", f"a={TINY} --sleep-after soon"], "is not a number"),
+    (["--model", f"a={TINY} --sleep-after 0.5"], "is out of range"),
+    (["--model", f"a={TINY} --sleep-after"], "--sleep-after needs a value"),
+    (["--model", f"a={TINY} --sleep-after 60 --elastic-options policy=off"],
+     "needs elastic KV with policy auto"),
+    (["--model", f"a={TINY} --sleep-after 60", "--elastic-options", "policy=fixed"],
+     "needs elastic KV with policy auto"),
+    (["--model", f"a={TINY} --sleep-after 60 --elastic-options idle_release_s=10"],
+     "give the idle release as --idle-release"),
+])
+def test_bad_sleep_after_is_refused_in_one_line(argv, message):
+    with pytest.raises(UserError) as caught:
+        plan_of(*argv)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "is out of range"), ("true", "must be seconds"), ('"x"', "is not a number")])
+def test_bad_sleep_after_in_the_models_file_names_the_field(tmp_path, value, message):
+    file = tmp_path / "models.toml"
+    file.write_text(f'[[models]]\nname = "chat"\npath = "{TINY}"\nsleep_after = {value}\n')
+    with pytest.raises(UserError) as caught:
+        plan_of("--models", str(file))
+    assert "models[1].sleep_after" in str(caught.value) and message in str(caught.value)
+
+
+def test_sleep_mode_needs_the_idle_release_and_policy_auto():
+    rest, options = serve_flags.take_elastic_options(
+        ["m", "--elastic", "--idle-release", "30", "--sleep-mode"])
+    assert rest == ["m"] and options["sleep_mode"] is True and options["idle_release_s"] == 30
+    with pytest.raises(UserError, match="--sleep-mode needs --idle-release"):
+        serve_flags.take_elastic_options(["m", "--elastic", "--sleep-mode"])
+    with pytest.raises(UserError, match="--sleep-mode needs --elastic"):
+        serve_flags.take_elastic_options(["m", "--sleep-mode"])
+    with pytest.raises(UserError, match="--sleep-mode takes no value"):
+        serve_flags.take_elastic_options(["m", "--elastic", "--sleep-mode=1"])
+    with pytest.raises(config.ConfigError, match="sleep_mode needs idle_release_s and policy auto"):
+        config.elastic_options({"sleep_mode": True, "idle_release_s": 5, "policy": "fixed"})
+
+
+def test_sleep_after_for_one_engine_alone_is_refused_before_anything_starts():
+    done = run_proxima("serve", TINY, "--elastic", "--sleep-after", "60", timeout=60)
+    assert_one_line_error(done, "--sleep-after is an option of one model behind proxima "
+                                "serve's endpoint", "--model 'NAME=PATH --sleep-after SECONDS'")
+
+
+def test_sleep_after_below_the_idle_release_is_refused_by_the_command(tmp_path):
+    done = run_proxima("serve", "--model", f"a={TINY} --sleep-after 10 --idle-release 20",
+                       "--port", str(free_port()), timeout=60)
+    assert_one_line_error(done, "--sleep-after 10 is below its --idle-release 20")

@@ -1,0 +1,148 @@
+"""Idle models sleep and wake on their next request (issue 36, item 3), on CPU: the real
+endpoint (uvicorn, router, supervisor, :mod:`proxima.serve.sleepwake`) over stand-in
+engines (tests/serve/standin_engine.py) that serve ``/proxima/sleep`` and
+``/proxima/wake_up`` as ``proxima serve --sleep-mode`` does: an asleep stand-in answers
+inference with 503, so a request that got through was answered by an awake engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from tests.serve.test_serve_multi import endpoint, wait_for  # noqa: E402,F401
+
+SLEEP_AFTER = 0.4
+
+
+def kv(ep, name):
+    return ep.get(f"/engines/{name}/proxima/kv").json()
+
+
+def asleep(ep, name):
+    return ep.engines[name].backend.sleep_state == "asleep"
+
+
+def complete(ep, name, **extra):
+    return ep.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2, **extra})
+
+
+def test_an_idle_model_is_put_to_sleep_and_still_listed(endpoint, caplog):
+    caplog.set_level(logging.INFO, logger="proxima.serve")
+    ep = endpoint({"alpha": [], "beta": []}, sleep_after={"alpha": SLEEP_AFTER})
+    assert complete(ep, "alpha").status_code == 200
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
+    state = kv(ep, "alpha")
+    # the engine itself sleeps (it may have slept and woken already while beta started)
+    assert state["sleeping"] is True and state["sleeps"] == state["wakes"] + 1
+    assert kv(ep, "beta")["sleeping"] is False                    # no sleep_after: never
+    listing = {m["id"]: m for m in ep.get("/v1/models").json()["data"]}
+    assert set(listing) == {"alpha", "beta"}
+    assert listing["alpha"]["proxima_sleeping"] is True
+    assert "proxima_sleeping" not in listing["beta"]
+    health = ep.get("/health")
+    assert health.status_code == 200                              # asleep is not unhealthy
+    assert health.json()["engines"]["alpha"]["sleep"] == "asleep"
+    metrics = ep.get("/metrics").text
+    assert 'proxima_sleeping{model="alpha"} 1.0' in metrics
+    assert 'proxima_sleeping{model="beta"}' not in metrics
+    assert any("model alpha: asleep in" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_with_a_request_in_flight_does_not_sleep(endpoint, tmp_path):
+    gate = tmp_path / "gate"
+    ep = endpoint({"alpha": ["--gate", str(gate)]}, sleep_after={"alpha": SLEEP_AFTER})
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")       # idle since it started
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", ep.url + "/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        # the stream is held open for well past sleep_after: the model stays awake
+        threading.Event().wait(SLEEP_AFTER * 4)
+        assert ep.engines["alpha"].backend.sleep_state == "awake"
+        assert ep.engines["alpha"].backend.in_flight == 1
+        gate.touch()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep once the stream ended")
+    assert ep.engines["alpha"].backend.in_flight == 0
+
+
+def test_a_request_for_a_sleeping_model_wakes_it_once_and_is_answered(endpoint, caplog):
+    caplog.set_level(logging.INFO, logger="proxima.serve")
+    ep = endpoint({"alpha": []}, sleep_after={"alpha": SLEEP_AFTER})
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
+    answer = complete(ep, "alpha")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["engine"] == "alpha"
+    state = kv(ep, "alpha")
+    assert state["wakes"] == 1 and state["sleeping"] is False
+    assert ep.engines["alpha"].backend.wakes == 1
+    assert any("model alpha: awake in" in r.getMessage() for r in caplog.records)
+    # it falls asleep again, and a streamed request wakes it just the same
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep again")
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", ep.url + "/v1/completions", json=body, timeout=30) as stream:
+        assert stream.status_code == 200
+        lines = [line for line in stream.iter_lines() if line]
+    assert [json.loads(x.removeprefix("data: "))["choices"][0]["text"] for x in lines[:-1]] == \
+        [" t0", " t1", " t2"]
+    assert kv(ep, "alpha")["wakes"] == 2
+    metrics = ep.get("/metrics").text
+    assert 'proxima_router_wakes_total{model="alpha"} 2.0' in metrics
+
+
+def test_concurrent_requests_for_a_sleeping_model_make_one_wake(endpoint):
+    ep = endpoint({"alpha": ["--wake-delay", "0.5"]}, sleep_after={"alpha": SLEEP_AFTER})
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
+    answers = [None] * 4
+
+    def ask(i):
+        answers[i] = complete(ep, "alpha")
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [a.status_code for a in answers] == [200] * 4
+    assert kv(ep, "alpha")["wakes"] == 1
+    assert ep.engines["alpha"].backend.wakes == 1
+
+
+def test_a_failed_wake_answers_503_in_openais_shape_and_the_model_stays_listed(endpoint, caplog):
+    caplog.set_level(logging.INFO, logger="proxima.serve")
+    ep = endpoint({"alpha": ["--wake-fail"], "beta": []}, sleep_after={"alpha": SLEEP_AFTER})
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
+    answer = complete(ep, "alpha")
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"].isdigit()
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "asleep and could not be woken" in error["message"]
+    assert "CUDA out of memory" in error["message"]               # the engine's reason
+    assert (error["type"], error["code"]) == ("ServiceUnavailableError", 503)
+    assert [m["id"] for m in ep.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+    assert asleep(ep, "alpha") and kv(ep, "alpha")["sleeping"] is True
+    assert complete(ep, "beta").status_code == 200                # the others serve on
+    assert any("model alpha: wake failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_wake_that_finds_no_room_answers_503_without_waking_the_engine(endpoint):
+    async def no_room(name, need, timeout):
+        from proxima.serve.sleepwake import WakeFailed
+
+        assert (name, need) == ("alpha", 2**30)         # the weights the sleep freed
+        raise WakeFailed("the GPU's other engines did not give back 1.00 GiB within 1 s")
+
+    ep = endpoint({"alpha": []}, sleep_after={"alpha": SLEEP_AFTER},
+                  sleep_options={"make_room": no_room})
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
+    answer = complete(ep, "alpha")
+    assert answer.status_code == 503 and "did not give back" in answer.json()["error"]["message"]
+    state = kv(ep, "alpha")
+    assert state["sleeping"] is True and state["wakes"] == 0      # never asked to wake
