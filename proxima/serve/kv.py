@@ -108,7 +108,7 @@ FIELDS = {"policy": ("text", True), "granule_blocks": ("positive", True),
           "max_bytes": ("bytes", False), "grows": ("count", False),
           "shrinks": ("count", False), "failed_grows": ("count", False),
           "bytes_returned": ("bytes", False), "evicted_cached": ("count", False),
-          "short": ("flag", False)}
+          "short": ("flag", False), "sleeping": ("flag", False)}
 _KINDS = {"text": "a string", "count": "an integer from 0 to 2**63", "positive":
           "an integer from 1 to 2**63", "bytes": "a number of bytes from 0 to 2**63",
           "flag": "true or false"}
@@ -221,6 +221,11 @@ def format_status(data: dict) -> str:
               for key, label in COUNTERS if data.get(key) is not None]
     if counts:
         lines.append("  " + ", ".join(counts))
+    if data.get("sleeping"):
+        state = one_line(str(data.get("sleep_state") or "asleep"), 20)
+        lines.append(f"  the model is {state.replace('-', ' ')} (vLLM's sleep mode: its weights "
+                     f"in host memory; its next request through proxima serve's endpoint "
+                     f"wakes it)")
     if data.get("short"):
         lines.append("  the GPU could not give more memory at the last grow (another process "
                      "holds it): serving at the current size, retrying")

@@ -81,6 +81,7 @@ def test_kv_route_reads_and_sets_the_bounds(args, elastic_scheduler):
     per = data["bytes_per_granule"]
     assert data["policy"] == "auto" and data["pool_bytes"] == 16 * per
     assert data["mapped_bytes"] == per and data["used_bytes"] == 0
+    assert (data["sleeping"], data["sleep_state"]) == (False, "awake")
     changed = client.post("/proxima/kv", json={"min_bytes": 3 * per, "max_bytes": "1GiB"})
     assert changed.status_code == 200, changed.text
     assert changed.json()["min_bytes"] == 3 * per and changed.json()["mapping_granules"] == 2
@@ -148,6 +149,18 @@ def test_proxima_kv_cli_reads_and_sets(live_server, capsys):
     capsys.readouterr()
     assert main(["kv", "--url", live_server, "--min", "100TiB"]) == 1
     assert "above the pool" in capsys.readouterr().err
+
+
+def test_proxima_kv_says_when_the_model_sleeps():
+    from proxima.serve.kv import check_answer, format_status
+
+    base = {"policy": "auto", "granule_blocks": 256, "bytes_per_granule": 2 << 20,
+            "mapped_bytes": 2 << 20, "pool_bytes": 64 << 30}
+    assert "asleep" not in format_status(check_answer({**base, "sleeping": False}))
+    text = format_status(check_answer({**base, "sleeping": True, "sleep_state": "asleep"}))
+    assert "the model is asleep (vLLM's sleep mode: its weights in host memory" in text
+    with pytest.raises(Exception, match="sleeping is an integer"):
+        check_answer({**base, "sleeping": 1})
 
 
 @pytest.mark.parametrize("argv, message", [
