@@ -6,7 +6,12 @@ each with a small KV pool, elastic, on the one GPU. Tests, in file order: every 
 ready and /health 200; routing and streaming through the endpoint; /v1/models; the 404;
 /metrics labelled by model, with both engines' proxima_* and vllm:* series; the mp executor
 chosen by default (the log); kill -9 of one model's engine (its `proxima serve`): 503 for
-that model while the other serves, then back; SIGTERM stops everything.
+that model while the other serves, then back; SIGTERM stops everything. Last, with its own
+`proxima serve`, one sleep/wake cycle of a model given `--sleep-after` (issue 36, item 3):
+greedy outputs identical across it, the sleep and wake seconds, the first token after the
+wake and the GPU's used memory written to sleep_wake.json under $PROXIMA_GPU_OUT or $OUT
+(PROXIMA_SLEEP_MODEL picks the model: the tiny demo by default, whose weights are too small
+to show in the memory figures; tools/gpu/dummy-llama has Llama-3.1-8B's).
 
 On one H100 (docs/results/h100-2026-12-05-s22): 4 of 6 passed; the kill -9 and SIGTERM
 tests failed on two supervisor bugs, fixed since with CPU tests that reproduce them
@@ -157,3 +162,142 @@ def test_sigterm_stops_the_endpoint_and_every_engine(served):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# -- issue 36 item 3: one sleep/wake cycle on a real engine ------------------------------------
+SLEEP_AFTER_S = 5
+SLEEP_MODEL = os.environ.get("PROXIMA_SLEEP_MODEL", TINY)   # tools/gpu/dummy-llama: 8B's shape
+
+
+def _gpu_used_bytes() -> int | None:
+    """NVML's used memory of the (first visible) GPU, without a CUDA context here."""
+    try:
+        try:
+            import pynvml
+        except ImportError:
+            from vllm.third_party import pynvml  # type: ignore[no-redef]
+        pynvml.nvmlInit()
+        try:
+            first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByUUID(first))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - a figure for the record only
+        return None
+
+
+def _sleeping(url: str) -> bool:
+    entry = httpx.get(url + "/v1/models/s", timeout=10).json()
+    return entry.get("proxima_sleeping") is True
+
+
+def _stream_timed(url: str, body: dict) -> tuple[float, float, str]:
+    """(seconds to the first token, seconds to the end, the text) of a streamed completion."""
+    import json
+
+    began = time.perf_counter()
+    first, text = None, []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=300) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line.removeprefix("data: "))["choices"][0].get("text", "")
+            if first is None and piece:
+                first = time.perf_counter() - began
+            text.append(piece)
+    return first if first is not None else float("nan"), time.perf_counter() - began, \
+        "".join(text)
+
+
+def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
+    """`--sleep-after` on a real engine (vLLM's sleep mode beside elastic KV): the model
+    falls asleep once idle (KV given back, weights to host), a request wakes it and is
+    answered, greedy outputs before and after are identical. Records the sleep and wake
+    seconds, the first token after the wake (and a warm one) and the GPU's used memory
+    awake / asleep / awake in sleep_wake.json under $PROXIMA_GPU_OUT or $OUT."""
+    import json
+    import re
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("PROXIMA_ALLOCATOR", None)
+    env.pop("PROXIMA_STATS_FILE", None)
+    options = MODEL_OPTIONS if SLEEP_MODEL == TINY else \
+        "--load-format dummy --max-model-len 2048 --enforce-eager --kv-max 4GiB"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxima.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--model", f"s={SLEEP_MODEL} {options} --sleep-after {SLEEP_AFTER_S}"],
+        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"proxima serve exited with {proc.returncode}:\n{tail(log)}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"/health not 200\n{tail(log)}"
+            time.sleep(1)
+        body = {"model": "s", "prompt": "The capital of France is", "max_tokens": 16,
+                "temperature": 0}
+        warm_first, _, before = _stream_timed(url, body)
+        used_awake = _gpu_used_bytes()
+        deadline = time.monotonic() + SLEEP_AFTER_S + 180
+        while not _sleeping(url):
+            assert proc.poll() is None, tail(log)
+            assert time.monotonic() < deadline, f"never fell asleep\n{tail(log)}"
+            time.sleep(0.5)
+        time.sleep(1)
+        used_asleep = _gpu_used_bytes()
+        kv = httpx.get(url + "/engines/s/proxima/kv", timeout=10).json()
+        assert kv["sleeping"] is True and kv["mapped_bytes"] <= kv["bytes_per_granule"]
+        wake_first, wake_total, after = _stream_timed(url, body)     # wakes it
+        assert after == before, "greedy output changed across the sleep/wake cycle"
+        assert not _sleeping(url)
+        again_first, _, again = _stream_timed(url, body)
+        assert again == before
+        used_woken = _gpu_used_bytes()
+        text = log.read_text(errors="replace")
+        slept = re.findall(r"model s: asleep in ([0-9.]+) s", text)
+        woke = re.findall(r"model s: awake in ([0-9.]+) s \(room ([0-9.]+) s, wake ([0-9.]+) s\)",
+                          text)
+        engine_slept = re.findall(r"asleep in ([0-9.]+) s \(weights", text)
+        assert slept and woke, tail(log)
+        figures = {
+            "model": SLEEP_MODEL, "sleep_after_s": SLEEP_AFTER_S,
+            "sleep_s": float(slept[0]), "engine_sleep_s": float(engine_slept[0])
+            if engine_slept else None,
+            "wake_s": float(woke[0][0]), "wake_room_s": float(woke[0][1]),
+            "wake_vllm_s": float(woke[0][2]),
+            "first_token_after_wake_s": round(wake_first, 3),
+            "request_after_wake_s": round(wake_total, 3),
+            "first_token_warm_s": round(warm_first, 3),
+            "first_token_awake_again_s": round(again_first, 3),
+            "gpu_used_bytes": {"awake": used_awake, "asleep": used_asleep, "woken": used_woken},
+            "outputs_identical": after == before,
+        }
+        print("\nsleep/wake:", json.dumps(figures))
+        out = os.environ.get("PROXIMA_GPU_OUT") or os.environ.get("OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "sleep_wake.json").write_text(json.dumps(figures, indent=1) + "\n")
+            (Path(out) / "sleep_wake.log").write_text(tail(log, 400) + "\n")
+        if used_awake is not None and used_asleep is not None:
+            assert used_asleep < used_awake, figures         # the weights left the GPU
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()

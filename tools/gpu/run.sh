@@ -39,7 +39,9 @@
 #                (TE_ARGS: more of its options, e.g. "--user-path --prompt 4000 --requests 160")
 #   gpu-tests    tests/gpu/test_bench_offline_gpu.py (items 1 and 2 at a small scale)
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
-#   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint)
+#   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint;
+#                then one sleep/wake cycle of a --sleep-after model: $OUT/sleep_wake.{json,log};
+#                PROXIMA_SLEEP_MODEL=$PWD/tools/gpu/dummy-llama for 8B-sized weights)
 #   three-models issue 36 (tools/gpu/three_models.py): three models behind one `proxima serve`
 #                against three stock servers; TM_BUDGET seconds (default: all left), TM_ARGS more
 #   compaction-proof   issue 14's driver (tools/gpu/compaction_proof.py): identity under off,
