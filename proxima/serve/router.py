@@ -348,11 +348,33 @@ class Router:
         rest = path[len("/engines/"):]
         for name, backend in self.backends.items():
             if rest == name or rest.startswith(name + "/"):
+                sub = rest[len(name):]
+                if backend.sleep_after and request.method == "POST" and \
+                        sub in ("/proxima/sleep", "/proxima/wake_up"):
+                    return await self._sleep_or_wake(backend, sub)
                 if not backend.ready and backend.state != UNHEALTHY:
                     return self._unavailable(backend)
                 return await self._forward(backend, request, rest[len(name):] or "/",
                                            await request.body())
         return self._unknown_model(rest.split("/", 1)[0])
+
+    async def _sleep_or_wake(self, backend: Backend, sub: str):
+        """``POST /engines/NAME/proxima/sleep|wake_up`` of a model with ``sleep_after``: done
+        by the router's own sleep and wake, so that it knows the model's state."""
+        from starlette.responses import JSONResponse
+
+        if sub == "/proxima/wake_up":
+            why = await self.sleepwake.awake(backend)
+        else:
+            why = await self.sleepwake.sleep_now(backend)
+        state = {"model": backend.name, "sleep": backend.sleep_state}
+        if why is None:
+            return JSONResponse({"sleeping": backend.sleep_state != sleepwake.AWAKE, **state})
+        waking = sub == "/proxima/wake_up"
+        return JSONResponse({"error": f"model {backend.name}: not "
+                                      f"{'woken' if waking else 'put to sleep'} now: {why}",
+                             **state}, status_code=503 if waking else 409,
+                            headers={"Retry-After": sleepwake.RETRY_AFTER_S})
 
     async def _forward(self, backend: Backend, request, path: str, body: bytes, end=None):
         """``end``: called once when the engine's answer is over (or never came)."""

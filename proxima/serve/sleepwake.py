@@ -31,7 +31,9 @@ log = logging.getLogger("proxima.serve")
 
 AWAKE, FALLING_ASLEEP, ASLEEP, WAKING = "awake", "falling-asleep", "asleep", "waking"
 WAKE_TIMEOUT_S = 120.0          # room + wake, at most
-SLEEP_TIMEOUT_S = 30.0          # how long an engine's sleep waits for its KV to be given back
+# how long an engine's sleep may wait for its KV to be given back: short, since a request
+# that comes meanwhile waits for the sleep before its wake (a refused sleep is retried)
+SLEEP_TIMEOUT_S = 5.0
 SLEEP_RETRY_S = 10.0            # after a sleep the engine refused (a request came, ...)
 RETRY_AFTER_S = "10"
 
@@ -60,6 +62,7 @@ class SleepWake:
         self._wakes: dict[str, asyncio.Task] = {}
         self._sleeps: dict[str, asyncio.Task] = {}
         self._loop: asyncio.Task | None = None
+        self.refusals: dict[str, str] = {}          # why the last sleep did not happen
         now = time.monotonic()
         for backend in router.backends.values():
             backend.last_request = now
@@ -129,8 +132,28 @@ class SleepWake:
             for backend in self.router.backends.values():
                 self._forget_restart(backend)
                 if self.due(backend, now):
-                    self._sleeps[backend.name] = asyncio.create_task(
-                        self._sleep(backend), name=f"proxima-sleep-{backend.name}")
+                    self._start_sleep(backend)
+
+    def _start_sleep(self, backend) -> asyncio.Task:
+        task = self._sleeps.get(backend.name)
+        if task is None:
+            task = self._sleeps[backend.name] = asyncio.create_task(
+                self._sleep(backend), name=f"proxima-sleep-{backend.name}")
+        return task
+
+    async def sleep_now(self, backend) -> str | None:
+        """Put ``backend``'s model to sleep now (``POST /engines/NAME/proxima/sleep``
+        through the endpoint): None once asleep, else why not (one line)."""
+        self._forget_restart(backend)
+        if backend.sleep_state == ASLEEP:
+            return None
+        if backend.sleep_state == WAKING or backend.in_flight:
+            return f"it is {'waking' if backend.sleep_state == WAKING else 'serving requests'}"
+        if not backend.ready:
+            return f"its engine is {backend.state}"
+        await asyncio.shield(self._start_sleep(backend))
+        return None if backend.sleep_state == ASLEEP else self.refusals.get(
+            backend.name, "its engine refused")
 
     def due(self, backend, now: float) -> bool:
         return bool(backend.sleep_after and backend.ready and backend.sleep_state == AWAKE
@@ -149,6 +172,7 @@ class SleepWake:
             if status != 200:
                 backend.sleep_state = AWAKE
                 backend.sleep_retry_at = time.monotonic() + self.retry_s
+                self.refusals[backend.name] = f"its engine answered {status}: {_why(answer)}"
                 log.info("model %s: not put to sleep now (its engine answered %d: %s); "
                          "trying again in %g s", backend.name, status,
                          _why(answer), self.retry_s)
@@ -159,10 +183,13 @@ class SleepWake:
             log.info("model %s: asleep in %.2f s (idle %g s; weights ~%.2f GiB in host "
                      "memory)", backend.name, time.monotonic() - began, backend.sleep_after,
                      backend.weights_bytes / 2**30)
-        except Exception as exc:  # noqa: BLE001 - the engine went away: it stays awake
-            backend.sleep_state = AWAKE
-            backend.sleep_retry_at = time.monotonic() + self.retry_s
-            log.warning("model %s: sleep failed (%s: %s)", backend.name, type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - no answer: asleep or not, unknown
+            # counted asleep: the next request's wake is harmless on an awake engine (it
+            # answers 200 at once), and a dead one is restarted (awake) by the supervisor
+            backend.sleep_state = ASLEEP
+            self.refusals[backend.name] = f"no answer ({type(exc).__name__})"
+            log.warning("model %s: no answer to the sleep (%s: %s): counted asleep, its next "
+                        "request wakes it", backend.name, type(exc).__name__, exc)
         finally:
             self._sleeps.pop(backend.name, None)
 

@@ -19,6 +19,29 @@ from tests.serve.test_serve_multi import endpoint, wait_for  # noqa: E402,F401
 SLEEP_AFTER = 0.4
 
 
+class Logged(logging.Handler):
+    """The endpoint's log lines, caught on the "proxima.serve" logger itself (the "proxima"
+    logger stops propagating once any serve test ran logs.setup())."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def logged():
+    logger = logging.getLogger("proxima.serve")
+    handler, level = Logged(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
 def kv(ep, name):
     return ep.get(f"/engines/{name}/proxima/kv").json()
 
@@ -31,8 +54,7 @@ def complete(ep, name, **extra):
     return ep.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2, **extra})
 
 
-def test_an_idle_model_is_put_to_sleep_and_still_listed(endpoint, caplog):
-    caplog.set_level(logging.INFO, logger="proxima.serve")
+def test_an_idle_model_is_put_to_sleep_and_still_listed(endpoint, logged):
     ep = endpoint({"alpha": [], "beta": []}, sleep_after={"alpha": SLEEP_AFTER})
     assert complete(ep, "alpha").status_code == 200
     wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
@@ -50,7 +72,7 @@ def test_an_idle_model_is_put_to_sleep_and_still_listed(endpoint, caplog):
     metrics = ep.get("/metrics").text
     assert 'proxima_sleeping{model="alpha"} 1.0' in metrics
     assert 'proxima_sleeping{model="beta"}' not in metrics
-    assert any("model alpha: asleep in" in r.getMessage() for r in caplog.records)
+    assert any("model alpha: asleep in" in r for r in logged)
 
 
 def test_a_model_with_a_request_in_flight_does_not_sleep(endpoint, tmp_path):
@@ -72,8 +94,7 @@ def test_a_model_with_a_request_in_flight_does_not_sleep(endpoint, tmp_path):
     assert ep.engines["alpha"].backend.in_flight == 0
 
 
-def test_a_request_for_a_sleeping_model_wakes_it_once_and_is_answered(endpoint, caplog):
-    caplog.set_level(logging.INFO, logger="proxima.serve")
+def test_a_request_for_a_sleeping_model_wakes_it_once_and_is_answered(endpoint, logged):
     ep = endpoint({"alpha": []}, sleep_after={"alpha": SLEEP_AFTER})
     wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
     answer = complete(ep, "alpha")
@@ -82,7 +103,7 @@ def test_a_request_for_a_sleeping_model_wakes_it_once_and_is_answered(endpoint, 
     state = kv(ep, "alpha")
     assert state["wakes"] == 1 and state["sleeping"] is False
     assert ep.engines["alpha"].backend.wakes == 1
-    assert any("model alpha: awake in" in r.getMessage() for r in caplog.records)
+    assert any("model alpha: awake in" in r for r in logged)
     # it falls asleep again, and a streamed request wakes it just the same
     wait_for(lambda: asleep(ep, "alpha"), "alpha asleep again")
     body = {"model": "alpha", "prompt": "hi", "max_tokens": 3, "stream": True}
@@ -114,8 +135,7 @@ def test_concurrent_requests_for_a_sleeping_model_make_one_wake(endpoint):
     assert ep.engines["alpha"].backend.wakes == 1
 
 
-def test_a_failed_wake_answers_503_in_openais_shape_and_the_model_stays_listed(endpoint, caplog):
-    caplog.set_level(logging.INFO, logger="proxima.serve")
+def test_a_failed_wake_answers_503_in_openais_shape_and_the_model_stays_listed(endpoint, logged):
     ep = endpoint({"alpha": ["--wake-fail"], "beta": []}, sleep_after={"alpha": SLEEP_AFTER})
     wait_for(lambda: asleep(ep, "alpha"), "alpha asleep")
     answer = complete(ep, "alpha")
@@ -129,7 +149,7 @@ def test_a_failed_wake_answers_503_in_openais_shape_and_the_model_stays_listed(e
     assert [m["id"] for m in ep.get("/v1/models").json()["data"]] == ["alpha", "beta"]
     assert asleep(ep, "alpha") and kv(ep, "alpha")["sleeping"] is True
     assert complete(ep, "beta").status_code == 200                # the others serve on
-    assert any("model alpha: wake failed" in r.getMessage() for r in caplog.records)
+    assert any("model alpha: wake failed" in r for r in logged)
 
 
 def test_a_wake_that_finds_no_room_answers_503_without_waking_the_engine(endpoint):
@@ -146,3 +166,26 @@ def test_a_wake_that_finds_no_room_answers_503_without_waking_the_engine(endpoin
     assert answer.status_code == 503 and "did not give back" in answer.json()["error"]["message"]
     state = kv(ep, "alpha")
     assert state["sleeping"] is True and state["wakes"] == 0      # never asked to wake
+
+
+def test_sleep_and_wake_asked_through_the_endpoint_keep_its_state_right(endpoint, tmp_path):
+    gate = tmp_path / "gate"
+    ep = endpoint({"alpha": ["--gate", str(gate)]}, sleep_after={"alpha": 3600})
+    slept = ep.post("/engines/alpha/proxima/sleep", None)
+    assert slept.status_code == 200 and slept.json()["sleeping"] is True
+    assert asleep(ep, "alpha") and kv(ep, "alpha")["sleeping"] is True
+    assert ep.post("/engines/alpha/proxima/sleep", None).json()["sleeping"] is True
+    assert kv(ep, "alpha")["sleeps"] == 1                         # once
+    woke = ep.post("/engines/alpha/proxima/wake_up", None)
+    assert woke.status_code == 200 and woke.json()["sleeping"] is False
+    assert kv(ep, "alpha")["wakes"] == 1
+    # a model serving a request is not put to sleep under it
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", ep.url + "/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        refused = ep.post("/engines/alpha/proxima/sleep", None)
+        assert refused.status_code == 409 and "serving requests" in refused.json()["error"]
+        gate.touch()
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert kv(ep, "alpha")["sleeping"] is False
