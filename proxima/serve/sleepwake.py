@@ -128,11 +128,21 @@ class SleepWake:
     async def _forever(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
-            now = time.monotonic()
-            for backend in self.router.backends.values():
-                self._forget_restart(backend)
-                if self.due(backend, now):
-                    self._start_sleep(backend)
+            for backend in self.tick(time.monotonic()):
+                self._start_sleep(backend)
+
+    def tick(self, now: float) -> list:
+        """The models due to sleep now. A model's idle time counts from its last request,
+        or from when its engine became ready (a model is not slept for the minutes its
+        engine took to start)."""
+        due = []
+        for backend in self.router.backends.values():
+            self._forget_restart(backend)
+            if not backend.ready:
+                backend.last_request = max(backend.last_request, now)
+            elif self.due(backend, now):
+                due.append(backend)
+        return due
 
     def _start_sleep(self, backend) -> asyncio.Task:
         task = self._sleeps.get(backend.name)

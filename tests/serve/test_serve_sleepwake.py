@@ -189,3 +189,27 @@ def test_sleep_and_wake_asked_through_the_endpoint_keep_its_state_right(endpoint
         gate.touch()
         assert [line for line in lines if line][-1] == "data: [DONE]"
     assert kv(ep, "alpha")["sleeping"] is False
+
+
+def test_idle_time_counts_from_the_last_request_or_from_when_the_engine_became_ready():
+    from types import SimpleNamespace
+
+    from proxima.serve.router import READY, STARTING, Backend
+    from proxima.serve.sleepwake import SleepWake
+
+    a = Backend(name="a", url="http://127.0.0.1:1", sleep_after=60, state=STARTING)
+    b = Backend(name="b", url="http://127.0.0.1:2", sleep_after=None, state=READY)
+    sw = SleepWake(SimpleNamespace(backends={"a": a, "b": b}))
+    start = a.last_request
+    assert sw.tick(start + 600) == []                 # starting for 10 minutes: not idle
+    a.state = READY
+    assert sw.tick(start + 659) == []                 # ready for 59 s
+    assert sw.tick(start + 660) == [a]                # b has no sleep_after: never
+    end = sw.begin(a)
+    assert sw.tick(start + 9999) == []                # a request in flight
+    end()
+    end()                                             # ended once, whatever is called twice
+    assert a.in_flight == 0 and sw.tick(a.last_request + 59.9) == []
+    assert sw.tick(a.last_request + 60) == [a]
+    a.sleep_retry_at = a.last_request + 70            # its engine refused: not before then
+    assert sw.tick(a.last_request + 65) == [] and sw.tick(a.last_request + 70) == [a]
