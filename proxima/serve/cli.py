@@ -210,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         reason = elastic_v1.unsupported_reason()
         if reason:
             raise UserError(f"--elastic: {reason}")
+        if elastic.get("sleep_mode"):
+            from proxima.vllm.activation import installed_version
+
+            serve_flags.check_sleep_mode_vllm(installed_version("vllm"))
     vargs = vllm_args.parse(argv)
     vllm_args.check_supported(vargs)
     chosen = serve_flags.default_executor(vargs, argv) if elastic is not None else None

@@ -387,6 +387,11 @@ def check_engines_options(plan: multi_config.MultiPlan) -> dict:
                 except UserError as exc:
                     raise UserError(f"{label}: {exc}") from None
         raise UserError(f"self-check failed, not serving: {first.line()}")
+    if any(spec.sleep_after is not None for spec in plan.models):
+        from proxima.serve.serve_flags import check_sleep_mode_vllm
+        from proxima.vllm.activation import installed_version
+
+        check_sleep_mode_vllm(installed_version("vllm"))
     if plan.gpu_bytes is None:
         need = check_fit(plan, facts)
         if need is not None:

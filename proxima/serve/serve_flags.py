@@ -127,6 +127,21 @@ def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
     return rest, options
 
 
+#: the vLLM releases whose sleep mode was read beside elastic KV (sleep-mode NOTES.md)
+SLEEP_MODE_RELEASES = ("0.26.",)
+
+
+def check_sleep_mode_vllm(version: str | None) -> None:
+    """``--sleep-mode`` / ``--sleep-after`` on this vLLM: one UserError line where its sleep
+    mode was not read beside elastic KV (0.33's wake restores a KV connector's caches
+    through calls Proxima's connector does not implement)."""
+    if version is None or not version.startswith(SLEEP_MODE_RELEASES):
+        raise UserError(f"--sleep-after / --sleep-mode need vLLM 0.26 (its sleep mode is the "
+                        f"one read beside elastic KV: docs/results/sleep-mode/NOTES.md); this "
+                        f"is vLLM {version or 'not installed'}: drop them (--idle-release "
+                        f"still gives back an idle model's KV)")
+
+
 def refuse_sleep_after(argv: list[str]) -> None:
     """``--sleep-after`` is per model of the several-models serve (its router puts an idle
     model to sleep and wakes it): one line where it is given to one engine alone."""

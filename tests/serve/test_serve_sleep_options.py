@@ -96,3 +96,10 @@ def test_sleep_after_below_the_idle_release_is_refused_by_the_command(tmp_path):
     done = run_proxima("serve", "--model", f"a={TINY} --sleep-after 10 --idle-release 20",
                        "--port", str(free_port()), timeout=60)
     assert_one_line_error(done, "--sleep-after 10 is below its --idle-release 20")
+
+
+def test_sleep_mode_is_refused_on_a_vllm_whose_sleep_mode_was_not_read_beside_elastic_kv():
+    serve_flags.check_sleep_mode_vllm("0.26.0")
+    for version in ("0.33.0", "0.6.3.post1", None):
+        with pytest.raises(UserError, match="--sleep-after / --sleep-mode need vLLM 0.26"):
+            serve_flags.check_sleep_mode_vllm(version)
