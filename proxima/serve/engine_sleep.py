@@ -4,7 +4,9 @@ the routes ``POST /proxima/sleep`` and ``POST /proxima/wake_up`` of :mod:`proxim
 
 - ``POST /proxima/sleep`` (body optional: ``{"timeout_s": 30}``): waits until the idle
   release has given back the engine's KV (mapped down to its null granule, read through
-  the ``proxima_kv`` utility), then ``engine_client.sleep(level=1, mode="wait")`` (vLLM
+  the ``proxima_kv`` utility), tells the connector to stop asking for idle steps (vLLM's
+  pause completes only once the engine has no work, and it counts the connector's pending
+  work), then ``engine_client.sleep(level=1, mode="wait")`` (vLLM
   copies the weights to host memory and frees them on the GPU; Proxima's KV is outside
   vLLM's pool and stays as it is: one granule), then tells the engine's ledger record
   that the weights' bytes are free while it sleeps. 200 ``{"sleeping": true, "seconds",
@@ -153,11 +155,18 @@ class EngineSleep:
         self.state = FALLING_ASLEEP
         started = time.monotonic()
         try:
+            # the connector stops asking for idle steps first: vLLM's pause completes only
+            # once the engine has no work, and it counts the connector's
+            await self._kv(engine, {"sleeping": True})
             await engine.sleep(level=1, mode="wait")
         except Exception as exc:  # noqa: BLE001 - vLLM's sleep failed: still awake
             self.state = AWAKE
+            try:
+                await self._kv(engine, {"sleeping": False})
+            except Exception:  # noqa: BLE001 - the engine is gone: the supervisor sees it
+                pass
             log.error("sleep failed: %s: %s", type(exc).__name__, exc)
-            return _error(500, f"vLLM's sleep failed ({type(exc).__name__}: {exc})")
+            return _error(500, f"sleep failed ({type(exc).__name__}: {exc})")
         seconds = time.monotonic() - started
         self.state = ASLEEP
         if self._weights is None:
@@ -184,10 +193,18 @@ class EngineSleep:
             await engine.wake_up()
         except Exception as exc:  # noqa: BLE001 - vLLM's wake failed (e.g. no GPU memory)
             self.state = ASLEEP
+            try:
+                await self._kv(engine, {"asleep_bytes": self._weights or 0})
+            except Exception:  # noqa: BLE001 - the ledger then counts the weights: safe
+                pass
             log.error("wake failed: %s: %s", type(exc).__name__, exc)
             return _error(500, f"vLLM's wake failed ({type(exc).__name__}: {exc})")
         seconds = time.monotonic() - started
         self.state = AWAKE
+        try:
+            await self._kv(engine, {"sleeping": False})     # its policy steps again
+        except Exception as exc:  # noqa: BLE001 - serving matters more
+            log.warning("awake, but the connector could not be told (%s)", exc)
         log.info("awake in %.2f s (weights back on the GPU)", seconds)
         return JSONResponse({"sleeping": False, "seconds": round(seconds, 3)})
 

@@ -153,6 +153,10 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         self._applied: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._background = None             # proxima.memory.background.BackgroundOps
         self._short = False
+        #: set around vLLM's sleep (POST /proxima/sleep): no idle steps are asked for, since
+        #: vLLM's pause completes only once the engine has no work (has_requests counts this
+        #: connector's pending push work), and an asleep engine has nothing to step for
+        self._sleeping = False
         if role == KVConnectorRole.WORKER:
             parallel = vllm_config.parallel_config
             if parallel.data_parallel_size > 1:
@@ -401,7 +405,7 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
         """Ops to deliver or confirm, or the policy must step (``SharedPolicyStep.wants_step``:
         a release waiting, a first step, another engine's demand): the engine keeps stepping
         (empty steps) -- vLLM 0.26's hook to keep an idle scheduler alive (``has_requests``)."""
-        if self.channel is None:
+        if self.channel is None or self._sleeping:
             return False
         return (self.channel.pending or (self.shared is not None and self.shared.wants_step())
                 or (self.step_hook is not None and self.step_hook.pending()))
@@ -416,7 +420,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                              "is fixed (start it with policy auto to set min/max)",
                     **self.status()}
         request = dict(request or {})
-        if "asleep_bytes" in request:       # POST /proxima/sleep and /proxima/wake_up
+        if "sleeping" in request:           # POST /proxima/sleep and /proxima/wake_up
+            if not isinstance(request["sleeping"], bool):
+                return {"error": f"sleeping must be true or false, got {request['sleeping']!r}"}
+            self._sleeping = request.pop("sleeping")
+        if "asleep_bytes" in request:
             answer = self._asleep(request.pop("asleep_bytes"))
             if answer is not None:
                 return answer

@@ -32,6 +32,7 @@ class StandInEngineClient:
         self.releasing = True
         self.asleep = False
         self.asleep_bytes = 0
+        self.quiet = False                      # the connector asks for no idle steps
         self.calls = []
         self.wake_error = wake_error
         self.engine_core = SimpleNamespace(call_utility_async=self._utility)
@@ -39,6 +40,8 @@ class StandInEngineClient:
     async def _utility(self, name, request):
         assert name == "proxima_kv"
         request = dict(request)
+        if "sleeping" in request:
+            self.quiet = request.pop("sleeping")
         if "asleep_bytes" in request:
             self.asleep_bytes = request.pop("asleep_bytes")
         answer = {"mapped_bytes": self.mapped * GRAIN, "bytes_per_granule": GRAIN,
@@ -49,6 +52,8 @@ class StandInEngineClient:
 
     async def sleep(self, level=1, mode="abort"):
         assert not self.asleep and self.mapped == 1, "slept before the KV was given back"
+        # vLLM's pause would never complete while the connector keeps the engine stepping
+        assert self.quiet, "slept while the connector still asks for idle steps"
         self.calls.append(("sleep", level, mode))
         await asyncio.sleep(0)
         self.asleep = True
@@ -91,7 +96,7 @@ def test_sleep_waits_for_the_kv_then_sleeps_and_a_wake_brings_it_back(args, vllm
     assert engine.calls == [("sleep", 1, "wait")]
     woke = client.post("/proxima/wake_up")
     assert woke.status_code == 200 and woke.json()["sleeping"] is False
-    assert engine.asleep_bytes == 0 and not engine.asleep
+    assert engine.asleep_bytes == 0 and not engine.asleep and not engine.quiet
     assert client.get("/version").status_code == 200
     assert client.post("/proxima/wake_up").json() == {"sleeping": False, "seconds": 0.0}
     assert engine.calls == [("sleep", 1, "wait"), ("wake_up", None)]
@@ -117,6 +122,7 @@ def test_a_failed_wake_leaves_the_engine_asleep_and_says_why(args, vllm_app):  #
     answer = client.post("/proxima/wake_up")
     assert answer.status_code == 500 and "CUDA out of memory" in answer.json()["error"]
     assert app.sleep.state == "asleep" and client.get("/version").status_code == 503
+    assert engine.quiet                 # still asleep: the connector asks for no step
 
 
 def test_an_engine_without_sleep_mode_refuses_both_routes(args, vllm_app):  # noqa: F811

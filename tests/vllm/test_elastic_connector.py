@@ -763,7 +763,7 @@ def test_control_sets_the_limits_at_run_time_and_refuses_bad_input():
 
 
 def test_asleep_the_ledger_record_stops_counting_the_weights_and_awake_counts_them_again(
-        tmp_path):
+        tmp_path, monkeypatch):
     """POST /proxima/sleep and /proxima/wake_up tell the engine core (``proxima_kv``'s
     ``asleep_bytes``): the other engines then see the weights' memory as free, and a wake
     claims it back before vLLM maps the weights again."""
@@ -786,6 +786,15 @@ def test_asleep_the_ledger_record_stops_counting_the_weights_and_awake_counts_th
     assert [r.nonkv for r in live_records(path)] == [0]
     for bad in (-1, "8GiB", True, None):
         assert "asleep_bytes must be a number of bytes" in conn.control({"asleep_bytes": bad})["error"]
+    # around vLLM's sleep the connector asks for no idle step (vLLM's pause completes only
+    # once the engine has no work, and its has_requests counts this)
+    monkeypatch.setattr(conn.shared, "wants_step", lambda: True)   # another engine's demand
+    assert conn.has_pending_push_work()
+    conn.control({"sleeping": True})
+    assert not conn.has_pending_push_work()
+    conn.control({"sleeping": False})
+    assert conn.has_pending_push_work()
+    assert "sleeping must be true or false" in conn.control({"sleeping": 1})["error"]
     assert "unknown field" in conn.control({"asleep_bytes": 0, "size": 1})["error"]
 
 
