@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         from proxima.vllm import activation
 
         os.environ[activation.ELASTIC_ENV] = "1"
+        serve_flags.check_bare_sleep_mode(argv, elastic)
         if elastic.get("sleep_mode") and "--enable-sleep-mode" not in argv:
             argv.append("--enable-sleep-mode")      # vLLM's, coordinated by Proxima
         if elastic:

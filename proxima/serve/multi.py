@@ -292,13 +292,15 @@ def engine_env() -> dict:
 def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Engine]]:
     """Every check that needs no engine; UserError (one line) on bad input."""
     from proxima.serve import validate
-    from proxima.serve.serve_flags import take_elastic_options
+    from proxima.serve.serve_flags import check_bare_sleep_mode, take_elastic_options
 
     plan = multi_config.parse_command_line(argv)
     multi_config.check_plan(plan, validate.check_model)
     for spec in plan.models:
         try:
-            take_elastic_options(["--elastic", *plan.common, *spec.args, *spec.elastic_args()])
+            argv, elastic = take_elastic_options(["--elastic", *plan.common, *spec.args,
+                                                  *spec.elastic_args()])
+            check_bare_sleep_mode(argv, elastic)
         except UserError as exc:
             raise UserError(f"model {spec.name!r}: {exc}") from None
     # every engine runs elastic: the switches are checked as they will be there

@@ -142,6 +142,18 @@ def check_sleep_mode_vllm(version: str | None) -> None:
                         f"still gives back an idle model's KV)")
 
 
+def check_bare_sleep_mode(argv: list[str], elastic: dict, where: str = "") -> None:
+    """vLLM's ``--enable-sleep-mode`` with elastic KV only as ``--sleep-mode`` sets it up
+    (the connector refuses it otherwise, but only once the engine starts): one line now."""
+    if elastic.get("sleep_mode"):
+        return
+    if any(t.partition("=")[0].replace("_", "-") == "--enable-sleep-mode" for t in argv):
+        raise UserError(f"{where}--enable-sleep-mode with --elastic: vLLM's sleep would not give "
+                        f"back the elastic KV, and its wake is not coordinated with the GPU's "
+                        f"other engines: give --idle-release S --sleep-mode instead (several "
+                        f"models: --sleep-after S inside --model), or drop --enable-sleep-mode")
+
+
 def refuse_sleep_after(argv: list[str]) -> None:
     """``--sleep-after`` is per model of the several-models serve (its router puts an idle
     model to sleep and wakes it): one line where it is given to one engine alone."""

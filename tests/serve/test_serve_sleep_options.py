@@ -103,3 +103,16 @@ def test_sleep_mode_is_refused_on_a_vllm_whose_sleep_mode_was_not_read_beside_el
     for version in ("0.33.0", "0.6.3.post1", None):
         with pytest.raises(UserError, match="--sleep-after / --sleep-mode need vLLM 0.26"):
             serve_flags.check_sleep_mode_vllm(version)
+
+
+def test_a_bare_enable_sleep_mode_with_elastic_is_refused_before_anything_starts(monkeypatch):
+    done = run_proxima("serve", TINY, "--elastic", "--enable-sleep-mode", timeout=60)
+    assert_one_line_error(done, "--enable-sleep-mode with --elastic",
+                          "--idle-release S --sleep-mode instead")
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    with pytest.raises(UserError, match="model 'a': --enable-sleep-mode with --elastic"):
+        multi.prepare(["--model", f"a={TINY} --enable-sleep-mode", "--port", str(free_port())])
+    # with --sleep-after the engine gets it, with Proxima's --sleep-mode
+    _, _, _, engines = multi.prepare(["--model", f"a={TINY} --sleep-after 60",
+                                      "--port", str(free_port())])
+    assert "--sleep-mode" in engines[0].command
