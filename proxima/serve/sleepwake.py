@@ -269,16 +269,17 @@ def unavailable_message(backend, why: str) -> str:
     return f"The model `{backend.name}` is asleep and could not be woken now: {why}. Retry later."
 
 
-def gpu_room(uuid: str | None, ledger_dir: str | None = None) -> RoomFn | None:
-    """The wake's room on the GPU ``uuid``: what of ``need`` bytes is not free now (NVML) is
-    asked of the other engines through the GPU's ledger, waiting until it is (bounded).
-    None without a GPU uuid (nothing to ask)."""
+def gpu_room(uuid: str | None, ledger_dir: str | None = None,
+             free: Callable[[], int | None] | None = None) -> RoomFn | None:
+    """The wake's room on the GPU ``uuid``: what of ``need`` bytes is not free now (NVML, or
+    ``free()``) is asked of the other engines through the GPU's ledger, waiting until it is
+    (bounded). None without a GPU uuid (nothing to ask)."""
     if not uuid:
         return None
     from proxima.errors import UserError
     from proxima.serve import autosize
 
-    free = autosize._nvml_free(uuid)
+    free = free or autosize._nvml_free(uuid)
 
     async def room(name: str, need: int, timeout: float) -> None:
         now = await asyncio.to_thread(free)

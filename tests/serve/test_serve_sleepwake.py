@@ -213,3 +213,36 @@ def test_idle_time_counts_from_the_last_request_or_from_when_the_engine_became_r
     assert sw.tick(a.last_request + 60) == [a]
     a.sleep_retry_at = a.last_request + 70            # its engine refused: not before then
     assert sw.tick(a.last_request + 65) == [] and sw.tick(a.last_request + 70) == [a]
+
+
+def test_a_wakes_room_is_asked_of_the_other_engines_through_the_gpus_ledger(tmp_path):
+    """What the weights need and the GPU does not have free is posted as unmet demand in
+    the GPU's real ledger file (the other engines give back at their next step), until
+    the GPU has it; never given: the wake fails, and the demand is taken away either way."""
+    import asyncio
+
+    from proxima.memory.ledger import ledger_path, live_records
+    from proxima.serve.sleepwake import WakeFailed, gpu_room
+
+    GiB = 2**30
+    path = ledger_path("GPU-sleep", tmp_path)
+    seen = []
+    frees = iter([9 * GiB])
+    room = gpu_room("GPU-sleep", str(tmp_path), free=lambda: next(frees))
+    asyncio.run(room("alpha", 8 * GiB, 5.0))                      # free enough: nothing asked
+    assert live_records(path) == ()
+
+    def freeing():
+        values = iter([5 * GiB, 5 * GiB, 6 * GiB, 8 * GiB])
+        def free():
+            seen.append([(r.name, r.unmet) for r in live_records(path)])
+            return next(values)
+        return free
+
+    asyncio.run(gpu_room("GPU-sleep", str(tmp_path), free=freeing())("alpha", 8 * GiB, 30.0))
+    assert ("starting", 3 * GiB) in seen[2]                       # the demand the others read
+    assert live_records(path) == ()                               # gone once met
+    stuck = gpu_room("GPU-sleep", str(tmp_path), free=lambda: 5 * GiB)
+    with pytest.raises(WakeFailed, match="did not give back the 3.00 GiB its weights need"):
+        asyncio.run(stuck("alpha", 8 * GiB, 0.5))
+    assert live_records(path) == ()
