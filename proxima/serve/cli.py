@@ -103,7 +103,8 @@ config.json, plus activations and --kv-min) are refused before any starts (with
 --idle-release inside --model; sleep_after in the file, or --sleep-after SECONDS inside
 --model (default: never): after that long without a request the model's weights go to
 host memory (its KV given back first: it implies --idle-release, at most SECONDS); its
-next request wakes it (a slower first token; 503 with Retry-After if the wake fails). See docs/operations.md, "Several models behind one endpoint".
+next request wakes it (a slower first token; 503 with Retry-After if the wake fails).
+See docs/operations.md, "Several models behind one endpoint".
 
 Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the
 same options as key=value,...), PROXIMA_STATS_FILE (where the engine writes its status;
