@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
 from starlette.testclient import TestClient
 
 from proxima.serve.app import create_app
