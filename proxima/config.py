@@ -53,6 +53,7 @@ MAX_COUNT = 1 << 32             #: the largest count of blocks, granules or step
 MAX_SHARE = 100                 #: the largest share (headroom, band: 100 = 100 times)
 MAX_DELAY_S = 86_400            #: the longest delay (release_delay_s, retry_s): a day
 MAX_IDLE_SLEEP_S = 1.0          #: the longest sleep of an idle engine's step
+MAX_REPEAT = 1000               #: the most repeats (replay) or rounds/runs (bench) of a run
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}

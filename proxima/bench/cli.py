@@ -14,7 +14,6 @@ serve`` (:func:`proxima.bench.options.resolve_aliases`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import platform
 import subprocess
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import proxima
 from proxima.bench import report as report_mod
-from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, given, resolve_aliases
+from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, check_arrival_span, \
+    check_online_numbers, check_repeat, given, resolve_aliases
 from proxima.bench.options import add_arguments  # noqa: F401 - the command's flags (proxima.cli)
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
@@ -132,18 +132,7 @@ def run_online_mode(args) -> int:
     if not args.base_url:
         raise UserError("give --base-url URL (a server to load, e.g. http://127.0.0.1:8000) "
                         "or --offline")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
-    if args.request_rate is not None and not (args.request_rate > 0
-                                              and math.isfinite(args.request_rate)):
-        raise UserError(f"--request-rate must be > 0 requests/s (or inf: no rate), got "
-                        f"{args.request_rate}")
-    timeout = 600.0 if args.timeout is None else args.timeout
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise UserError(f"--timeout must be > 0 seconds (a finite number), got {args.timeout}")
-    repeat = 1 if args.repeat is None else args.repeat
-    if repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {args.repeat}")
+    timeout, repeat = check_online_numbers(args)
     report_mod.check_writable(args.json, "--json")
     report_mod.check_writable(args.plot, "--plot", suffix=".png")
     check_distinct_paths({"--json": args.json, "--plot": args.plot},
@@ -155,6 +144,7 @@ def run_online_mode(args) -> int:
                              inputs={"--trace": args.trace})
     targets = _targets(args)
     workload, specs = request_list(args)
+    check_arrival_span(args.request_rate, len(specs))
     try:
         from proxima.bench.online import check_servers, run_online
     except ModuleNotFoundError as exc:
@@ -263,7 +253,7 @@ def run_offline_mode(args) -> int:
             args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", least=1),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
-        enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
+        enforce_eager=bool(args.enforce_eager), repeat=check_repeat(args.repeat),
         seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress,
         arrivals=args.arrivals or "held", elastic=bool(args.elastic),
         elastic_options=_elastic_options(args))

@@ -39,11 +39,11 @@ def test_wrong_model_lists_what_is_served(capsys, fake_server):
 @pytest.mark.parametrize("argv, fragment", [
     (["--requests", "0"], "--requests must be >= 1, got 0"),
     (["--requests", "-3"], "--requests must be >= 1, got -3"),
-    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
-    (["--request-rate", "0"], "--request-rate must be > 0"),
-    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be from 1 to 100,000 (requests in flight), got 0"),
+    (["--request-rate", "0"], "--request-rate must be above 0"),
+    (["--timeout", "0"], "--timeout must be from 0.01 to 86,400 seconds"),
     (["--label", "x", "--label", "y"], "got 2 --label for 1 --base-url"),
-    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat must be from 1 to 1,000, got 0"),
     (["--kv-cache-memory-bytes", "100"], "--kv-cache-memory-bytes only applies with --offline"),
     (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
     (["--trace", "/nonexistent.jsonl"], "cannot read trace /nonexistent.jsonl"),
@@ -93,7 +93,7 @@ def test_offline_refuses_online_flags(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat must be from 1 to 1,000, got 0"),
     (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes: '0' is below 1"),
     (["--kv-cache-memory-bytes", "1e400"], "--kv-cache-memory-bytes: '1e400' is above the "
                                            "bound of 1024TiB"),

@@ -362,14 +362,14 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
         str(repo), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bench", "--no-progress",
                              "--base-url", server.url, "--model", "tiny", "--trace", trace,
-                             "--repeat", "100000", "--json", str(out)],
+                             "--repeat", "1000", "--json", str(out)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = []
     try:
         for line in proc.stderr:
             seen.append(line)
-            if line.startswith("proxima bench: round 2/100000"):
+            if line.startswith("proxima bench: round 2/1000"):
                 break
         else:
             pytest.fail("no round marker:\n" + "".join(seen))
@@ -387,9 +387,9 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
     assert rep["partial"] is True and rep["rounds_done"] >= 1
     assert rep["per_round"][0]["A"]["completed"] == 4
     done = rep["rounds_done"]
-    assert (f"proxima bench: {word} during round {done + 1} of 100000: keeping the {done} "
+    assert (f"proxima bench: {word} during round {done + 1} of 1000: keeping the {done} "
             f"finished") in stderr, stderr
     assert rep["results"]["A"]["requests"] > 0 and len(rep["per_round"]) == done
     assert stdout.splitlines()[0].startswith("online benchmark") and "completed" in stdout
-    assert f"{done} of 100000 rounds (medians" in stdout.splitlines()[0]
+    assert f"{done} of 1000 rounds (medians" in stdout.splitlines()[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "trace.jsonl"]
