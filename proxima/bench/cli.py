@@ -178,9 +178,7 @@ def run_online_mode(args) -> int:
                                 progress=not args.no_progress)
             rounds.append({t.label: result[t.label] for t in targets})
             if args.json and r + 1 < repeat:     # a bench cut short keeps these rounds
-                report_mod.write_json({"mode": "online", "partial": True, "rounds_done": r + 1,
-                                       "rounds_planned": repeat, "workload": info,
-                                       "environment": environment(False), "per_round": rounds},
+                report_mod.write_json(_online_report(rounds, info, partial=(r + 1, repeat)),
                                       args.json)
     except KeyboardInterrupt as exc:       # Ctrl-C, or SIGTERM (proxima.interrupts)
         if not rounds:
@@ -199,7 +197,8 @@ def run_online_mode(args) -> int:
 
 def _online_report(rounds: list, info: dict, partial: tuple[int, int] | None = None) -> dict:
     """The online report of the rounds measured; ``partial``: (rounds done, planned) of a
-    bench cut short (Ctrl-C, SIGTERM), which keeps each round's figures too."""
+    bench cut short (Ctrl-C, SIGTERM), or of the JSON written after each round of --repeat
+    (what a bench killed outright leaves), which keeps each round's figures too."""
     from proxima.bench.online_summary import merge_rounds
 
     results = merge_rounds(rounds)
