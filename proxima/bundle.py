@@ -74,21 +74,28 @@ def _dir_name(text: str) -> Path:
     return Path(text)
 
 
+def _file_name(text: str) -> Path:
+    """A file named on the command line: '' is refused (Path('') would be '.')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a file name, got {text!r}")
+    return Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument("--out", type=_dir_name, metavar="DIR",
                         help="directory to write; must not exist or be empty (default: none, "
                              "required unless --verify)")
-    parser.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+    parser.add_argument("--image", type=_file_name, action="append", default=[], metavar="FILE",
                         help="image archive (docker-archive .tar or .tar.gz) or a Nix "
                              "streamLayeredImage script; repeatable (default: no image)")
     parser.add_argument("--nix-closure", metavar="STORE_PATH",
                         help="export this store path and its closure to nix/closure.nar "
                              "(default: none)")
-    parser.add_argument("--model", type=Path, metavar="DIR",
+    parser.add_argument("--model", type=_dir_name, metavar="DIR",
                         help="model directory (with config.json) to include under models/ "
                              "(default: none; models/README.md says how to mount one)")
-    parser.add_argument("--wheel", type=Path, metavar="FILE",
+    parser.add_argument("--wheel", type=_file_name, metavar="FILE",
                         help="use this proxima wheel instead of building one from the checkout "
                              "(default: build it)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME",
@@ -204,10 +211,13 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
         if least and (int(form[1]), int(form[2])) < least:
             raise UserError(f"--python-version {python_version}: proxima needs Python >= "
                             f"{least[0]}.{least[1]} (its requires-python): give that or newer")
+        if int(form[1]) != 3:
+            raise UserError(f"--python-version {python_version}: there is no Python "
+                            f"{form[1]}.x to build for: give 3.Y, e.g. 3.12")
         pip_target += ["--python-version", python_version, "--implementation", "cp"]
     for tag in platforms:
         if not re.fullmatch(r"[a-z0-9_]+", tag) or tag == "any":
-            raise UserError(f"--platform {tag}: not a wheel platform tag "
+            raise UserError(f"--platform {tag!r}: not a wheel platform tag "
                             "(e.g. manylinux_2_28_x86_64, manylinux2014_aarch64)")
         pip_target += ["--platform", tag]
     nix_paths = None

@@ -249,7 +249,7 @@ def leftovers(parent: Path, name: str) -> list[str]:
     (["--extra", "nosuch"], "--extra nosuch: not an extra of proxima (it has: plot, serve, test"),
     (["--model", "{tmp}"], "no config.json in it"),
     (["--python-version", "three"], "--python-version three: give X.Y"),
-    (["--platform", "any"], "--platform any: not a wheel platform tag"),
+    (["--platform", "any"], "--platform 'any': not a wheel platform tag"),
 ])
 def test_bad_input_twice_says_one_line_and_leaves_nothing(tmp_path, args, message):
     """`proxima bundle --out D --image notimg.txt` run twice: the same one-line error both

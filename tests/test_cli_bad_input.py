@@ -249,6 +249,18 @@ ROWS = [
                                   "{tmp}/b3", "--tar"],           # --out was ignored
         ["--verify DIR checks a bundle and writes nothing: --out, --tar do not apply with it"],
         absent=["{tmp}/b3"]),
+    # an empty name was read as '.': "--model .: no config.json in it", "--wheel .: not a ..."
+    Row("bundle-model-empty", ["bundle", "--out", "{tmp}/b5", "--model", ""],
+        ["argument --model: needs a directory name, got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-wheel-empty", ["bundle", "--out", "{tmp}/b5", "--wheel", " "],
+        ["argument --wheel: needs a file name, got ' '"], absent=["{tmp}/b5"]),
+    Row("bundle-image-empty", ["bundle", "--out", "{tmp}/b5", "--image", ""],
+        ["argument --image: needs a file name, got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-platform-empty", ["bundle", "--out", "{tmp}/b5", "--platform", ""],
+        ["--platform '': not a wheel platform tag"], absent=["{tmp}/b5"]),   # "--platform : "
+    Row("bundle-python-99", ["bundle", "--out", "{tmp}/b5", "--python-version", "99.99"],
+        ["--python-version 99.99: there is no Python 99.x to build for: give 3.Y"],
+        absent=["{tmp}/b5"]),                                # wrote a bundle "for Python 99.99"
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
