@@ -359,6 +359,8 @@ ROWS = [
         ["drop the query or fragment"]),
     Row("kv-timeout-inf", ["kv", "--url", "{closed}", "--timeout", "inf"],
         ["--timeout must be a number of seconds > 0, got inf"]),
+    Row("kv-timeout-negative-ledgers", ["kv", "--timeout", "-1"],   # was: the table, exit 0
+        ["--timeout must be a number of seconds > 0, got -1"]),
     Row("kv-timeout-huge", ["kv", "--url", "{closed}", "--timeout", "1e12"],
         ["--timeout 1e+12 is above the bound of 3600 seconds"]),
     Row("selfcheck-url-ipv6-unclosed", ["selfcheck", "--url", "http://[::1"],
