@@ -634,6 +634,11 @@ ROWS = [
         ["--models needs a file name, got ''"]),
     Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
         ["--models {tmp}/models.yaml: YAML is not read: write the same fields as TOML"]),
+    Row("serve-multi-file-empty-list", ["serve", "--models", "{tmp}/models-none.json"],
+        ["--models {tmp}/models-none.json: no models: add one [[models]] table"]),  # "give --models"
+    Row("serve-multi-file-not-tables", ["serve", "--models", "{tmp}/models-five.json"],
+        ["--models {tmp}/models-five.json: models[2] must be a table (name, path), got int 5"]),
+    # (was: "models must be a list of tables ([[models]]), got list")
     Row("serve-compaction-without-elastic", ["serve", "--compaction"],
         ["--compaction needs --elastic"]),
 ] + [
@@ -718,6 +723,8 @@ def world(tmp_path_factory):
     (tmp / "models-bom.json").write_text('\ufeff' + json.dumps(
         {"models": [{"name": "a", "path": TINY, "kv_min": "1XB"}]}))
     (tmp / "bom.jsonl").write_text('\ufeff' + good + '{"prompt_len": 10}\n')
+    (tmp / "models-none.json").write_text('{"models": []}')
+    (tmp / "models-five.json").write_text(json.dumps({"models": [{"name": "a", "path": TINY}, 5]}))
     (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:

@@ -284,11 +284,15 @@ def load_models_file(path: str) -> MultiPlan:
                 raise UserError(f"{where}: args: {norm} cannot be given for every model here "
                                 f"(per model: the [[models]] table; the endpoint: host/port)")
     models = data.get("models")
-    if models is None:
+    if models is None or models == []:
         raise UserError(f"{where}: no models: add one [[models]] table per model (name, path)")
-    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+    if not isinstance(models, list):
         raise UserError(f"{where}: models must be a list of tables ([[models]]), got "
                         f"{type(models).__name__}")
+    for n, entry in enumerate(models, 1):
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: models[{n}] must be a table (name, path), got "
+                            f"{type(entry).__name__} {entry!r:.40}")
     for n, entry in enumerate(models, 1):
         at = f"{where}: models[{n}]"
         for key in entry:
