@@ -64,7 +64,8 @@ exit status:
   0    the bundle was written; with --verify: every file matches SHA256SUMS
   1    --verify: a file is missing or does not match (each named on stderr)
   2    bad input or environment (one line)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C), 143 terminated (SIGTERM): nothing is left (no DIR, no partial
+       copy beside it)"""
 
 
 def _dir_name(text: str) -> Path:
@@ -329,11 +330,14 @@ def write_tar(out: Path) -> Path:
 if __name__ == "__main__":  # python -m proxima.bundle ...
     parser = argparse.ArgumentParser(prog="proxima bundle", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    from proxima.interrupts import describe, exit_status, sigterm_as_interrupt
+
     try:
-        sys.exit(run(parser.parse_args()))
+        with sigterm_as_interrupt():
+            sys.exit(run(parser.parse_args()))
     except UserError as exc:
         print(f"proxima bundle: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("proxima bundle: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        print(f"proxima bundle: {describe(exc)}", file=sys.stderr)
+        sys.exit(exit_status(exc))

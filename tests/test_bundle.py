@@ -287,6 +287,40 @@ def test_a_failure_after_work_started_leaves_nothing_either(tmp_path, wheel):
     assert verify(out) == [] and leftovers(tmp_path, "D") == ["D"]
 
 
+@pytest.mark.parametrize("signame, status, word", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                                  ("SIGINT", 130, "interrupted")])
+def test_a_bundle_stopped_mid_way_leaves_nothing(tmp_path, wheel, signame, status, word):
+    """SIGTERM (a time limit, docker stop, kill) while the image script runs: the command
+    died at once and left .D.partial-XXXX beside D (the wheelhouse, a copy of the model...).
+    Now it stops as on Ctrl-C: exit 143, one line, nothing left."""
+    import signal
+    import time
+
+    script = tmp_path / "result"
+    started = tmp_path / "started"
+    script.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 600\n")
+    script.chmod(0o755)
+    out = tmp_path / "D"
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bundle", "--out", str(out),
+                             "--image", str(script), "--wheel", str(wheel), "--tar"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120          # the wheelhouse, then the script
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), proc.communicate()
+        proc.send_signal(getattr(signal, signame))
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == status, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == f"proxima bundle: {word}"
+    assert leftovers(tmp_path, "D") == []
+    assert leftovers(tmp_path, "started") == ["started"]     # the script ran, and was stopped
+
+
 def test_an_empty_out_directory_is_taken(tmp_path, wheel):
     (tmp_path / "D").mkdir()
     out = write_bundle(tmp_path / "D", wheel=wheel)
