@@ -126,6 +126,14 @@ ROWS = [
     Row("replay-json-no-dir", ["replay", "--json", "{tmp}/nodir/r.json"],
         ["directory {tmp}/nodir does not exist"]),
     Row("replay-json-empty", ["replay", "--json", ""], ["--json needs a file name"]),
+    Row("replay-json-dash", ["replay", "--json", "-"],             # wrote a file named '-'
+        ["--json - would write a file named '-' (--json writes a file; the table is on stdout)"],
+        absent=["{tmp}/-"]),
+    Row("bench-plot-dash", ["bench", "--base-url", "{url:good}", "--plot", "-"],
+        ["--plot - would write a file named '-'", "e.g. result.png"], absent=["{tmp}/-"]),
+    Row("bench-json-missing-dir-slash", ["bench", "--base-url", "{url:good}", "--json",
+                                         "{tmp}/nodir/"],      # said "is a directory"
+        ["--json {tmp}/nodir/ ends in / (a directory's name): give a file name"]),
     Row("replay-json-over-trace", ["replay", "--trace", "{tmp}/good.jsonl", "--json",
                                    "{tmp}/good.jsonl"], ["would overwrite the trace"]),
     Row("replay-max-model-len", ["replay", "--max-model-len", "200000"],
