@@ -580,6 +580,13 @@ ROWS = [
         ["it is a character device"]),
     Row("bench-trace-1gb-line", ["bench", "--base-url", "{url:good}", "--trace",
                                  "{tmp}/huge.jsonl"], ["longer than the bound of 65,536 bytes"]),
+    Row("bench-trace-fewer-than-requests", ["bench", "--base-url", "{url:good}", "--trace",
+                                            "{tmp}/good.jsonl", "--requests", "5"],
+        ["--requests 5: trace {tmp}/good.jsonl holds only 1 request: give --requests 1 or "
+         "fewer, or leave --requests out"]),              # ran 1 request, "1 requests"
+    Row("replay-trace-fewer-than-requests", ["replay", "--trace", "{tmp}/good.jsonl",
+                                             "--requests", "2"],
+        ["--requests 2: trace {tmp}/good.jsonl holds only 1 request"]),
     Row("replay-trace-empty-name", ["replay", "--trace", ""],
         ["--trace needs a file name, got ''"]),                # ran the chat workload instead
     Row("bench-trace-empty-name", ["bench", "--base-url", "{url:good}", "--trace", ""],
