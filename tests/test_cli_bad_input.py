@@ -119,6 +119,10 @@ ROWS = [
         ["{tmp}/notjson.jsonl:1: not JSON"]),
     Row("replay-trace-float", ["replay", "--trace", "{tmp}/float.jsonl"],
         ["prompt_len must be an integer >= 1, got 1.5"]),
+    Row("replay-trace-bool", ["replay", "--trace", "{tmp}/bool.jsonl"],     # "got True"
+        ["{tmp}/bool.jsonl:1: output_len must be an integer >= 1, got true"]),
+    Row("replay-trace-string-number", ["replay", "--trace", "{tmp}/strnum.jsonl"],
+        ['prompt_len must be an integer >= 1, got "10"']),                  # "got '10'"
     Row("replay-trace-too-long", ["replay", "--trace", "{tmp}/long.jsonl"],
         ["prompt_len + output_len = 9000 exceeds the model length 8192"]),
     Row("replay-json-dev-null", ["replay", "--json", "/dev/null"],
@@ -712,6 +716,8 @@ def world(tmp_path_factory):
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "notjson.jsonl").write_text("prompt_len=10\n")
     (tmp / "float.jsonl").write_text('{"prompt_len": 1.5, "output_len": 5}\n')
+    (tmp / "bool.jsonl").write_text('{"prompt_len": 10, "output_len": true}\n')
+    (tmp / "strnum.jsonl").write_text('{"prompt_len": "10", "output_len": 5}\n')
     (tmp / "long.jsonl").write_text('{"prompt_len": 8000, "output_len": 1000}\n')
     (tmp / "notimg.txt").write_text("not an image\n")
     (tmp / "deep.jsonl").write_text("[" * 30_000 + "]" * 30_000 + "\n")   # past json's recursion
