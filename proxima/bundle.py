@@ -176,8 +176,13 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
         raise UserError(f"--out {out} exists and is not an empty directory; "
                         "choose a new path (a bundle is written whole, never merged)")
     parent = next(p for p in [out.parent, *out.parent.parents] if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: {parent} is not writable")
+    if not parent.is_dir():
+        raise UserError(f"--out {out}: {parent} is not a directory: choose another path")
+    try:        # probed: os.access says yes to root, and to /proc or /sys
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create a directory in {parent} "
+                        f"({exc.strerror or exc}): choose a writable place") from None
     checked = [check_image(Path(image)) for image in images]
     if model is not None:
         model = Path(model)
@@ -252,13 +257,19 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
                         extras=list(extras), python_version=python_version,
                         platforms=list(platforms))
     out = plan.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
+    made = [p for p in out.parents if not p.exists()]     # deepest first: removed on failure
+    staging = None
     done = False
     try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc}): choose "
+                            f"a writable place") from None
+        umask = os.umask(0o022)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
         build(plan, staging)
         if out.exists():
             out.rmdir()             # empty (checked), so the rename can take its place
@@ -266,7 +277,13 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
         done = True
     finally:
         if not done:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            for path in made:       # the parents --out's creation made, if still empty
+                try:
+                    path.rmdir()
+                except OSError:
+                    break
     if tar:
         write_tar(out)
     return out

@@ -275,6 +275,9 @@ def test_a_failure_after_work_started_leaves_nothing_either(tmp_path, wheel):
     out = tmp_path / "D"
     done = bundle_cli("--out", str(out), "--image", str(failing), "--wheel", str(wheel))
     assert done.returncode == 2
+    deep = bundle_cli("--out", str(tmp_path / "new" / "a" / "D"), "--image", str(failing),
+                      "--wheel", str(wheel))       # --out's missing parents: made, then left
+    assert deep.returncode == 2 and not (tmp_path / "new").exists(), deep.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"proxima bundle: error: --image {failing}: the image script failed (exit 3): "
         "no space left on device")

@@ -273,6 +273,11 @@ ROWS = [
     Row("bundle-python-99", ["bundle", "--out", "{tmp}/b5", "--python-version", "99.99"],
         ["--python-version 99.99: there is no Python 99.x to build for: give 3.Y"],
         absent=["{tmp}/b5"]),                                # wrote a bundle "for Python 99.99"
+    Row("bundle-out-in-proc", ["bundle", "--out", "/proc/proxima-bundle"],   # a traceback
+        ["--out /proc/proxima-bundle: cannot create a directory in /proc"],
+        absent=["/proc/proxima-bundle"]),
+    Row("bundle-out-under-a-file", ["bundle", "--out", "{tmp}/good.jsonl/b"],
+        ["--out {tmp}/good.jsonl/b: {tmp}/good.jsonl is not a directory"]),
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
