@@ -68,6 +68,9 @@ ROWS = [
         ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "1"}),
     Row("replay-elastic-env-without-allocator", ["replay", "--requests", "4"],
         ["PROXIMA_ELASTIC=1 needs PROXIMA_ALLOCATOR=1"], env={"PROXIMA_ELASTIC": "1"}),
+    Row("replay-stats-file-in-proc", ["replay", "--requests", "4"],   # a traceback, at the end
+        ["PROXIMA_STATS_FILE", "'/proc' does not exist or is not writable"],
+        env={"PROXIMA_STATS_FILE": "/proc/stats.json"}),
     Row("replay-allow-unproven-env-bad", ["replay", "--requests", "4"],
         ["PROXIMA_ALLOW_UNPROVEN_ELASTIC must be 1", "got 'yes'"],
         env={"PROXIMA_ALLOW_UNPROVEN_ELASTIC": "yes"}),
