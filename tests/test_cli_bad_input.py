@@ -239,6 +239,13 @@ ROWS = [
     Row("serve-missing-model", ["serve", "{tmp}/nomodel"], ["does not exist"]),
     # an empty model went on to the GPU pre-flight, then to vLLM as the model ''
     Row("serve-empty-model", ["serve", ""], ["the model is empty (''): give a model directory"]),
+    # not a path here, nor a Hugging Face id: went on to the GPU pre-flight, then to the Hub
+    Row("serve-model-neither-path-nor-id", ["serve", "--model", "a b=/x"],
+        ["model 'a b=/x' is neither a path here (none exists) nor a Hugging Face model id"]),
+    Row("serve-model-missing-relative-dir", ["serve", "models/llama/8b"],
+        ["model 'models/llama/8b' is neither a path here"]),
+    Row("selfcheck-model-not-an-id", ["selfcheck", "--model", "org/name:latest"],
+        ["model 'org/name:latest' is neither a path here"]),
     Row("serve-empty-model-option", ["serve", "--model", " "], ["the model is empty (' ')"]),
     Row("selfcheck-empty-model", ["selfcheck", "--model", ""], ["the model is empty ('')"]),
     Row("selfcheck-url-empty-model", ["selfcheck", "--url", "{closed}", "--model", ""],
