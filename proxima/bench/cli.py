@@ -134,7 +134,7 @@ def run_online_mode(args) -> int:
                         "or --offline")
     timeout, repeat = check_online_numbers(args)
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    report_mod.check_plot(args.plot)
     check_distinct_paths({"--json": args.json, "--plot": args.plot},
                          inputs={"--trace": args.trace})
     if args.save_result and args.result_filename:
@@ -258,7 +258,7 @@ def run_offline_mode(args) -> int:
         elastic_options=_elastic_options(args))
     validate(config)
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    report_mod.check_plot(args.plot)
     check_distinct_paths({"--json": args.json, "--plot": args.plot},
                          inputs={"--trace": args.trace})
     workload, specs = request_list(args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from proxima.cli import main
@@ -123,3 +125,17 @@ def test_offline_refuses_in_process_engine_core(capsys, tmp_path, monkeypatch):
     rc, err = run_cli(capsys, "--offline", "--model", str(tmp_path))
     assert rc == 2
     assert_one_line(err, "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+@pytest.mark.parametrize("mode", [[], ["--offline", "--model", "x"]])
+def test_plot_without_matplotlib_is_refused_before_any_load(capsys, fake_server, monkeypatch,
+                                                            tmp_path, mode):
+    """Without matplotlib, --plot failed once the whole bench had run (after the JSON was
+    written): now one line before any request is sent."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib fails
+    server = fake_server()
+    urls = [] if mode else ["--base-url", server.url, "--model", "tiny"]
+    rc, err = run_cli(capsys, *urls, *mode, "--plot", str(tmp_path / "p.png"))
+    assert rc == 2
+    assert_one_line(err, "--plot needs matplotlib: pip install 'proxima[plot]'")
+    assert server.state.bodies == [] and list(tmp_path.iterdir()) == []
