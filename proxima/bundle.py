@@ -169,12 +169,16 @@ class Plan:
 
 
 def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python_version,
-                 platforms) -> Plan:
+                 platforms, tar: bool = False) -> Plan:
     """Every check that can be made before work starts; UserError on the first bad input."""
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty directory; "
                         "choose a new path (a bundle is written whole, never merged)")
+    tarball = out.with_name(out.name + ".tar")
+    if tar and (tarball.exists() or tarball.is_symlink()):
+        raise UserError(f"--tar: {tarball} exists; choose a new --out (a bundle is written "
+                        "whole, never over another)")
     parent = next(p for p in [out.parent, *out.parent.parents] if p.exists())
     if not parent.is_dir():
         raise UserError(f"--out {out}: {parent} is not a directory: choose another path")
@@ -255,7 +259,7 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
     """Check every input, write the bundle beside ``out`` and rename it to ``out`` when done."""
     plan = check_inputs(out, images=images, nix_closure=nix_closure, model=model, wheel=wheel,
                         extras=list(extras), python_version=python_version,
-                        platforms=list(platforms))
+                        platforms=list(platforms), tar=tar)
     out = plan.out
     made = [p for p in out.parents if not p.exists()]     # deepest first: removed on failure
     staging = None

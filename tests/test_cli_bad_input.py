@@ -288,6 +288,10 @@ ROWS = [
         absent=["/proc/proxima-bundle"]),
     Row("bundle-out-under-a-file", ["bundle", "--out", "{tmp}/good.jsonl/b"],
         ["--out {tmp}/good.jsonl/b: {tmp}/good.jsonl is not a directory"]),
+    Row("bundle-tar-exists", ["bundle", "--out", "{tmp}/b6", "--tar"],   # it was replaced
+        ["--tar: {tmp}/b6.tar exists; choose a new --out"], absent=["{tmp}/b6"]),
+    Row("bundle-tar-is-a-directory", ["bundle", "--out", "{tmp}/b7", "--tar"],
+        ["--tar: {tmp}/b7.tar exists"], absent=["{tmp}/b7"]),   # a traceback, once written
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
@@ -761,6 +765,8 @@ def world(tmp_path_factory):
     (tmp / "bom.jsonl").write_text('\ufeff' + good + '{"prompt_len": 10}\n')
     (tmp / "models-none.json").write_text('{"models": []}')
     (tmp / "models-five.json").write_text(json.dumps({"models": [{"name": "a", "path": TINY}, 5]}))
+    (tmp / "b6.tar").write_text("someone's earlier bundle\n")
+    (tmp / "b7.tar").mkdir()
     (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:
