@@ -82,6 +82,14 @@ def _file_name(text: str) -> Path:
     return Path(text)
 
 
+def _store_path(text: str) -> str:
+    """--nix-closure: '' is refused (it was taken as no closure)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a store path, e.g. /nix/store/...-proxima, "
+                                         f"got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument("--out", type=_dir_name, metavar="DIR",
@@ -90,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", type=_file_name, action="append", default=[], metavar="FILE",
                         help="image archive (docker-archive .tar or .tar.gz) or a Nix "
                              "streamLayeredImage script; repeatable (default: no image)")
-    parser.add_argument("--nix-closure", metavar="STORE_PATH",
+    parser.add_argument("--nix-closure", type=_store_path, metavar="STORE_PATH",
                         help="export this store path and its closure to nix/closure.nar "
                              "(default: none)")
     parser.add_argument("--model", type=_dir_name, metavar="DIR",

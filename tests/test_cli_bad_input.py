@@ -278,6 +278,8 @@ ROWS = [
         ["argument --wheel: needs a file name, got ' '"], absent=["{tmp}/b5"]),
     Row("bundle-image-empty", ["bundle", "--out", "{tmp}/b5", "--image", ""],
         ["argument --image: needs a file name, got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-nix-closure-empty", ["bundle", "--out", "{tmp}/b5", "--nix-closure", ""],
+        ["argument --nix-closure: needs a store path", "got ''"], absent=["{tmp}/b5"]),
     Row("bundle-platform-empty", ["bundle", "--out", "{tmp}/b5", "--platform", ""],
         ["--platform '': not a wheel platform tag"], absent=["{tmp}/b5"]),   # "--platform : "
     Row("bundle-python-99", ["bundle", "--out", "{tmp}/b5", "--python-version", "99.99"],
