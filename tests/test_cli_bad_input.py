@@ -200,6 +200,13 @@ ROWS = [
         ["--concurrency must be from 1 to 100,000 (requests in flight), got 1000000000"]),
     Row("bench-offline-repeat-huge", ["bench", "--offline", "--model", TINY, "--repeat",
                                       "1001"], ["--repeat must be from 1 to 1,000, got 1001"]),
+    # vLLM checks the load format in its worker, once the engine is up (a traceback there)
+    Row("bench-offline-load-format-bogus", ["bench", "--offline", "--model", TINY,
+                                            "--load-format", "bogus"],
+        ["--load-format 'bogus' is not a load format of this vLLM: give one of", "dummy"]),
+    Row("bench-offline-load-format-empty", ["bench", "--offline", "--model", TINY,
+                                            "--load-format", ""],
+        ["--load-format '' is not a load format of this vLLM"]),
     Row("bench-offline-seed-negative", ["bench", "--offline", "--model", TINY, "--seed", "-1"],
         ["--seed must be from 0 to 4,294,967,295 with --offline (vLLM seeds numpy with it), "
          "got -1"]),                              # failed in each engine's worker: np.random.seed

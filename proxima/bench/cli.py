@@ -271,6 +271,9 @@ def run_offline_mode(args) -> int:
     except ModuleNotFoundError:
         raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
     logs_to_stderr("vllm")
+    from proxima.bench.offline_engine import check_load_format
+
+    check_load_format(config.load_format)
     measured = run_offline(config, specs, after_run=_checkpoint(args, config, workload, specs))
     rep = offline_report(args, config, workload, specs, measured)
     _emit(rep, args)
