@@ -80,9 +80,13 @@ def size_text(n: int) -> str:
 
 
 def _shown(value) -> str:
-    """The value as the error line shows it: its repr, cut short when long."""
+    """The value as the error line shows it: its repr (JSON's spelling for what JSON
+    gave: true, null, a list or an object), cut short when long."""
     try:
-        text = repr(value)
+        if value is None or isinstance(value, (bool, list, dict)):
+            text = json.dumps(value, default=str)
+        else:
+            text = repr(value)
     except ValueError:               # an int beyond Python's 4300 digits of int -> str
         return f"an integer of {value.bit_length():,} bits"
     if len(text) <= 48:
@@ -332,6 +336,15 @@ def parse_options_text(text: str, source: str = "") -> dict:
         if not isinstance(value, dict):
             raise ConfigError(_prefixed(source, "a JSON object is needed"))
         return value
+    if text.startswith(("[", '"')) or text in ("null", "true", "false"):
+        try:
+            value = _json(text)
+        except (ValueError, RecursionError):
+            pass
+        else:           # JSON, but not an object: '[1' was said not to be key=value
+            raise ConfigError(_prefixed(source, f"{_shown(value)} is JSON but not an object: "
+                                                f"give key=value,key=value or a JSON object "
+                                                f"such as {{\"min_bytes\": \"2GiB\"}}"))
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, raw = item.partition("=")

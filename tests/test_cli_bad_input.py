@@ -518,6 +518,12 @@ ROWS = [
     Row("replay-elastic-options-env-json-inf", ["replay", "--requests", "4"],
         ["release_delay_s: 'Infinity' is not finite"],
         env={"PROXIMA_ELASTIC_OPTIONS": '{"release_delay_s": Infinity}'}),
+    Row("replay-elastic-options-env-json-list", ["replay", "--requests", "4"],
+        ["PROXIMA_ELASTIC_OPTIONS must be", "([1, 2] is JSON but not an object"],
+        env={"PROXIMA_ELASTIC_OPTIONS": "[1,2]"}),                 # "'[1' is not key=value"
+    Row("replay-elastic-options-env-json-true", ["replay", "--requests", "4"],
+        ["(min_bytes: true is not a size"],                        # "True is not a size"
+        env={"PROXIMA_ELASTIC_OPTIONS": '{"min_bytes": true}'}),
     Row("bench-elastic-options-1e400GiB", ["bench", "--offline", "--model", TINY, "--elastic",
                                            "--elastic-options", "max_bytes=1e400GiB"],
         ["--elastic-options: max_bytes: '1e400GiB' is above the bound of 1024TiB"]),
