@@ -224,6 +224,10 @@ ROWS = [
         ["got 2 --label for 1 --base-url"]),
     Row("bench-label-empty", ["bench", "--base-url", "{url:good}", "--label", ""],
         ["--label needs a name, got ''"]),                 # ran with a blank column heading
+    Row("bench-label-newline", ["bench", "--base-url", "{url:good}", "--label", "a\nb"],
+        ["--label 'a\\nb': give a name of at most 40 printable characters"]),  # split the table
+    Row("bench-label-long", ["bench", "--base-url", "{url:good}", "--label", "x" * 300],
+        ["--label '" + "x" * 40 + "'...: give a name of at most 40"]),  # a 300-wide column
     Row("bench-result-filename-empty", ["bench", "--base-url", "{url:good}", "--save-result",
                                         "--result-filename", ""],
         ["--result-filename needs a name, got ''"]),       # wrote the default name instead

@@ -71,6 +71,9 @@ def request_list(args, seed: int | None = None) -> tuple[Workload, list[RequestS
     return workload, sorted(specs, key=lambda s: s.arrival_step)
 
 
+MAX_LABEL = 40     #: --label's longest name (a column heading)
+
+
 def _targets(args):
     from proxima.bench.online import Target, normalize_base_url
     urls = [normalize_base_url(u) for u in args.base_url]
@@ -85,6 +88,10 @@ def _targets(args):
         if not label.strip():
             raise UserError(f"--label needs a name, got {label!r}: it names its server in the "
                             f"table and the JSON")
+        if not label.isprintable() or len(label) > MAX_LABEL:     # a column heading
+            raise UserError(f"--label {label[:MAX_LABEL]!r}{'...' if len(label) > MAX_LABEL else ''}"
+                            f": give a name of at most {MAX_LABEL} printable characters "
+                            f"(no newline or tab: it heads a column of the table)")
     if len(set(labels)) != len(labels):
         raise UserError(f"--label values must differ, got {', '.join(labels)}")
     return [Target(label, url) for label, url in zip(labels, urls)]
