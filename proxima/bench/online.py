@@ -115,7 +115,11 @@ async def preflight(session: aiohttp.ClientSession, target: Target,
                 raise UserError(f"{where} answered HTTP {resp.status} to GET /v1/models: is it "
                                 f"an OpenAI-compatible server?")
             payload = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except asyncio.TimeoutError:    # connected (or not) but no answer: not "cannot reach"
+        raise UserError(f"{where} did not answer GET /v1/models within "
+                        f"{PREFLIGHT_TIMEOUT_S:g} s: is it still starting, overloaded or stuck? "
+                        f"Try again once {url} answers") from None
+    except (aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach server {target.label} at {target.base_url} ({reason}): "
                         f"is it running? check --base-url") from None

@@ -139,3 +139,21 @@ def test_plot_without_matplotlib_is_refused_before_any_load(capsys, fake_server,
     assert rc == 2
     assert_one_line(err, "--plot needs matplotlib: pip install 'proxima[plot]'")
     assert server.state.bodies == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_never_answers_is_not_called_unreachable(capsys, monkeypatch):
+    """A server that takes the connection and never answers GET /v1/models (starting,
+    stuck) was reported as "cannot reach server A (TimeoutError): is it running?"."""
+    import socket
+
+    from proxima.bench import online
+
+    monkeypatch.setattr(online, "PREFLIGHT_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:             # listens, never accepts nor answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        rc, err = run_cli(capsys, "--base-url", url, "--requests", "2")
+    assert rc == 2
+    assert_one_line(err, f"server A ({url}) did not answer GET /v1/models within 0.5 s",
+                    "still starting, overloaded or stuck")
