@@ -220,6 +220,15 @@ ROWS = [
                                 "1000000000"], ["is above the bound of 100,000"]),
     Row("bench-bad-url", ["bench", "--base-url", "localhost:8000"],
         ["--base-url must look like http://HOST:PORT"]),
+    Row("bench-url-ipv6-unclosed", ["bench", "--base-url", "http://[::1"],     # a traceback
+        ["--base-url must look like http://HOST:PORT (an OpenAI-compatible server",
+         "'http://[::1' (Invalid IPv6 URL)"]),
+    Row("bench-url-query", ["bench", "--base-url", "{url:good}/?x=1"],      # "HTTP 404"
+        ["drop the query or fragment"]),
+    Row("bench-url-port-range", ["bench", "--base-url", "http://127.0.0.1:99999"],
+        ["(Port out of range 0-65535)"]),                    # "cannot reach server A"
+    Row("bench-url-space", ["bench", "--base-url", "http://a b:1"],
+        ["holds a space or a control character"]),
     Row("bench-labels", ["bench", "--base-url", "{url:good}", "--label", "a", "--label", "b"],
         ["got 2 --label for 1 --base-url"]),
     Row("bench-label-empty", ["bench", "--base-url", "{url:good}", "--label", ""],
