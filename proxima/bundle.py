@@ -48,8 +48,8 @@ from pathlib import Path
 from proxima import __version__
 from proxima import bundle_install
 from proxima.bundle_install import MANIFEST, SUMS, files, sha256, verify
-from proxima.bundle_payload import (ImageInput, add_image, add_model, check_image,
-                                    export_nix_closure, nix_requisites)
+from proxima.bundle_payload import (ImageInput, add_image, add_model, archive_name,
+                                    check_image, export_nix_closure, nix_requisites)
 from proxima.bundle_readme import readme
 from proxima.bundle_wheelhouse import (build_wheelhouse, extras_of_pyproject, extras_of_wheel,
                                        project_root, say)
@@ -196,6 +196,14 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
         raise UserError(f"--out {out}: cannot create a directory in {parent} "
                         f"({exc.strerror or exc}): choose a writable place") from None
     checked = [check_image(Path(image)) for image in images]
+    named: dict[str, Path] = {}
+    for image in checked:                   # each is written to image/<name>: one per name
+        name = archive_name(image.path) + ("" if image.kind == "archive" else ".tar")
+        if name in named:
+            raise UserError(f"--image {image.path} and --image {named[name]} would both be "
+                            f"image/{name} (one would replace the other): give each image a "
+                            f"file name of its own")
+        named[name] = image.path
     if model is not None:
         model = Path(model)
         if not model.is_dir():

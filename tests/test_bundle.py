@@ -324,6 +324,23 @@ def test_a_bundle_stopped_mid_way_leaves_nothing(tmp_path, wheel, signame, statu
     assert leftovers(tmp_path, "started") == ["started"]     # the script ran, and was stopped
 
 
+def test_two_images_of_one_file_name_are_refused(tmp_path, wheel):
+    """Both were copied to image/img.tar: the second replaced the first, and the manifest
+    and README listed two images of which one was there."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = docker_archive(tmp_path / "a" / "img.tar", tag="proxima:one")
+    second = docker_archive(tmp_path / "b" / "img.tar", tag="proxima:two")
+    out = tmp_path / "D"
+    done = bundle_cli("--out", str(out), "--image", str(first), "--image", str(second),
+                      "--wheel", str(wheel))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"proxima bundle: error: --image {second} and --image {first} would both be "
+        f"image/img.tar (one would replace the other): give each image a file name of its own"]
+    assert leftovers(tmp_path, "D") == []
+
+
 def test_an_empty_out_directory_is_taken(tmp_path, wheel):
     (tmp_path / "D").mkdir()
     out = write_bundle(tmp_path / "D", wheel=wheel)
