@@ -48,8 +48,8 @@ from pathlib import Path
 from proxima import __version__
 from proxima import bundle_install
 from proxima.bundle_install import MANIFEST, SUMS, files, sha256, verify
-from proxima.bundle_payload import (ImageInput, add_image, add_model, check_image,
-                                    export_nix_closure, nix_requisites)
+from proxima.bundle_payload import (ImageInput, add_image, add_model, archive_name,
+                                    check_image, export_nix_closure, nix_requisites)
 from proxima.bundle_readme import readme
 from proxima.bundle_wheelhouse import (build_wheelhouse, extras_of_pyproject, extras_of_wheel,
                                        project_root, say)
@@ -64,7 +64,8 @@ exit status:
   0    the bundle was written; with --verify: every file matches SHA256SUMS
   1    --verify: a file is missing or does not match (each named on stderr)
   2    bad input or environment (one line)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C), 143 terminated (SIGTERM): nothing is left (no DIR, no partial
+       copy beside it)"""
 
 
 def _dir_name(text: str) -> Path:
@@ -74,21 +75,36 @@ def _dir_name(text: str) -> Path:
     return Path(text)
 
 
+def _file_name(text: str) -> Path:
+    """A file named on the command line: '' is refused (Path('') would be '.')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a file name, got {text!r}")
+    return Path(text)
+
+
+def _store_path(text: str) -> str:
+    """--nix-closure: '' is refused (it was taken as no closure)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"needs a store path, e.g. /nix/store/...-proxima, "
+                                         f"got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument("--out", type=_dir_name, metavar="DIR",
                         help="directory to write; must not exist or be empty (default: none, "
                              "required unless --verify)")
-    parser.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+    parser.add_argument("--image", type=_file_name, action="append", default=[], metavar="FILE",
                         help="image archive (docker-archive .tar or .tar.gz) or a Nix "
                              "streamLayeredImage script; repeatable (default: no image)")
-    parser.add_argument("--nix-closure", metavar="STORE_PATH",
+    parser.add_argument("--nix-closure", type=_store_path, metavar="STORE_PATH",
                         help="export this store path and its closure to nix/closure.nar "
                              "(default: none)")
-    parser.add_argument("--model", type=Path, metavar="DIR",
+    parser.add_argument("--model", type=_dir_name, metavar="DIR",
                         help="model directory (with config.json) to include under models/ "
                              "(default: none; models/README.md says how to mount one)")
-    parser.add_argument("--wheel", type=Path, metavar="FILE",
+    parser.add_argument("--wheel", type=_file_name, metavar="FILE",
                         help="use this proxima wheel instead of building one from the checkout "
                              "(default: build it)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME",
@@ -161,16 +177,33 @@ class Plan:
 
 
 def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python_version,
-                 platforms) -> Plan:
+                 platforms, tar: bool = False) -> Plan:
     """Every check that can be made before work starts; UserError on the first bad input."""
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty directory; "
                         "choose a new path (a bundle is written whole, never merged)")
+    tarball = out.with_name(out.name + ".tar")
+    if tar and (tarball.exists() or tarball.is_symlink()):
+        raise UserError(f"--tar: {tarball} exists; choose a new --out (a bundle is written "
+                        "whole, never over another)")
     parent = next(p for p in [out.parent, *out.parent.parents] if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: {parent} is not writable")
+    if not parent.is_dir():
+        raise UserError(f"--out {out}: {parent} is not a directory: choose another path")
+    try:        # probed: os.access says yes to root, and to /proc or /sys
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create a directory in {parent} "
+                        f"({exc.strerror or exc}): choose a writable place") from None
     checked = [check_image(Path(image)) for image in images]
+    named: dict[str, Path] = {}
+    for image in checked:                   # each is written to image/<name>: one per name
+        name = archive_name(image.path) + ("" if image.kind == "archive" else ".tar")
+        if name in named:
+            raise UserError(f"--image {image.path} and --image {named[name]} would both be "
+                            f"image/{name} (one would replace the other): give each image a "
+                            f"file name of its own")
+        named[name] = image.path
     if model is not None:
         model = Path(model)
         if not model.is_dir():
@@ -204,10 +237,13 @@ def check_inputs(out: Path, *, images, nix_closure, model, wheel, extras, python
         if least and (int(form[1]), int(form[2])) < least:
             raise UserError(f"--python-version {python_version}: proxima needs Python >= "
                             f"{least[0]}.{least[1]} (its requires-python): give that or newer")
+        if int(form[1]) != 3:
+            raise UserError(f"--python-version {python_version}: there is no Python "
+                            f"{form[1]}.x to build for: give 3.Y, e.g. 3.12")
         pip_target += ["--python-version", python_version, "--implementation", "cp"]
     for tag in platforms:
         if not re.fullmatch(r"[a-z0-9_]+", tag) or tag == "any":
-            raise UserError(f"--platform {tag}: not a wheel platform tag "
+            raise UserError(f"--platform {tag!r}: not a wheel platform tag "
                             "(e.g. manylinux_2_28_x86_64, manylinux2014_aarch64)")
         pip_target += ["--platform", tag]
     nix_paths = None
@@ -239,15 +275,21 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
     """Check every input, write the bundle beside ``out`` and rename it to ``out`` when done."""
     plan = check_inputs(out, images=images, nix_closure=nix_closure, model=model, wheel=wheel,
                         extras=list(extras), python_version=python_version,
-                        platforms=list(platforms))
+                        platforms=list(platforms), tar=tar)
     out = plan.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
+    made = [p for p in out.parents if not p.exists()]     # deepest first: removed on failure
+    staging = None
     done = False
     try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot create it ({exc.strerror or exc}): choose "
+                            f"a writable place") from None
+        umask = os.umask(0o022)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)    # as mkdir makes it: mkdtemp's 0700 would stay on DIR
         build(plan, staging)
         if out.exists():
             out.rmdir()             # empty (checked), so the rename can take its place
@@ -255,7 +297,13 @@ def write_bundle(out: Path, *, images: list[Path] = (), nix_closure: str | None 
         done = True
     finally:
         if not done:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            for path in made:       # the parents --out's creation made, if still empty
+                try:
+                    path.rmdir()
+                except OSError:
+                    break
     if tar:
         write_tar(out)
     return out
@@ -319,11 +367,14 @@ def write_tar(out: Path) -> Path:
 if __name__ == "__main__":  # python -m proxima.bundle ...
     parser = argparse.ArgumentParser(prog="proxima bundle", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    from proxima.interrupts import describe, exit_status, sigterm_as_interrupt
+
     try:
-        sys.exit(run(parser.parse_args()))
+        with sigterm_as_interrupt():
+            sys.exit(run(parser.parse_args()))
     except UserError as exc:
         print(f"proxima bundle: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("proxima bundle: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        print(f"proxima bundle: {describe(exc)}", file=sys.stderr)
+        sys.exit(exit_status(exc))

@@ -22,14 +22,15 @@ exit status of every command: 0 done; 1 done, but a check failed or the results 
 not trustworthy (the command says why; see its --help); 2 bad input or environment (one
 line: what was wrong, the value, what to do; nothing was run or written); 130 interrupted
 (Ctrl-C, SIGINT), 143 terminated (SIGTERM): replay and bench keep what was finished;
-141 stdout's reader went away (a closed pipe, e.g. | head)."""
+bundle leaves no partial copy; 141 stdout's reader went away (a closed pipe, e.g. | head)."""
 
 #: exit status when stdout's reader went away (a closed pipe, e.g. ``| head``): a shell's
 #: for a process that SIGPIPE ended, 128 + 13, without Python's traceback
 EXIT_BROKEN_PIPE = 141
 
-#: commands that stop on SIGTERM as on Ctrl-C (finished work kept, exit 143) instead of dying
-SIGTERM_STOPS = ("replay", "bench")
+#: commands that stop on SIGTERM as on Ctrl-C (finished work kept, a partial bundle removed;
+#: exit 143) instead of dying
+SIGTERM_STOPS = ("replay", "bench", "bundle")
 
 # name -> (module, one-line help). Modules import lazily.
 SUBCOMMANDS = {

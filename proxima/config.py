@@ -53,6 +53,7 @@ MAX_COUNT = 1 << 32             #: the largest count of blocks, granules or step
 MAX_SHARE = 100                 #: the largest share (headroom, band: 100 = 100 times)
 MAX_DELAY_S = 86_400            #: the longest delay (release_delay_s, retry_s): a day
 MAX_IDLE_SLEEP_S = 1.0          #: the longest sleep of an idle engine's step
+MAX_REPEAT = 1000               #: the most repeats (replay) or rounds/runs (bench) of a run
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
@@ -79,9 +80,13 @@ def size_text(n: int) -> str:
 
 
 def _shown(value) -> str:
-    """The value as the error line shows it: its repr, cut short when long."""
+    """The value as the error line shows it: its repr (JSON's spelling for what JSON
+    gave: true, null, a list or an object), cut short when long."""
     try:
-        text = repr(value)
+        if value is None or isinstance(value, (bool, list, dict)):
+            text = json.dumps(value, default=str)
+        else:
+            text = repr(value)
     except ValueError:               # an int beyond Python's 4300 digits of int -> str
         return f"an integer of {value.bit_length():,} bits"
     if len(text) <= 48:
@@ -337,6 +342,15 @@ def parse_options_text(text: str, source: str = "") -> dict:
         if not isinstance(value, dict):
             raise ConfigError(_prefixed(source, "a JSON object is needed"))
         return value
+    if text.startswith(("[", '"')) or text in ("null", "true", "false"):
+        try:
+            value = _json(text)
+        except (ValueError, RecursionError):
+            pass
+        else:           # JSON, but not an object: '[1' was said not to be key=value
+            raise ConfigError(_prefixed(source, f"{_shown(value)} is JSON but not an object: "
+                                                f"give key=value,key=value or a JSON object "
+                                                f"such as {{\"min_bytes\": \"2GiB\"}}"))
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, raw = item.partition("=")

@@ -29,7 +29,8 @@ def check_output_path(path: str | os.PathLike | None, flag: str,
                       suffix: str | None = None) -> Path | None:
     """Fail now, in one line, unless ``path`` can be written as a file later.
 
-    Refused: an empty name, a directory (or a name ending in ``/``), a path whose existing
+    Refused: an empty name, ``-`` (not stdout here: a file named '-'), a directory (or a
+    name ending in ``/``), a path whose existing
     target is not a regular file (``/dev/null``, a FIFO: a rename would replace it), a
     wrong ``suffix`` (``--plot x.txt``), a parent directory that is missing or in which a
     file cannot be created (read-only, ``/proc``, no permission: probed by creating one).
@@ -39,10 +40,14 @@ def check_output_path(path: str | os.PathLike | None, flag: str,
     text = os.fspath(path)
     if not text.strip():
         raise UserError(f"{flag} needs a file name, got {text!r}")
+    if text == "-":                 # not stdout: stdout holds the table
+        raise UserError(f"{flag} - would write a file named '-' ({flag} writes a file; the "
+                        f"table is on stdout): give a file name, e.g. result{suffix or '.json'}")
     target = Path(text)
     if text.endswith(("/", os.sep)) or target.is_dir():
         example = f"{text.rstrip('/')}/result{suffix or '.json'}"
-        raise UserError(f"{flag} {text} is a directory: give a file name, e.g. {example}")
+        what = "is a directory" if target.is_dir() else "ends in / (a directory's name)"
+        raise UserError(f"{flag} {text} {what}: give a file name, e.g. {example}")
     if suffix and target.suffix.lower() != suffix:
         raise UserError(f"{flag} {text}: the file name must end in {suffix} "
                         f"(it writes {suffix[1:].upper()}), e.g. {target.with_suffix(suffix)}")

@@ -414,7 +414,8 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
                                     f'{{"prompt_len": 100, "output_len": 50}})')
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise UserError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+                raise UserError(f"{where}: {key} must be an integer >= {low}, got "
+                                f"{json.dumps(value)[:40]}")     # as written: true, "10"
             values[key] = value
         prompt_len, output_len = values["prompt_len"], values["output_len"]
         if prompt_len + output_len > max_model_len:
@@ -430,6 +431,10 @@ def load_trace(path: str | Path, seed: int = 0, max_model_len: int = 8192,
     if not rows:
         raise UserError(f"trace {path} holds no requests (a trace line looks like "
                         f'{{"prompt_len": 100, "output_len": 50}})')
+    if limit is not None and len(rows) < limit:     # it ran fewer than asked, silently
+        raise UserError(f"--requests {limit:,}: trace {path} holds only {len(rows):,} "
+                        f"request{'s' if len(rows) > 1 else ''}: give --requests {len(rows):,} "
+                        f"or fewer, or leave --requests out (all its lines)")
     prefixes: dict[str, list[int]] = {}
     specs = []
     for lineno, row, values in rows:

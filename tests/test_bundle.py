@@ -249,7 +249,7 @@ def leftovers(parent: Path, name: str) -> list[str]:
     (["--extra", "nosuch"], "--extra nosuch: not an extra of proxima (it has: plot, serve, test"),
     (["--model", "{tmp}"], "no config.json in it"),
     (["--python-version", "three"], "--python-version three: give X.Y"),
-    (["--platform", "any"], "--platform any: not a wheel platform tag"),
+    (["--platform", "any"], "--platform 'any': not a wheel platform tag"),
 ])
 def test_bad_input_twice_says_one_line_and_leaves_nothing(tmp_path, args, message):
     """`proxima bundle --out D --image notimg.txt` run twice: the same one-line error both
@@ -275,6 +275,9 @@ def test_a_failure_after_work_started_leaves_nothing_either(tmp_path, wheel):
     out = tmp_path / "D"
     done = bundle_cli("--out", str(out), "--image", str(failing), "--wheel", str(wheel))
     assert done.returncode == 2
+    deep = bundle_cli("--out", str(tmp_path / "new" / "a" / "D"), "--image", str(failing),
+                      "--wheel", str(wheel))       # --out's missing parents: made, then left
+    assert deep.returncode == 2 and not (tmp_path / "new").exists(), deep.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"proxima bundle: error: --image {failing}: the image script failed (exit 3): "
         "no space left on device")
@@ -285,6 +288,57 @@ def test_a_failure_after_work_started_leaves_nothing_either(tmp_path, wheel):
     again = bundle_cli("--out", str(out), "--image", str(good), "--wheel", str(wheel))
     assert again.returncode == 0, again.stderr
     assert verify(out) == [] and leftovers(tmp_path, "D") == ["D"]
+
+
+@pytest.mark.parametrize("signame, status, word", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                                  ("SIGINT", 130, "interrupted")])
+def test_a_bundle_stopped_mid_way_leaves_nothing(tmp_path, wheel, signame, status, word):
+    """SIGTERM (a time limit, docker stop, kill) while the image script runs: the command
+    died at once and left .D.partial-XXXX beside D (the wheelhouse, a copy of the model...).
+    Now it stops as on Ctrl-C: exit 143, one line, nothing left."""
+    import signal
+    import time
+
+    script = tmp_path / "result"
+    started = tmp_path / "started"
+    script.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 600\n")
+    script.chmod(0o755)
+    out = tmp_path / "D"
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bundle", "--out", str(out),
+                             "--image", str(script), "--wheel", str(wheel), "--tar"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120          # the wheelhouse, then the script
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), proc.communicate()
+        proc.send_signal(getattr(signal, signame))
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == status, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == f"proxima bundle: {word}"
+    assert leftovers(tmp_path, "D") == []
+    assert leftovers(tmp_path, "started") == ["started"]     # the script ran, and was stopped
+
+
+def test_two_images_of_one_file_name_are_refused(tmp_path, wheel):
+    """Both were copied to image/img.tar: the second replaced the first, and the manifest
+    and README listed two images of which one was there."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = docker_archive(tmp_path / "a" / "img.tar", tag="proxima:one")
+    second = docker_archive(tmp_path / "b" / "img.tar", tag="proxima:two")
+    out = tmp_path / "D"
+    done = bundle_cli("--out", str(out), "--image", str(first), "--image", str(second),
+                      "--wheel", str(wheel))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"proxima bundle: error: --image {second} and --image {first} would both be "
+        f"image/img.tar (one would replace the other): give each image a file name of its own"]
+    assert leftovers(tmp_path, "D") == []
 
 
 def test_an_empty_out_directory_is_taken(tmp_path, wheel):

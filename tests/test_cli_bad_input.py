@@ -68,6 +68,9 @@ ROWS = [
         ["PROXIMA_COMPACTION needs PROXIMA_ELASTIC=1"], env={"PROXIMA_COMPACTION": "1"}),
     Row("replay-elastic-env-without-allocator", ["replay", "--requests", "4"],
         ["PROXIMA_ELASTIC=1 needs PROXIMA_ALLOCATOR=1"], env={"PROXIMA_ELASTIC": "1"}),
+    Row("replay-stats-file-in-proc", ["replay", "--requests", "4"],   # a traceback, at the end
+        ["PROXIMA_STATS_FILE", "'/proc' does not exist or is not writable"],
+        env={"PROXIMA_STATS_FILE": "/proc/stats.json"}),
     Row("replay-allow-unproven-env-bad", ["replay", "--requests", "4"],
         ["PROXIMA_ALLOW_UNPROVEN_ELASTIC must be 1", "got 'yes'"],
         env={"PROXIMA_ALLOW_UNPROVEN_ELASTIC": "yes"}),
@@ -119,6 +122,10 @@ ROWS = [
         ["{tmp}/notjson.jsonl:1: not JSON"]),
     Row("replay-trace-float", ["replay", "--trace", "{tmp}/float.jsonl"],
         ["prompt_len must be an integer >= 1, got 1.5"]),
+    Row("replay-trace-bool", ["replay", "--trace", "{tmp}/bool.jsonl"],     # "got True"
+        ["{tmp}/bool.jsonl:1: output_len must be an integer >= 1, got true"]),
+    Row("replay-trace-string-number", ["replay", "--trace", "{tmp}/strnum.jsonl"],
+        ['prompt_len must be an integer >= 1, got "10"']),                  # "got '10'"
     Row("replay-trace-too-long", ["replay", "--trace", "{tmp}/long.jsonl"],
         ["prompt_len + output_len = 9000 exceeds the model length 8192"]),
     Row("replay-json-dev-null", ["replay", "--json", "/dev/null"],
@@ -126,6 +133,14 @@ ROWS = [
     Row("replay-json-no-dir", ["replay", "--json", "{tmp}/nodir/r.json"],
         ["directory {tmp}/nodir does not exist"]),
     Row("replay-json-empty", ["replay", "--json", ""], ["--json needs a file name"]),
+    Row("replay-json-dash", ["replay", "--json", "-"],             # wrote a file named '-'
+        ["--json - would write a file named '-' (--json writes a file; the table is on stdout)"],
+        absent=["{tmp}/-"]),
+    Row("bench-plot-dash", ["bench", "--base-url", "{url:good}", "--plot", "-"],
+        ["--plot - would write a file named '-'", "e.g. result.png"], absent=["{tmp}/-"]),
+    Row("bench-json-missing-dir-slash", ["bench", "--base-url", "{url:good}", "--json",
+                                         "{tmp}/nodir/"],      # said "is a directory"
+        ["--json {tmp}/nodir/ ends in / (a directory's name): give a file name"]),
     Row("replay-json-over-trace", ["replay", "--trace", "{tmp}/good.jsonl", "--json",
                                    "{tmp}/good.jsonl"], ["would overwrite the trace"]),
     Row("replay-max-model-len", ["replay", "--max-model-len", "200000"],
@@ -133,7 +148,7 @@ ROWS = [
     Row("replay-batched-below-seqs", ["replay", "--max-num-batched-tokens", "100"],
         ["--max-num-batched-tokens (100) must be >= --max-num-seqs (1024)"]),
     Row("replay-block-size", ["replay", "--block-size", "3"], ["power of two"]),
-    Row("replay-repeat-0", ["replay", "--repeat", "0"], ["--repeat must be >= 1, got 0"]),
+    Row("replay-repeat-0", ["replay", "--repeat", "0"], ["--repeat must be from 1 to 1,000, got 0"]),
     Row("replay-requests-not-int", ["replay", "--requests", "abc"], ["invalid int value: 'abc'"]),
     Row("replay-pool-too-small", ["replay", "--workload", "pressure", "--num-blocks", "20"],
         ["raise --num-blocks"]),
@@ -163,19 +178,65 @@ ROWS = [
     Row("bench-endpoint-path", ["bench", "--base-url", "{url:good}", "--endpoint",
                                 "/v1/embeddings"], ["--endpoint must be completions or chat"]),
     Row("bench-rate-nan", ["bench", "--base-url", "{url:good}", "--request-rate", "nan"],
-        ["--request-rate must be > 0 requests/s"]),
+        ["--request-rate must be above 0 and at most 1,000,000 requests/s", "got nan"]),
     Row("bench-timeout-inf", ["bench", "--base-url", "{url:good}", "--timeout", "inf"],
-        ["--timeout must be > 0 seconds (a finite number), got inf"]),
+        ["--timeout must be from 0.01 to 86,400 seconds (a day), got inf"]),
+    # ---- absurd values that ran (for ever): refused before any load, with the bounds ------
+    Row("bench-rate-1e-9", ["bench", "--base-url", "{url:good}", "--request-rate", "1e-9",
+                            "--requests", "2"],                  # waited 2e9 s for a request
+        ["--request-rate 1e-09 spreads 2 requests over about 2,000,000,000 s",
+         "above the bound of 86,400 s (a day): give --request-rate 2.32e-05 or more"]),
+    Row("bench-rate-huge", ["bench", "--base-url", "{url:good}", "--request-rate", "1e300"],
+        ["--request-rate must be above 0 and at most 1,000,000 requests/s", "got 1e+300"]),
+    Row("bench-repeat-huge", ["bench", "--base-url", "{url:good}", "--repeat", "1000000000",
+                              "--requests", "2"],                # ran round after round
+        ["--repeat must be from 1 to 1,000, got 1000000000"]),
+    Row("bench-timeout-1e300", ["bench", "--base-url", "{url:good}", "--timeout", "1e300"],
+        ["--timeout must be from 0.01 to 86,400 seconds (a day), got 1e+300"]),
+    Row("bench-timeout-tiny", ["bench", "--base-url", "{url:good}", "--timeout", "1e-9"],
+        ["--timeout must be from 0.01 to 86,400 seconds", "got 1e-09"]),  # every request failed
+    Row("bench-concurrency-huge", ["bench", "--base-url", "{url:good}", "--concurrency",
+                                   "1000000000"],
+        ["--concurrency must be from 1 to 100,000 (requests in flight), got 1000000000"]),
+    Row("bench-offline-repeat-huge", ["bench", "--offline", "--model", TINY, "--repeat",
+                                      "1001"], ["--repeat must be from 1 to 1,000, got 1001"]),
+    # vLLM checks the load format in its worker, once the engine is up (a traceback there)
+    Row("bench-offline-load-format-bogus", ["bench", "--offline", "--model", TINY,
+                                            "--load-format", "bogus"],
+        ["--load-format 'bogus' is not a load format of this vLLM: give one of", "dummy"]),
+    Row("bench-offline-load-format-empty", ["bench", "--offline", "--model", TINY,
+                                            "--load-format", ""],
+        ["--load-format '' is not a load format of this vLLM"]),
+    Row("bench-offline-seed-negative", ["bench", "--offline", "--model", TINY, "--seed", "-1"],
+        ["--seed must be from 0 to 4,294,967,295 with --offline (vLLM seeds numpy with it), "
+         "got -1"]),                              # failed in each engine's worker: np.random.seed
+    Row("bench-offline-seed-2-32", ["bench", "--offline", "--model", TINY, "--seed",
+                                    str(2**32)], ["--seed must be from 0 to 4,294,967,295"]),
+    Row("replay-repeat-huge", ["replay", "--repeat", "1000000000"],
+        ["--repeat must be from 1 to 1,000, got 1000000000"]),
     Row("bench-trace-binary", ["bench", "--base-url", "{url:good}", "--trace",
                                "{tmp}/binary.jsonl"], ["not UTF-8 text"]),
     Row("bench-requests-huge", ["bench", "--base-url", "{url:good}", "--num-prompts",
                                 "1000000000"], ["is above the bound of 100,000"]),
     Row("bench-bad-url", ["bench", "--base-url", "localhost:8000"],
         ["--base-url must look like http://HOST:PORT"]),
+    Row("bench-url-ipv6-unclosed", ["bench", "--base-url", "http://[::1"],     # a traceback
+        ["--base-url must look like http://HOST:PORT (an OpenAI-compatible server",
+         "'http://[::1' (Invalid IPv6 URL)"]),
+    Row("bench-url-query", ["bench", "--base-url", "{url:good}/?x=1"],      # "HTTP 404"
+        ["drop the query or fragment"]),
+    Row("bench-url-port-range", ["bench", "--base-url", "http://127.0.0.1:99999"],
+        ["(Port out of range 0-65535)"]),                    # "cannot reach server A"
+    Row("bench-url-space", ["bench", "--base-url", "http://a b:1"],
+        ["holds a space or a control character"]),
     Row("bench-labels", ["bench", "--base-url", "{url:good}", "--label", "a", "--label", "b"],
         ["got 2 --label for 1 --base-url"]),
     Row("bench-label-empty", ["bench", "--base-url", "{url:good}", "--label", ""],
         ["--label needs a name, got ''"]),                 # ran with a blank column heading
+    Row("bench-label-newline", ["bench", "--base-url", "{url:good}", "--label", "a\nb"],
+        ["--label 'a\\nb': give a name of at most 40 printable characters"]),  # split the table
+    Row("bench-label-long", ["bench", "--base-url", "{url:good}", "--label", "x" * 300],
+        ["--label '" + "x" * 40 + "'...: give a name of at most 40"]),  # a 300-wide column
     Row("bench-result-filename-empty", ["bench", "--base-url", "{url:good}", "--save-result",
                                         "--result-filename", ""],
         ["--result-filename needs a name, got ''"]),       # wrote the default name instead
@@ -198,6 +259,13 @@ ROWS = [
     Row("serve-missing-model", ["serve", "{tmp}/nomodel"], ["does not exist"]),
     # an empty model went on to the GPU pre-flight, then to vLLM as the model ''
     Row("serve-empty-model", ["serve", ""], ["the model is empty (''): give a model directory"]),
+    # not a path here, nor a Hugging Face id: went on to the GPU pre-flight, then to the Hub
+    Row("serve-model-neither-path-nor-id", ["serve", "--model", "a b=/x"],
+        ["model 'a b=/x' is neither a path here (none exists) nor a Hugging Face model id"]),
+    Row("serve-model-missing-relative-dir", ["serve", "models/llama/8b"],
+        ["model 'models/llama/8b' is neither a path here"]),
+    Row("selfcheck-model-not-an-id", ["selfcheck", "--model", "org/name:latest"],
+        ["model 'org/name:latest' is neither a path here"]),
     Row("serve-empty-model-option", ["serve", "--model", " "], ["the model is empty (' ')"]),
     Row("selfcheck-empty-model", ["selfcheck", "--model", ""], ["the model is empty ('')"]),
     Row("selfcheck-url-empty-model", ["selfcheck", "--url", "{closed}", "--model", ""],
@@ -223,6 +291,29 @@ ROWS = [
                                   "{tmp}/b3", "--tar"],           # --out was ignored
         ["--verify DIR checks a bundle and writes nothing: --out, --tar do not apply with it"],
         absent=["{tmp}/b3"]),
+    # an empty name was read as '.': "--model .: no config.json in it", "--wheel .: not a ..."
+    Row("bundle-model-empty", ["bundle", "--out", "{tmp}/b5", "--model", ""],
+        ["argument --model: needs a directory name, got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-wheel-empty", ["bundle", "--out", "{tmp}/b5", "--wheel", " "],
+        ["argument --wheel: needs a file name, got ' '"], absent=["{tmp}/b5"]),
+    Row("bundle-image-empty", ["bundle", "--out", "{tmp}/b5", "--image", ""],
+        ["argument --image: needs a file name, got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-nix-closure-empty", ["bundle", "--out", "{tmp}/b5", "--nix-closure", ""],
+        ["argument --nix-closure: needs a store path", "got ''"], absent=["{tmp}/b5"]),
+    Row("bundle-platform-empty", ["bundle", "--out", "{tmp}/b5", "--platform", ""],
+        ["--platform '': not a wheel platform tag"], absent=["{tmp}/b5"]),   # "--platform : "
+    Row("bundle-python-99", ["bundle", "--out", "{tmp}/b5", "--python-version", "99.99"],
+        ["--python-version 99.99: there is no Python 99.x to build for: give 3.Y"],
+        absent=["{tmp}/b5"]),                                # wrote a bundle "for Python 99.99"
+    Row("bundle-out-in-proc", ["bundle", "--out", "/proc/proxima-bundle"],   # a traceback
+        ["--out /proc/proxima-bundle: cannot create a directory in /proc"],
+        absent=["/proc/proxima-bundle"]),
+    Row("bundle-out-under-a-file", ["bundle", "--out", "{tmp}/good.jsonl/b"],
+        ["--out {tmp}/good.jsonl/b: {tmp}/good.jsonl is not a directory"]),
+    Row("bundle-tar-exists", ["bundle", "--out", "{tmp}/b6", "--tar"],   # it was replaced
+        ["--tar: {tmp}/b6.tar exists; choose a new --out"], absent=["{tmp}/b6"]),
+    Row("bundle-tar-is-a-directory", ["bundle", "--out", "{tmp}/b7", "--tar"],
+        ["--tar: {tmp}/b7.tar exists"], absent=["{tmp}/b7"]),   # a traceback, once written
     Row("unknown-command", ["nosuch"], ["invalid choice: 'nosuch'"]),
     # ---- elastic KV memory (issue 13) -----------------------------------------------------
     Row("kv-empty-url", ["kv", "--url", ""], ["give --url URL"]),
@@ -321,6 +412,8 @@ ROWS = [
         ["drop the query or fragment"]),
     Row("kv-timeout-inf", ["kv", "--url", "{closed}", "--timeout", "inf"],
         ["--timeout must be a number of seconds > 0, got inf"]),
+    Row("kv-timeout-negative-ledgers", ["kv", "--timeout", "-1"],   # was: the table, exit 0
+        ["--timeout must be a number of seconds > 0, got -1"]),
     Row("kv-timeout-huge", ["kv", "--url", "{closed}", "--timeout", "1e12"],
         ["--timeout 1e+12 is above the bound of 3600 seconds"]),
     Row("selfcheck-url-ipv6-unclosed", ["selfcheck", "--url", "http://[::1"],
@@ -438,6 +531,12 @@ ROWS = [
     Row("replay-elastic-options-env-json-inf", ["replay", "--requests", "4"],
         ["release_delay_s: 'Infinity' is not finite"],
         env={"PROXIMA_ELASTIC_OPTIONS": '{"release_delay_s": Infinity}'}),
+    Row("replay-elastic-options-env-json-list", ["replay", "--requests", "4"],
+        ["PROXIMA_ELASTIC_OPTIONS must be", "([1, 2] is JSON but not an object"],
+        env={"PROXIMA_ELASTIC_OPTIONS": "[1,2]"}),                 # "'[1' is not key=value"
+    Row("replay-elastic-options-env-json-true", ["replay", "--requests", "4"],
+        ["(min_bytes: true is not a size"],                        # "True is not a size"
+        env={"PROXIMA_ELASTIC_OPTIONS": '{"min_bytes": true}'}),
     Row("bench-elastic-options-1e400GiB", ["bench", "--offline", "--model", TINY, "--elastic",
                                            "--elastic-options", "max_bytes=1e400GiB"],
         ["--elastic-options: max_bytes: '1e400GiB' is above the bound of 1024TiB"]),
@@ -532,6 +631,13 @@ ROWS = [
         ["it is a character device"]),
     Row("bench-trace-1gb-line", ["bench", "--base-url", "{url:good}", "--trace",
                                  "{tmp}/huge.jsonl"], ["longer than the bound of 65,536 bytes"]),
+    Row("bench-trace-fewer-than-requests", ["bench", "--base-url", "{url:good}", "--trace",
+                                            "{tmp}/good.jsonl", "--requests", "5"],
+        ["--requests 5: trace {tmp}/good.jsonl holds only 1 request: give --requests 1 or "
+         "fewer, or leave --requests out"]),              # ran 1 request, "1 requests"
+    Row("replay-trace-fewer-than-requests", ["replay", "--trace", "{tmp}/good.jsonl",
+                                             "--requests", "2"],
+        ["--requests 2: trace {tmp}/good.jsonl holds only 1 request"]),
     Row("replay-trace-empty-name", ["replay", "--trace", ""],
         ["--trace needs a file name, got ''"]),                # ran the chat workload instead
     Row("bench-trace-empty-name", ["bench", "--base-url", "{url:good}", "--trace", ""],
@@ -594,6 +700,11 @@ ROWS = [
         ["--models needs a file name, got ''"]),
     Row("serve-multi-file-yaml", ["serve", "--models", "{tmp}/models.yaml"],  # "not valid TOML"
         ["--models {tmp}/models.yaml: YAML is not read: write the same fields as TOML"]),
+    Row("serve-multi-file-empty-list", ["serve", "--models", "{tmp}/models-none.json"],
+        ["--models {tmp}/models-none.json: no models: add one [[models]] table"]),  # "give --models"
+    Row("serve-multi-file-not-tables", ["serve", "--models", "{tmp}/models-five.json"],
+        ["--models {tmp}/models-five.json: models[2] must be a table (name, path), got int 5"]),
+    # (was: "models must be a list of tables ([[models]]), got list")
     Row("serve-compaction-without-elastic", ["serve", "--compaction"],
         ["--compaction needs --elastic"]),
 ] + [
@@ -652,6 +763,8 @@ def world(tmp_path_factory):
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "notjson.jsonl").write_text("prompt_len=10\n")
     (tmp / "float.jsonl").write_text('{"prompt_len": 1.5, "output_len": 5}\n')
+    (tmp / "bool.jsonl").write_text('{"prompt_len": 10, "output_len": true}\n')
+    (tmp / "strnum.jsonl").write_text('{"prompt_len": "10", "output_len": 5}\n')
     (tmp / "long.jsonl").write_text('{"prompt_len": 8000, "output_len": 1000}\n')
     (tmp / "notimg.txt").write_text("not an image\n")
     (tmp / "deep.jsonl").write_text("[" * 30_000 + "]" * 30_000 + "\n")   # past json's recursion
@@ -678,6 +791,10 @@ def world(tmp_path_factory):
     (tmp / "models-bom.json").write_text('\ufeff' + json.dumps(
         {"models": [{"name": "a", "path": TINY, "kv_min": "1XB"}]}))
     (tmp / "bom.jsonl").write_text('\ufeff' + good + '{"prompt_len": 10}\n')
+    (tmp / "models-none.json").write_text('{"models": []}')
+    (tmp / "models-five.json").write_text(json.dumps({"models": [{"name": "a", "path": TINY}, 5]}))
+    (tmp / "b6.tar").write_text("someone's earlier bundle\n")
+    (tmp / "b7.tar").mkdir()
     (tmp / "models.yaml").write_text(f"models:\n  - name: a\n    path: {TINY}\n")
     servers = {name: FakeOpenAIServer(cfg).start() for name, cfg in SERVERS.items()}
     with socket.socket() as s:

@@ -14,7 +14,6 @@ serve`` (:func:`proxima.bench.options.resolve_aliases`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import platform
 import subprocess
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import proxima
 from proxima.bench import report as report_mod
-from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, given, resolve_aliases
+from proxima.bench.options import OFFLINE_ONLY, ONLINE_ONLY, check_arrival_span, \
+    check_online_numbers, check_repeat, given, resolve_aliases
 from proxima.bench.options import add_arguments  # noqa: F401 - the command's flags (proxima.cli)
 from proxima.bench.stats import ratios
 from proxima.errors import UserError
@@ -71,6 +71,9 @@ def request_list(args, seed: int | None = None) -> tuple[Workload, list[RequestS
     return workload, sorted(specs, key=lambda s: s.arrival_step)
 
 
+MAX_LABEL = 40     #: --label's longest name (a column heading)
+
+
 def _targets(args):
     from proxima.bench.online import Target, normalize_base_url
     urls = [normalize_base_url(u) for u in args.base_url]
@@ -85,6 +88,10 @@ def _targets(args):
         if not label.strip():
             raise UserError(f"--label needs a name, got {label!r}: it names its server in the "
                             f"table and the JSON")
+        if not label.isprintable() or len(label) > MAX_LABEL:     # a column heading
+            raise UserError(f"--label {label[:MAX_LABEL]!r}{'...' if len(label) > MAX_LABEL else ''}"
+                            f": give a name of at most {MAX_LABEL} printable characters "
+                            f"(no newline or tab: it heads a column of the table)")
     if len(set(labels)) != len(labels):
         raise UserError(f"--label values must differ, got {', '.join(labels)}")
     return [Target(label, url) for label, url in zip(labels, urls)]
@@ -132,20 +139,9 @@ def run_online_mode(args) -> int:
     if not args.base_url:
         raise UserError("give --base-url URL (a server to load, e.g. http://127.0.0.1:8000) "
                         "or --offline")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
-    if args.request_rate is not None and not (args.request_rate > 0
-                                              and math.isfinite(args.request_rate)):
-        raise UserError(f"--request-rate must be > 0 requests/s (or inf: no rate), got "
-                        f"{args.request_rate}")
-    timeout = 600.0 if args.timeout is None else args.timeout
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise UserError(f"--timeout must be > 0 seconds (a finite number), got {args.timeout}")
-    repeat = 1 if args.repeat is None else args.repeat
-    if repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {args.repeat}")
+    timeout, repeat = check_online_numbers(args)
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    report_mod.check_plot(args.plot)
     check_distinct_paths({"--json": args.json, "--plot": args.plot},
                          inputs={"--trace": args.trace})
     if args.save_result and args.result_filename:
@@ -155,6 +151,7 @@ def run_online_mode(args) -> int:
                              inputs={"--trace": args.trace})
     targets = _targets(args)
     workload, specs = request_list(args)
+    check_arrival_span(args.request_rate, len(specs))
     try:
         from proxima.bench.online import check_servers, run_online
     except ModuleNotFoundError as exc:
@@ -188,9 +185,7 @@ def run_online_mode(args) -> int:
                                 progress=not args.no_progress)
             rounds.append({t.label: result[t.label] for t in targets})
             if args.json and r + 1 < repeat:     # a bench cut short keeps these rounds
-                report_mod.write_json({"mode": "online", "partial": True, "rounds_done": r + 1,
-                                       "rounds_planned": repeat, "workload": info,
-                                       "environment": environment(False), "per_round": rounds},
+                report_mod.write_json(_online_report(rounds, info, partial=(r + 1, repeat)),
                                       args.json)
     except KeyboardInterrupt as exc:       # Ctrl-C, or SIGTERM (proxima.interrupts)
         if not rounds:
@@ -209,7 +204,8 @@ def run_online_mode(args) -> int:
 
 def _online_report(rounds: list, info: dict, partial: tuple[int, int] | None = None) -> dict:
     """The online report of the rounds measured; ``partial``: (rounds done, planned) of a
-    bench cut short (Ctrl-C, SIGTERM), which keeps each round's figures too."""
+    bench cut short (Ctrl-C, SIGTERM), or of the JSON written after each round of --repeat
+    (what a bench killed outright leaves), which keeps each round's figures too."""
     from proxima.bench.online_summary import merge_rounds
 
     results = merge_rounds(rounds)
@@ -263,13 +259,13 @@ def run_offline_mode(args) -> int:
             args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", least=1),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
-        enforce_eager=bool(args.enforce_eager), repeat=1 if args.repeat is None else args.repeat,
+        enforce_eager=bool(args.enforce_eager), repeat=check_repeat(args.repeat),
         seed=args.seed, check_outputs=bool(args.check_outputs), progress=not args.no_progress,
         arrivals=args.arrivals or "held", elastic=bool(args.elastic),
         elastic_options=_elastic_options(args))
     validate(config)
     report_mod.check_writable(args.json, "--json")
-    report_mod.check_writable(args.plot, "--plot", suffix=".png")
+    report_mod.check_plot(args.plot)
     check_distinct_paths({"--json": args.json, "--plot": args.plot},
                          inputs={"--trace": args.trace})
     workload, specs = request_list(args)
@@ -282,6 +278,9 @@ def run_offline_mode(args) -> int:
     except ModuleNotFoundError:
         raise UserError("--offline needs vLLM: pip install 'proxima[vllm]' (or use ./dev)") from None
     logs_to_stderr("vllm")
+    from proxima.bench.offline_engine import check_load_format
+
+    check_load_format(config.load_format)
     measured = run_offline(config, specs, after_run=_checkpoint(args, config, workload, specs))
     rep = offline_report(args, config, workload, specs, measured)
     _emit(rep, args)

@@ -70,6 +70,9 @@ ENGINE_DEFAULTS = {
 }
 
 
+#: vLLM seeds numpy with --seed (in each worker), which takes 0 to 2^32 - 1 only
+MAX_SEED_OFFLINE = 2**32 - 1
+
 @dataclass(frozen=True)
 class OfflineConfig:
     """Settings shared by every run: only the allocator differs between runs."""
@@ -95,6 +98,9 @@ def validate(config: OfflineConfig) -> None:
     """Refuse settings that cannot give a fair comparison, before any engine starts."""
     if config.repeat < 1:
         raise UserError(f"--repeat must be >= 1, got {config.repeat}")
+    if not 0 <= config.seed <= MAX_SEED_OFFLINE:
+        raise UserError(f"--seed must be from 0 to {MAX_SEED_OFFLINE:,} with --offline (vLLM "
+                        f"seeds numpy with it), got {config.seed}")
     if config.kv_cache_memory_bytes is not None and config.kv_cache_memory_bytes < 1:
         raise UserError(f"--kv-cache-memory-bytes must be >= 1, got {config.kv_cache_memory_bytes}")
     if config.tensor_parallel_size < 1:

@@ -57,6 +57,23 @@ def default_build_llm(kwargs: dict):
         raise UserError(f"vLLM refused the settings: {' '.join(str(exc).split())}") from None
 
 
+def check_load_format(value: str | None) -> None:
+    """--load-format among the installed vLLM's formats (plugins' included), before any
+    engine: vLLM checks it in the worker, once the engine is up (a traceback there). A
+    vLLM without the table (0.6) is left to check it itself."""
+    if value is None:
+        return
+    try:
+        from vllm.model_executor import model_loader
+    except ImportError:
+        return
+    known = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
+    if isinstance(known, dict) and known and value.lower() not in known:
+        raise UserError(f"--load-format {value!r} is not a load format of this vLLM: give one "
+                        f"of {', '.join(sorted(known))} (dummy: random weights, config.json "
+                        f"only)")
+
+
 def require_device() -> None:
     """One line before the first engine where vLLM finds no GPU platform (vLLM itself
     fails deep inside its config with "Device string must not be empty"). vLLM detects

@@ -25,7 +25,6 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
-from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -51,13 +50,10 @@ class Target:
 
 def normalize_base_url(url: str) -> str:
     """``http://host:port`` from what a user may type (trailing ``/`` or ``/v1`` dropped)."""
-    text = url.strip().rstrip("/")
-    if text.endswith("/v1"):
-        text = text[:-3]
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UserError(f"--base-url must look like http://HOST:PORT, got {url!r}")
-    return text
+    from proxima.serve.remote import server_url   # one URL check: kv, selfcheck, bench
+
+    text = server_url(url, "--base-url", "an OpenAI-compatible server")
+    return text[:-3] if text.endswith("/v1") else text
 
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -115,7 +111,11 @@ async def preflight(session: aiohttp.ClientSession, target: Target,
                 raise UserError(f"{where} answered HTTP {resp.status} to GET /v1/models: is it "
                                 f"an OpenAI-compatible server?")
             payload = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except asyncio.TimeoutError:    # connected (or not) but no answer: not "cannot reach"
+        raise UserError(f"{where} did not answer GET /v1/models within "
+                        f"{PREFLIGHT_TIMEOUT_S:g} s: is it still starting, overloaded or stuck? "
+                        f"Try again once {url} answers") from None
+    except (aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach server {target.label} at {target.base_url} ({reason}): "
                         f"is it running? check --base-url") from None

@@ -10,9 +10,16 @@ from __future__ import annotations
 import argparse
 import math
 
-from proxima.bench.offline import ARRIVALS
+from proxima.bench.offline import ARRIVALS, MAX_SEED_OFFLINE
+from proxima.config import MAX_DELAY_S, MAX_REPEAT
 from proxima.errors import UserError
 from proxima.workloads import MAX_MODEL_LEN, MAX_REQUESTS, WORKLOADS
+
+# Bounds of the online flags (checked before any load is sent; shown in --help).
+MAX_RATE = 1_000_000.0          #: --request-rate, requests/s
+MAX_ARRIVAL_SPAN_S = MAX_DELAY_S  #: --requests / --request-rate: the arrivals span a day at most
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, float(MAX_DELAY_S)   #: --timeout, seconds
+DEFAULT_TIMEOUT_S = 600.0
 
 ONLINE_ONLY = ("base_url", "label", "concurrency", "request_rate", "endpoint", "timeout",
                "save_result", "result_filename", "result_dir")
@@ -76,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"number of requests (default: the workload's: chat 100, sharegpt "
                           f"1000, multiturn 400, pressure 500, bursts 800; with --trace: all its lines; "
                           f"at most {MAX_REQUESTS:,})")
-    src.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    src.add_argument("--seed", type=int, default=0,
+                     help=f"seed of prompts and arrivals (offline: also vLLM's, from 0 to "
+                          f"{MAX_SEED_OFFLINE:,})")
     src.add_argument("--max-model-len", type=int, metavar="TOKENS",
                      help=f"longest prompt+output the workload may build (default 8192; at "
                           f"most {MAX_MODEL_LEN:,}); offline: also passed to LLM")
@@ -94,16 +103,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "(default: A, B, ...)")
     on.add_argument("--concurrency", "-c", "--max-concurrency", dest="concurrency", type=int,
                     metavar="C",
-                    help="at most C requests in flight: a closed loop, or with --request-rate "
-                         "a cap (default: the workload's, else all at once)")
+                    help=f"at most C requests in flight: a closed loop, or with --request-rate "
+                         f"a cap; 1 to {MAX_REQUESTS:,} (default: the workload's, else all at "
+                         f"once)")
     on.add_argument("--request-rate", type=float, metavar="R",
-                    help="open loop: Poisson arrivals at R requests/s, seeded; inf = no rate, "
-                         "as without it (default: closed loop)")
+                    help=f"open loop: Poisson arrivals at R requests/s, seeded; inf = no rate, "
+                         f"as without it; above 0 to {MAX_RATE:,.0f}, and at least requests / "
+                         f"{MAX_ARRIVAL_SPAN_S:,} (the arrivals span a day at most) (default: "
+                         f"closed loop)")
     on.add_argument("--endpoint", metavar="E",
                     help="completions (prompt as token ids; default) or chat (prompt as text); "
                          "or vllm bench serve's /v1/completions, /v1/chat/completions")
     on.add_argument("--timeout", type=float, metavar="S",
-                    help="per-request timeout in seconds (default 600)")
+                    help=f"per-request timeout in seconds, {MIN_TIMEOUT_S:g} to "
+                         f"{MAX_TIMEOUT_S:,.0f} (a day) (default {DEFAULT_TIMEOUT_S:g})")
 
     off = parser.add_argument_group("offline mode (vLLM LLM in this process, stock vs Proxima)")
     off.add_argument("--offline", action="store_true",
@@ -136,9 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "steps see then depends on timing, and with it the preemption count)"))
 
     parser.add_argument("--repeat", type=int, metavar="K", help=(
-        "offline: run each allocator K times, alternating; online: K rounds over all "
-        "servers, round r with seed + r - 1, every other round in reverse server order; "
-        "medians and the run-to-run spread are reported (default 1)"))
+        f"offline: run each allocator K times, alternating; online: K rounds over all "
+        f"servers, round r with seed + r - 1, every other round in reverse server order; "
+        f"medians and the run-to-run spread are reported; 1 to {MAX_REPEAT:,} (default 1)"))
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
@@ -194,3 +207,47 @@ def resolve_aliases(args) -> None:
 def given(args, names) -> list[str]:
     """The flags among ``names`` (args attribute names) that were given, as spelt."""
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
+
+
+def check_repeat(repeat: int | None) -> int:
+    """--repeat (default 1), from 1 to MAX_REPEAT."""
+    repeat = 1 if repeat is None else repeat
+    if not 1 <= repeat <= MAX_REPEAT:
+        raise UserError(f"--repeat must be from 1 to {MAX_REPEAT:,}, got {repeat}")
+    return repeat
+
+
+def check_online_numbers(args) -> tuple[float, int]:
+    """--concurrency, --request-rate, --timeout, --repeat within their bounds (one line
+    each: the flag, the bounds, the value); returns (timeout, repeat)."""
+    if args.concurrency is not None and not 1 <= args.concurrency <= MAX_REQUESTS:
+        raise UserError(f"--concurrency must be from 1 to {MAX_REQUESTS:,} (requests in "
+                        f"flight), got {args.concurrency}")
+    if args.request_rate is not None and not (0 < args.request_rate <= MAX_RATE):
+        raise UserError(f"--request-rate must be above 0 and at most {MAX_RATE:,.0f} "
+                        f"requests/s (or inf: no rate), got {args.request_rate:g}")
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    if not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:     # False for nan
+        raise UserError(f"--timeout must be from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:,.0f} "
+                        f"seconds (a day), got {args.timeout:g}")
+    return timeout, check_repeat(args.repeat)
+
+
+def check_arrival_span(rate: float | None, requests: int) -> None:
+    """With --request-rate R, N requests arrive over about N / R seconds: at most a day."""
+    if rate is None or requests / rate <= MAX_ARRIVAL_SPAN_S:
+        return
+    raise UserError(f"--request-rate {rate:g} spreads {requests:,} requests over about "
+                    f"{requests / rate:,.0f} s (requests / rate), above the bound of "
+                    f"{MAX_ARRIVAL_SPAN_S:,} s (a day): give --request-rate "
+                    f"{_rounded_up(requests / MAX_ARRIVAL_SPAN_S)} or more (or inf: no rate), "
+                    f"or fewer --requests")
+
+
+def _rounded_up(x: float) -> str:
+    """``x`` > 0 in 3 significant digits, never below ``x`` (a bound to give back)."""
+    text = f"{x:.3g}"
+    if float(text) < x:
+        digits = 2 - math.floor(math.log10(x))
+        text = f"{math.ceil(x * 10**digits) / 10**digits:.3g}"
+    return text

@@ -154,6 +154,18 @@ def check_writable(path: str | None, flag: str, suffix: str | None = None) -> No
     check_output_path(path, flag, suffix)
 
 
+def check_plot(path: str | None) -> None:
+    """--plot, before a long run: a writable .png, and matplotlib importable (it was found
+    missing only once the run was over)."""
+    check_output_path(path, "--plot", ".png")
+    if path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'proxima[plot]' (or "
+                            "leave --plot out)") from None
+
+
 def write_json(report: dict, path: str) -> None:
     """Strict JSON (no NaN), stable key order: what was measured, with null for unknown.
     Written to a temporary name and renamed: never half a file."""

@@ -130,6 +130,31 @@ def live_records(path: str | os.PathLike) -> tuple[Record, ...]:
     return tuple(r for r in load_records(path).values() if r.alive())
 
 
+def damage(path: str | os.PathLike) -> str | None:
+    """Why the ledger file at ``path`` cannot be read (:func:`load_records` reads it as
+    empty), or None: it reads, it is missing, or it is no regular file (skipped, as there).
+    For readers that show the ledgers."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # never waits on a FIFO
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            raw = json.loads(f.read() or b"{}")
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        return "is not JSON"
+    if not isinstance(raw, dict) or not isinstance(raw.get("engines", []), list):
+        return "is not a ledger (no list of engines)"
+    return None
+
+
 def ledger_files(directory: str | os.PathLike | None = None) -> list[tuple[str, Path]]:
     """``(gpu key, path)`` of every GPU ledger in ``directory`` (None: as
     :func:`ledger_path`), sorted by key."""

@@ -8,7 +8,7 @@ and reporting it is :mod:`proxima.replay.cli`.
 
 from __future__ import annotations
 
-from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_SHARE
+from proxima.config import MAX_BYTES, MAX_DELAY_S, MAX_REPEAT, MAX_SHARE
 from proxima.errors import UserError
 from proxima.ioutil import check_distinct_paths, check_output_path
 from proxima.replay.elastic import MAP_GBPS_H200, UNMAP_GBPS_H200
@@ -190,7 +190,8 @@ def add_arguments(p) -> None:
                    help="how vLLM's V0 engine preempts (V0 only; default: vLLM's choice, "
                         "recompute for single sequences)")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
-                   help="run each allocator K times, alternating (scheduler time: median)")
+                   help=f"run each allocator K times, alternating (scheduler time: median); "
+                        f"1 to {MAX_REPEAT:,}")
     p.add_argument("--json", metavar="PATH",
                    help="write the figures as JSON (default: none)")
     p.add_argument("--plot", metavar="PATH.png",
@@ -206,10 +207,12 @@ def validate(args) -> None:
 
     two_engines.check_choice(args)
     for name in ("requests", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "repeat"):
+                 "max_model_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 1 <= args.repeat <= MAX_REPEAT:
+        raise UserError(f"--repeat must be from 1 to {MAX_REPEAT:,}, got {args.repeat}")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UserError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     check_sizes(args.requests, args.max_model_len)

@@ -159,6 +159,7 @@ def _watch(value) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     watch = _watch(args.watch)
+    timeout = check_timeout(args.timeout)      # checked even where unused (the ledgers)
     if args.url is None:
         if args.min_bytes is not None or args.max_bytes is not None:
             raise UserError("--min/--max set one engine's bounds: give its --url (every "
@@ -181,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
                         "(set them once without --watch)")
     target = _url(args.url)
     body = _request(args)
-    timeout = check_timeout(args.timeout)
     while watch is not None:
         code = _show(target, body, timeout, args.json)
         if code:

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from proxima.memory.ledger import DEFAULT_DIR, DIR_ENV, ledger_files, live_records
+from proxima.memory.ledger import DEFAULT_DIR, DIR_ENV, damage, ledger_files, live_records
 
 DEFAULT_WATCH_S = 2.0
 COLUMNS = ("PID", "MODEL", "PORT", "MAPPED", "MIN", "MAX", "NON-KV", "UNMET")
@@ -29,11 +29,13 @@ def _gib(n: int) -> str:
 
 def snapshot(directory: str | None = None) -> list[dict]:
     """Every GPU ledger in ``directory`` (None: ``PROXIMA_LEDGER_DIR``, else ``/dev/shm``)
-    with its live records: ``[{"gpu", "path", "engines": [record, ...]}]``."""
+    with its live records: ``[{"gpu", "path", "engines": [record, ...], "damaged"}]``;
+    ``damaged``: why the file cannot be read (its engines cannot be shown), else None."""
     out = []
     for gpu, path in ledger_files(directory):
         records = sorted(live_records(path), key=lambda r: (r.model, r.pid, r.name))
-        out.append({"gpu": gpu, "path": str(path), "engines": [asdict(r) for r in records]})
+        out.append({"gpu": gpu, "path": str(path), "engines": [asdict(r) for r in records],
+                    "damaged": damage(path)})
     return out
 
 
@@ -41,9 +43,12 @@ def render(gpus: list[dict], directory: str | None = None) -> str:
     """The tables, as text (one line when there is no engine)."""
     where = directory or os.environ.get(DIR_ENV) or DEFAULT_DIR
     live = [g for g in gpus if g["engines"]]
+    # a damaged ledger reads as empty: said, or "no engine is running" would hide its engines
+    lines = [f"GPU {g['gpu']}: the ledger {g['path']} {g['damaged']}: its engines cannot be "
+             f"shown (an engine's next update rewrites it)" for g in gpus if g.get("damaged")]
     if not live:
-        return f"no Proxima engine is running (no live record in the GPU ledgers of {where})"
-    lines = []
+        return "\n".join(lines + [f"no Proxima engine is running (no live record in the GPU "
+                                  f"ledgers of {where})"])
     for gpu in live:
         engines = gpu["engines"]
         mapped = sum(e["mapped"] for e in engines)

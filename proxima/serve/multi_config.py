@@ -123,13 +123,19 @@ def wants_multi(argv: list[str]) -> bool:
     return False
 
 
+def _written(value) -> str:
+    """A value as the file could write it ('x', true, [1], null), not as Python's repr
+    (True, None); a text as the command line's values are shown, quoted."""
+    return repr(value)[:60] if isinstance(value, str) else json.dumps(value, default=str)[:60]
+
+
 def _port(value, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise UserError(f"{where}: the port must be an integer, got {value!r}")
+        raise UserError(f"{where}: the port must be an integer, got {_written(value)}")
     try:
         port = int(value)
     except ValueError:
-        raise UserError(f"{where}: the port must be an integer, got {value!r}") from None
+        raise UserError(f"{where}: the port must be an integer, got {_written(value)}") from None
     if not 1 <= port <= 65535:
         raise UserError(f"{where}: port {port} is out of range: use 1-65535")
     return port
@@ -263,7 +269,8 @@ def _unknown(key: str, known, where: str) -> UserError:
 
 def _size_value(value, where: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise UserError(f"{where}: must be a size (bytes, or e.g. \"8GiB\"), got {value!r}")
+        raise UserError(f"{where}: must be a size (bytes, or e.g. \"8GiB\"), got "
+                        f"{_written(value)}")
     return str(value)
 
 
@@ -321,13 +328,15 @@ def load_models_file(path: str) -> MultiPlan:
     plan = MultiPlan(models=[])
     if "host" in data:
         if not isinstance(data["host"], str) or not data["host"]:
-            raise UserError(f"{where}: host must be a non-empty string, got {data['host']!r}")
+            raise UserError(f"{where}: host must be a non-empty string, got "
+                            f"{_written(data['host'])}")
         plan.host = data["host"]
     if "port" in data:
         plan.port = _port(data["port"], f"{where}: port")
     if "compaction" in data:
         if not isinstance(data["compaction"], bool):
-            raise UserError(f"{where}: compaction must be true or false, got {data['compaction']!r}")
+            raise UserError(f"{where}: compaction must be true or false, got "
+                            f"{_written(data['compaction'])}")
         plan.compaction = data["compaction"]
     if "gpu_memory_bytes" in data:
         from proxima.config import parse_size
@@ -343,11 +352,15 @@ def load_models_file(path: str) -> MultiPlan:
                 raise UserError(f"{where}: args: {norm} cannot be given for every model here "
                                 f"(per model: the [[models]] table; the endpoint: host/port)")
     models = data.get("models")
-    if models is None:
+    if models is None or models == []:
         raise UserError(f"{where}: no models: add one [[models]] table per model (name, path)")
-    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+    if not isinstance(models, list):
         raise UserError(f"{where}: models must be a list of tables ([[models]]), got "
                         f"{type(models).__name__}")
+    for n, entry in enumerate(models, 1):
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: models[{n}] must be a table (name, path), got "
+                            f"{type(entry).__name__} {_written(entry)}")
     for n, entry in enumerate(models, 1):
         at = f"{where}: models[{n}]"
         for key in entry:
@@ -357,7 +370,7 @@ def load_models_file(path: str) -> MultiPlan:
             if key not in entry:
                 raise UserError(f"{at}: missing {key!r}")
             if not isinstance(entry[key], str):
-                raise UserError(f"{at}.{key}: must be a string, got {entry[key]!r}")
+                raise UserError(f"{at}.{key}: must be a string, got {_written(entry[key])}")
         spec = ModelSpec(name=entry["name"], path=entry["path"], origin=at)
         _check_name_path(spec, at)
         if "port" in entry:
@@ -368,7 +381,8 @@ def load_models_file(path: str) -> MultiPlan:
         if "idle_release" in entry:
             value = entry["idle_release"]
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise UserError(f"{at}.idle_release: must be seconds (a number), got {value!r}")
+                raise UserError(f"{at}.idle_release: must be seconds (a number), got "
+                                f"{_written(value)}")
             spec.idle_release = str(value)
         if "sleep_after" in entry:
             spec.sleep_after = sleep_seconds(entry["sleep_after"], f"{at}.sleep_after")

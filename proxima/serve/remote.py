@@ -43,13 +43,16 @@ class ServerFailure(Exception):
     """The server did not answer, or answered what was not asked for: exit 1, one line."""
 
 
-def server_url(url: str | None, flag: str = "--url") -> str:
-    """``http(s)://HOST[:PORT][/PATH]`` without a trailing slash, or one UserError line."""
+def server_url(url: str | None, flag: str = "--url",
+               server: str = "a running proxima serve") -> str:
+    """``http(s)://HOST[:PORT][/PATH]`` without a trailing slash, or one UserError line
+    (``server``: what the URL names, for the line)."""
     example = "http://127.0.0.1:8000"
     if url is None or not url.strip():
-        raise UserError(f"give {flag} URL: the proxima serve to talk to (e.g. {example})")
+        raise UserError(f"give {flag} URL: {server.replace('a running', 'the')} to talk to "
+                        f"(e.g. {example})")
     text = url.strip()
-    shape = f"{flag} must look like http://HOST:PORT (a running proxima serve, e.g. {example})"
+    shape = f"{flag} must look like http://HOST:PORT ({server}, e.g. {example})"
     if any(ch.isspace() or unicodedata.category(ch)[0] == "C" for ch in text):
         raise UserError(f"{shape}, got {url!r}: it holds a space or a control character")
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import importlib.metadata
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ ALLOCATOR_ENV = activation.ENV
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a
 # multiple of 16 tokens per block); Proxima's runs are counted in these blocks.
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+#: a Hugging Face model id: NAME or ORG/NAME, of letters, digits, - _ .
+HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 DEFAULT_PORT = 8000  # vLLM's default
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "proxima"
 
@@ -76,7 +79,13 @@ def check_model(model: str | None) -> None:
             "for the embedded demo model")
     if model is not None and not model.strip():
         raise UserError(f"the model is empty ({model!r}): {hint}")
-    if model is None or not _looks_like_path(model):
+    if model is None:
+        return
+    if not _looks_like_path(model):
+        if not HF_ID.fullmatch(model):      # vLLM would ask the Hub for it, after start-up
+            raise UserError(f"model {model!r} is neither a path here (none exists) nor a "
+                            f"Hugging Face model id (NAME or ORG/NAME: letters, digits, "
+                            f"- _ .): {hint}")
         return
     path = Path(model).expanduser()
     if not path.exists():

@@ -305,19 +305,35 @@ def _switch(value: str) -> bool:
     raise ValueError("")
 
 
+def _can_create_in(directory: Path) -> bool:
+    """A file can be made in ``directory``: probed by making one (``os.access`` says yes
+    to root, and to /proc or /sys, where the writes fail later, in a traceback)."""
+    import tempfile
+
+    if not directory.is_dir():
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".proxima-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def _stats_file(value: str) -> Path:
     path = Path(value).expanduser()
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory")
     parent = path.resolve().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
+    if not _can_create_in(parent):
         raise ValueError(f"directory {str(parent)!r} does not exist or is not writable")
     return path
 
 
 def _ledger_dir(value: str) -> Path:
     path = Path(value).expanduser()
-    if not path.is_dir() or not os.access(path, os.W_OK):
+    if not _can_create_in(path):
         raise ValueError(f"{str(path)!r} is not a writable directory")
     return path
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from proxima.cli import main
@@ -39,11 +41,11 @@ def test_wrong_model_lists_what_is_served(capsys, fake_server):
 @pytest.mark.parametrize("argv, fragment", [
     (["--requests", "0"], "--requests must be >= 1, got 0"),
     (["--requests", "-3"], "--requests must be >= 1, got -3"),
-    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
-    (["--request-rate", "0"], "--request-rate must be > 0"),
-    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be from 1 to 100,000 (requests in flight), got 0"),
+    (["--request-rate", "0"], "--request-rate must be above 0"),
+    (["--timeout", "0"], "--timeout must be from 0.01 to 86,400 seconds"),
     (["--label", "x", "--label", "y"], "got 2 --label for 1 --base-url"),
-    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat must be from 1 to 1,000, got 0"),
     (["--kv-cache-memory-bytes", "100"], "--kv-cache-memory-bytes only applies with --offline"),
     (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
     (["--trace", "/nonexistent.jsonl"], "cannot read trace /nonexistent.jsonl"),
@@ -93,7 +95,7 @@ def test_offline_refuses_online_flags(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat must be from 1 to 1,000, got 0"),
     (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes: '0' is below 1"),
     (["--kv-cache-memory-bytes", "1e400"], "--kv-cache-memory-bytes: '1e400' is above the "
                                            "bound of 1024TiB"),
@@ -123,3 +125,35 @@ def test_offline_refuses_in_process_engine_core(capsys, tmp_path, monkeypatch):
     rc, err = run_cli(capsys, "--offline", "--model", str(tmp_path))
     assert rc == 2
     assert_one_line(err, "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+@pytest.mark.parametrize("mode", [[], ["--offline", "--model", "x"]])
+def test_plot_without_matplotlib_is_refused_before_any_load(capsys, fake_server, monkeypatch,
+                                                            tmp_path, mode):
+    """Without matplotlib, --plot failed once the whole bench had run (after the JSON was
+    written): now one line before any request is sent."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib fails
+    server = fake_server()
+    urls = [] if mode else ["--base-url", server.url, "--model", "tiny"]
+    rc, err = run_cli(capsys, *urls, *mode, "--plot", str(tmp_path / "p.png"))
+    assert rc == 2
+    assert_one_line(err, "--plot needs matplotlib: pip install 'proxima[plot]'")
+    assert server.state.bodies == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_never_answers_is_not_called_unreachable(capsys, monkeypatch):
+    """A server that takes the connection and never answers GET /v1/models (starting,
+    stuck) was reported as "cannot reach server A (TimeoutError): is it running?"."""
+    import socket
+
+    from proxima.bench import online
+
+    monkeypatch.setattr(online, "PREFLIGHT_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:             # listens, never accepts nor answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        rc, err = run_cli(capsys, "--base-url", url, "--requests", "2")
+    assert rc == 2
+    assert_one_line(err, f"server A ({url}) did not answer GET /v1/models within 0.5 s",
+                    "still starting, overloaded or stuck")

@@ -362,14 +362,14 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
         str(repo), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bench", "--no-progress",
                              "--base-url", server.url, "--model", "tiny", "--trace", trace,
-                             "--repeat", "100000", "--json", str(out)],
+                             "--repeat", "1000", "--json", str(out)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = []
     try:
         for line in proc.stderr:
             seen.append(line)
-            if line.startswith("proxima bench: round 2/100000"):
+            if line.startswith("proxima bench: round 2/1000"):
                 break
         else:
             pytest.fail("no round marker:\n" + "".join(seen))
@@ -387,9 +387,54 @@ def test_a_signal_mid_bench_keeps_the_rounds_measured(fake_server, trace_file, t
     assert rep["partial"] is True and rep["rounds_done"] >= 1
     assert rep["per_round"][0]["A"]["completed"] == 4
     done = rep["rounds_done"]
-    assert (f"proxima bench: {word} during round {done + 1} of 100000: keeping the {done} "
+    assert (f"proxima bench: {word} during round {done + 1} of 1000: keeping the {done} "
             f"finished") in stderr, stderr
     assert rep["results"]["A"]["requests"] > 0 and len(rep["per_round"]) == done
     assert stdout.splitlines()[0].startswith("online benchmark") and "completed" in stdout
-    assert f"{done} of 100000 rounds (medians" in stdout.splitlines()[0]
+    assert f"{done} of 1000 rounds (medians" in stdout.splitlines()[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "trace.jsonl"]
+
+
+def test_a_bench_killed_between_rounds_leaves_the_report_of_the_rounds_done(
+        fake_server, trace_file, tmp_path):
+    """`proxima bench --repeat K --json` rewrites the JSON after every round; a bench killed
+    outright (SIGKILL, no handler runs) leaves that file. It was a dict of its own, without
+    the merged figures a Ctrl-C's report has: now the same partial report, its table
+    readable."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from proxima.bench import report as report_mod
+
+    repo = Path(__file__).resolve().parents[2]
+    server = fake_server(delay=0.002)
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(repo), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "bench", "--no-progress",
+                             "--base-url", server.url, "--model", "tiny", "--trace",
+                             trace_file([(8, 4)] * 4), "--repeat", "1000", "--json", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("proxima bench: round 3/1000"):
+                break
+        else:
+            pytest.fail("no round marker")
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    rep = json.loads(out.read_text())
+    assert rep["partial"] is True and (rep["rounds_done"], rep["rounds_planned"]) == (2, 1000)
+    assert rep["mode"] == "online" and rep["workload"]["repeat"] == 1000
+    assert [r["A"]["completed"] for r in rep["per_round"]] == [4, 4]
+    assert rep["results"]["A"]["completed"] == 8 and rep["trustworthy"] is True
+    assert "ratios" in rep and rep["notes"] == [] and "environment" in rep
+    assert "2 of 1000 rounds (medians" in report_mod.format_table(rep).splitlines()[0]

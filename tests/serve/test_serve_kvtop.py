@@ -137,3 +137,22 @@ def test_a_fifo_in_the_ledgers_place_is_skipped_not_waited_on(tmp_path):
         proc.wait()
     assert done.returncode == 0, done.stderr
     assert "GPU GPU-real: 1 engine(s)" in done.stdout and "GPU-fifo" not in done.stdout
+
+
+def test_a_damaged_ledger_is_named_not_read_as_no_engine(tmp_path):
+    """A ledger that is not JSON (or not a ledger) reads as empty for the engines, which
+    rewrite it; `proxima kv` said "no Proxima engine is running" as if all was well."""
+    ledger_path("GPU-aaaa", tmp_path).write_bytes(b"\x00garbage")
+    ledger_path("GPU-bbbb", tmp_path).write_text("[1, 2]")
+    ledger_path("GPU-cccc", tmp_path).write_text('{"engines": []}')       # empty: fine
+    done = cli("--ledger-dir", str(tmp_path))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines() == [
+        f"GPU GPU-aaaa: the ledger {ledger_path('GPU-aaaa', tmp_path)} is not JSON: its "
+        f"engines cannot be shown (an engine's next update rewrites it)",
+        f"GPU GPU-bbbb: the ledger {ledger_path('GPU-bbbb', tmp_path)} is not a ledger (no "
+        f"list of engines): its engines cannot be shown (an engine's next update rewrites it)",
+        f"no Proxima engine is running (no live record in the GPU ledgers of {tmp_path})"]
+    shown = json.loads(cli("--ledger-dir", str(tmp_path), "--json").stdout)
+    assert [g["damaged"] for g in shown] == ["is not JSON", "is not a ledger (no list of "
+                                             "engines)", None]

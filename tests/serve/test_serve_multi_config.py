@@ -94,6 +94,10 @@ def test_a_json_models_file(tmp_path):
     ('[[models]]\nname = "a"\n', ".toml", "models[1]: missing 'path'"),
     ('[[models]]\nname = "a"\npath = "/m"\nport = "x"\n', ".toml",
      "models[1].port: the port must be an integer, got 'x'"),
+    ('[[models]]\nname = true\npath = "/m"\n', ".toml",      # "got True": Python's spelling
+     "models[1].name: must be a string, got true"),
+    ('{"models": [{"name": "a", "path": "/m", "port": null}]}', ".json",
+     "models[1].port: the port must be an integer, got null"),
     ('[[models]]\nname = "a"\npath = "/m"\nargs = [1, true]\n', ".toml",
      "models[1].args: must be a list of strings"),
     ('[[models]]\nname = "a b"\npath = "/m"\n', ".toml", "model name 'a b' is not a valid name"),

@@ -229,7 +229,8 @@ def test_options_text_reads_key_value_or_json(text, expected):
     ("garbage", "'garbage' is not key=value (e.g. min_bytes=2GiB,max_bytes=80GiB)"),
     ("=1", "'=1' is not key=value"),
     ("min_bytes=1GiB,min_bytes=2GiB", "min_bytes is given twice"),
-    ("{not json", "not JSON"), ("[1, 2]", "not key=value"), ('{"a": [1}', "not JSON"),
+    ("{not json", "not JSON"), ("[1, 2]", "[1, 2] is JSON but not an object"),
+    ("null", "null is JSON but not an object"), ('{"a": [1}', "not JSON"),
     ("{" * 100_000, "not JSON"),
 ])
 def test_bad_options_text(text, message):
