@@ -252,14 +252,7 @@ class SleepWake:
                 raise WakeFailed(f"the models put to sleep to make room did not sleep within "
                                  f"{self.wake_timeout:g} s") from None
         if self.make_room is not None and backend.weights_bytes:
-            try:
-                await asyncio.wait_for(
-                    self.make_room(backend.name, backend.weights_bytes, self.wake_timeout),
-                    self.wake_timeout)
-            except asyncio.TimeoutError:
-                raise WakeFailed(f"no room on the GPU for its weights "
-                                 f"({backend.weights_bytes / 2**30:.2f} GiB) within "
-                                 f"{self.wake_timeout:g} s") from None
+            await self._ask_room(backend, began)
         room_s = time.monotonic() - began
         left = max(1.0, self.wake_timeout - room_s)
         try:
@@ -271,6 +264,38 @@ class SleepWake:
         if status != 200:
             raise WakeFailed(f"its engine answered {status} to the wake: {_why(answer)}")
         return room_s
+
+    async def _ask_room(self, backend, began: float) -> None:
+        """The weights' bytes asked of the GPU's other engines (``make_room``, bounded by
+        what is left of the wake's time). While an idle model that may sleep is there, the
+        ask gets half of that; if the KV they give back is not enough by then, the least
+        recently used one is put to sleep and the ask made again."""
+        refused: dict[str, str] = {}
+        while True:
+            left = self.wake_timeout - (time.monotonic() - began)
+            chosen = residency.victim(self._candidates(backend, refused),
+                                      lambda b: b.last_request)
+            bound = max(0.1, left / 2 if chosen is not None else left)
+            try:
+                await asyncio.wait_for(
+                    self.make_room(backend.name, backend.weights_bytes, bound), bound)
+                return
+            except (asyncio.TimeoutError, WakeFailed) as exc:
+                if chosen is None or left - bound <= 0:
+                    if isinstance(exc, WakeFailed):
+                        raise
+                    raise WakeFailed(f"no room on the GPU for its weights "
+                                     f"({backend.weights_bytes / 2**30:.2f} GiB) within "
+                                     f"{self.wake_timeout:g} s") from None
+            chosen = residency.victim(self._candidates(backend, refused),
+                                      lambda b: b.last_request)
+            if chosen is None:
+                continue                    # the one seen is busy now: the rest of the time
+            log.info("model %s sleeps to make room for %s (the KV given back was not "
+                     "enough)", chosen.name, backend.name)
+            why = await self.sleep_now(chosen, release=True)
+            if why is not None:
+                refused[chosen.name] = why
 
     # -- room: more models than fit at once ------------------------------------------------
     def holds(self, backend) -> int:

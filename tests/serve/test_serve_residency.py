@@ -214,3 +214,31 @@ def _port():
     from tests.serve.test_serve_multi import free_port
 
     return free_port()
+
+
+def test_a_wake_the_kv_releases_cannot_make_room_for_puts_an_idle_sleeper_to_sleep(endpoint,  # noqa: F811
+                                                                                 logged):
+    """Not counted (no capacity: e.g. a model given as a Hugging Face id), the GPU still
+    lacks the weights' bytes after the others gave back their KV: the least recently used
+    idle sleeper sleeps, and the ask is made again."""
+    from proxima.serve.sleepwake import WakeFailed
+
+    asks = []
+
+    async def room(name, need, timeout):
+        other = state(ep, "b" if name == "a" else "a")
+        asks.append((name, other))
+        if other != "asleep":                       # the other's weights are what is missing
+            raise WakeFailed("the GPU's other engines did not give back 1.00 GiB")
+
+    ep = endpoint({"a": [], "b": []}, sleep_after={"a": 3600, "b": 3600},
+                  sleep_options={"make_room": room})
+    assert ep.post("/engines/a/proxima/sleep", None).json()["sleeping"] is True
+    answer = complete(ep, "a")
+    assert answer.status_code == 200 and answer.json()["engine"] == "a"
+    assert asks == [("a", "awake"), ("a", "asleep")]
+    assert (state(ep, "a"), state(ep, "b")) == ("awake", "asleep")
+    assert any(line.startswith("model b sleeps to make room for a") for line in logged)
+    # and back: a, idle, sleeps for b
+    assert complete(ep, "b").json()["engine"] == "b" and state(ep, "a") == "asleep"
+    assert asks[2:] == [("b", "awake"), ("b", "asleep")]
