@@ -333,11 +333,11 @@ class SleepWake:
             if chosen is None:
                 awake = [b.name for b in self.router.backends.values()
                          if b is not backend and self.holds(b) and b.sleep_state != ASLEEP]
+                tried = "".join(f"; {name} refused: {why}" for name, why in refused.items())
                 raise WakeFailed(
                     f"the GPU lacks {short / 2**30:.2f} GiB for it beside the models awake "
                     f"({', '.join(awake) or 'none'}), and none of them may be put to sleep "
-                    f"now (no --sleep-after, a request in flight, or not ready"
-                    f"{'; refused: ' + '; '.join(f'{k}: {v}' for k, v in refused.items()) if refused else ''})")
+                    f"now (no --sleep-after, a request in flight, or not ready{tried})")
             log.info("model %s sleeps to make room for %s", chosen.name, backend.name)
             why = await self.sleep_now(chosen, release=True)
             if why is not None:
