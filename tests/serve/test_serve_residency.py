@@ -242,3 +242,38 @@ def test_a_wake_the_kv_releases_cannot_make_room_for_puts_an_idle_sleeper_to_sle
     # and back: a, idle, sleeps for b
     assert complete(ep, "b").json()["engine"] == "b" and state(ep, "a") == "asleep"
     assert asks[2:] == [("b", "awake"), ("b", "asleep")]
+
+
+def test_the_count_is_what_the_next_engines_own_sizing_reads_from_the_gpus_ledger(tmp_path):
+    """The start-up plan says rare sleeps to make room for mid: through the GPU's real
+    ledger file, mid's own sizing (:func:`sizing.plan` over the records, as the engine
+    runs it) refuses while rare is awake and fits once rare's record counts it asleep
+    (its non-KV memory less the weights, as the connector's ``asleep_bytes`` writes it)."""
+    from proxima.memory.ledger import Ledger, ledger_path
+    from proxima.serve import autosize, sizing
+
+    argv = models(f"chat={BIG}", f"rare={BIG} --sleep-after 60", f"mid={MID} --sleep-after 60",
+                  ) + ["--gpu-memory-bytes", "40GiB"]
+    need, capacity, places, _ = multi.fit_models(parse_command_line(argv))
+    chat, rare, mid = places
+    assert residency.start_plan(places, capacity) == [("rare", "mid")]
+    least = sizing.DEFAULT_KV_MIN
+    path = ledger_path("GPU-residency", tmp_path)
+    records = []
+    try:
+        for place, name in ((chat, "chat"), (rare, "rare")):
+            records.append(Ledger(path, name=name, model=name, nonkv=place.awake - least))
+            records[-1].post(least, least)
+        others = autosize.ledger_others("GPU-residency", str(tmp_path))
+        mid_nonkv = mid.awake - least
+        with pytest.raises(UserError, match="does not fit on the GPU even at its minimum"):
+            sizing.plan(capacity, mid_nonkv, others)
+        rare_ledger = records[1]
+        rare_ledger.nonkv = rare.asleep - least                 # what its sleep freed: gone
+        rare_ledger.repost()
+        others = autosize.ledger_others("GPU-residency", str(tmp_path))
+        assert sum(o.claim for o in others) == chat.awake + rare.asleep
+        assert sizing.plan(capacity, mid_nonkv, others).kv_min == least
+    finally:
+        for ledger in records:
+            ledger.close()
