@@ -16,7 +16,10 @@ failed self-check) stops everything: exit 1 with its error line. Engines start o
 another, each once the previous one is ready: each is sized counting the engines already on
 the GPU's ledger, and one short of memory at start asks them for it (vLLM's start-up memory
 profiling is not the reason: it is skipped where the KV size is given, as it is for every
-elastic engine).
+elastic engine). With models that may sleep (``sleep_after``) more models than fit at once
+are served (:mod:`proxima.serve.residency`): before each start and restart the
+supervisor's ``before_start`` (:meth:`proxima.serve.sleepwake.SleepWake.admit`) puts
+idle sleepers to sleep until the engine fits.
 """
 
 from __future__ import annotations
