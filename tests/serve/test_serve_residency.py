@@ -114,7 +114,7 @@ def test_with_no_model_to_put_to_sleep_the_wake_is_a_503_in_openais_shape(endpoi
 
 
 def test_a_restarting_engine_puts_an_idle_sleeper_to_sleep_before_it_starts(endpoint, logged):  # noqa: F811
-    ep = three(endpoint, backoff=(3.0,))
+    ep = three(endpoint, backoff=(5.0,))
     c = ep.engines["c"]
     first = c.pid
     os.kill(first, signal.SIGKILL)
