@@ -198,6 +198,16 @@ class GrowShrinkPolicy:
         self._excess_since = None
         return self.options
 
+    def release_idle_now(self) -> bool:
+        """Count the engine idle long enough now (``idle_release_s`` set, no live block
+        and nothing held): its next step gives back every granule but the null block's, as
+        the idle release would, without waiting for it (a model put to sleep to make room
+        for another). False, and nothing changed, when it is busy or has no idle release."""
+        if self.options.idle_release_s is None or self._busy():
+            return False
+        self._idle_since = float("-inf")
+        return True
+
     # ------------------------------------------------------------------ the step
     def wanted_free(self) -> int:
         o = self.options

@@ -49,6 +49,13 @@ def model_nonkv(model: str, dtype: str | None = None, quantization: str | None =
                 gpus: int = 1) -> int | None:
     """What one GPU of the model's engine holds besides KV (:func:`sizing.nonkv_estimate`
     of its weights, split over ``gpus``); None where the model has no local config.json."""
+    weights = model_weights(model, dtype, quantization, gpus)
+    return None if weights is None else sizing.nonkv_estimate(weights)
+
+
+def model_weights(model: str, dtype: str | None = None, quantization: str | None = None,
+                  gpus: int = 1) -> int | None:
+    """The model's weights on one GPU of ``gpus`` (None: no local config.json)."""
     config = sizing.read_model_config(model)
     if config is None:
         return None
@@ -57,7 +64,7 @@ def model_nonkv(model: str, dtype: str | None = None, quantization: str | None =
     except ValueError as exc:
         raise UserError(f"{model}: cannot estimate the model's size ({exc}): give "
                         f"--kv-cache-memory-bytes and --gpu-memory-utilization") from None
-    return sizing.nonkv_estimate(-(-weights // max(1, gpus)))
+    return -(-weights // max(1, gpus))
 
 
 def usable_kv(vargs, gpus: int = 1) -> int | None:
@@ -212,21 +219,23 @@ def _option(argv: list[str], name: str) -> str | None:
     return found
 
 
-def check_models_fit(models, gpu_total: int, others=(), source: str = "the GPU") -> int:
-    """Several models on one GPU, before any starts: ``models`` as ``(name, path, argv)``
-    (argv: the model's options, Proxima's --kv-min among them). Each model's non-KV memory
-    from its config.json (:func:`model_nonkv`; --dtype, --quantization and
-    --tensor-parallel-size read from argv) and its --kv-min (default
-    :data:`sizing.DEFAULT_KV_MIN`). UserError (:func:`sizing.check_fit`) when they do not fit."""
+def model_sizes(models) -> list[tuple[str, int | None, int, int]]:
+    """``(name, nonkv or None, weights, kv_min)`` of each ``(name, path, argv)``: the non-KV
+    memory and weights on one GPU from its config.json (None and 0 without one), --dtype,
+    --quantization and --tensor-parallel-size read from argv, and its --kv-min (default
+    :data:`sizing.DEFAULT_KV_MIN`)."""
     rows = []
     for name, path, argv in models:
         tp = _option(argv, "--tensor-parallel-size")
-        nonkv = model_nonkv(path, _option(argv, "--dtype"), _option(argv, "--quantization"),
-                            int(tp) if tp and tp.isdigit() else 1)
+        weights = model_weights(path, _option(argv, "--dtype"),
+                                _option(argv, "--quantization"),
+                                int(tp) if tp and tp.isdigit() else 1)
         least = _option(argv, "--kv-min")
-        rows.append((name, nonkv, sizing.DEFAULT_KV_MIN if least is None
+        rows.append((name, None if weights is None else sizing.nonkv_estimate(weights),
+                     weights or 0,
+                     sizing.DEFAULT_KV_MIN if least is None
                      else parse_size(least, f"model {name!r}: --kv-min")))
-    return sizing.check_fit(rows, gpu_total, others, source=source)
+    return rows
 
 
 def check_alone(model: str | None, argv: list[str], elastic: dict, gpu_bytes: int) -> None:

@@ -104,6 +104,9 @@ config.json, plus activations and --kv-min) are refused before any starts (with
 --model (default: never): after that long without a request the model's weights go to
 host memory (its KV given back first: it implies --idle-release, at most SECONDS); its
 next request wakes it (a slower first token; 503 with Retry-After if the wake fails).
+With models that may sleep, more models than fit at once are served: only those that never
+sleep plus the largest that may must fit; the least recently used idle one sleeps to make
+room for a model that starts or wakes.
 See docs/operations.md, "Several models behind one endpoint".
 
 Environment: PROXIMA_ALLOCATOR (unset or 1), PROXIMA_ELASTIC, PROXIMA_ELASTIC_OPTIONS (the

@@ -2,7 +2,9 @@
 the routes ``POST /proxima/sleep`` and ``POST /proxima/wake_up`` of :mod:`proxima.serve.app`
 (Proxima's own, not vLLM's ``VLLM_SERVER_DEV_MODE`` routes).
 
-- ``POST /proxima/sleep`` (body optional: ``{"timeout_s": 30}``): waits until the idle
+- ``POST /proxima/sleep`` (body optional: ``{"timeout_s": 30, "release": false}``; with
+  ``"release": true`` an idle engine gives back its KV at once, without waiting for its
+  idle release: the several-models endpoint's eviction): waits until the idle
   release has given back the engine's KV (mapped down to its null granule, read through
   the ``proxima_kv`` utility), tells the connector to stop asking for idle steps (vLLM's
   pause completes only once the engine has no work, and it counts the connector's pending
@@ -118,10 +120,10 @@ class EngineSleep:
         async with self._lock:
             self._engine = engine
             if action == "sleep":
-                timeout = await _timeout(request)
-                if isinstance(timeout, Response):
-                    return timeout
-                return await self._sleep(engine, timeout)
+                options = await _sleep_options(request)
+                if isinstance(options, Response):
+                    return options
+                return await self._sleep(engine, *options)
             return await self._wake(engine)
 
     async def _kv(self, engine, request: dict) -> dict:
@@ -132,12 +134,17 @@ class EngineSleep:
             raise RuntimeError(answer["error"])
         return answer
 
-    async def _sleep(self, engine, timeout: float) -> Response:
+    async def _sleep(self, engine, timeout: float, release: bool = False) -> Response:
         if self.state == ASLEEP:
             return JSONResponse({"sleeping": True, "seconds": 0.0,
                                  "weights_bytes": self._weights or 0})
         begun = time.monotonic()
         deadline = begun + timeout
+        if release:         # an idle engine gives back its KV now, not after idle_release
+            try:
+                await self._kv(engine, {"release_now": True})
+            except Exception as exc:  # noqa: BLE001 - no elastic KV, or the engine died
+                return _error(503, f"the engine did not answer proxima_kv ({exc})")
         while True:
             try:
                 kv = await self._kv(engine, {})
@@ -209,10 +216,11 @@ class EngineSleep:
         return JSONResponse({"sleeping": False, "seconds": round(seconds, 3)})
 
 
-async def _timeout(request: Request) -> float | Response:
+async def _sleep_options(request: Request) -> tuple[float, bool] | Response:
+    """(timeout_s, release) from the sleep's body, or the 400 answer."""
     body = await request.body()
     if not body.strip():
-        return SLEEP_TIMEOUT_S
+        return SLEEP_TIMEOUT_S, False
     import json
 
     try:
@@ -220,8 +228,11 @@ async def _timeout(request: Request) -> float | Response:
     except ValueError:
         payload = None
     value = payload.get("timeout_s", SLEEP_TIMEOUT_S) if isinstance(payload, dict) else None
+    release = payload.get("release", False) if isinstance(payload, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 <= value <= MAX_SLEEP_TIMEOUT_S:
-        return _error(400, f"send {{\"timeout_s\": SECONDS}} (0 to {MAX_SLEEP_TIMEOUT_S:g}) "
-                           f"or nothing, got {body[:200].decode(errors='replace')!r}")
-    return float(value)
+            not 0 <= value <= MAX_SLEEP_TIMEOUT_S or not isinstance(release, bool) or \
+            set(payload) - {"timeout_s", "release"}:
+        return _error(400, f"send {{\"timeout_s\": SECONDS, \"release\": true|false}} "
+                           f"(SECONDS 0 to {MAX_SLEEP_TIMEOUT_S:g}; both optional) or "
+                           f"nothing, got {body[:200].decode(errors='replace')!r}")
+    return float(value), release

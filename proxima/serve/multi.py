@@ -16,7 +16,10 @@ failed self-check) stops everything: exit 1 with its error line. Engines start o
 another, each once the previous one is ready: each is sized counting the engines already on
 the GPU's ledger, and one short of memory at start asks them for it (vLLM's start-up memory
 profiling is not the reason: it is skipped where the KV size is given, as it is for every
-elastic engine).
+elastic engine). With models that may sleep (``sleep_after``) more models than fit at once
+are served (:mod:`proxima.serve.residency`): before each start and restart the
+supervisor's ``before_start`` (:meth:`proxima.serve.sleepwake.SleepWake.admit`) puts
+idle sleepers to sleep until the engine fits.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Supervisor:
 
     def __init__(self, engines: list[Engine], *, backoff=BACKOFF_S, max_restarts=MAX_RESTARTS,
                  window_s=RESTART_WINDOW_S, stop_timeout=STOP_TIMEOUT_S, sequential=True,
-                 on_fatal=None, output=None):
+                 on_fatal=None, output=None, before_start=None):
         self.engines = engines
         self.backoff = tuple(backoff)
         self.max_restarts = max_restarts
@@ -76,6 +79,9 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.sequential = sequential
         self.on_fatal = on_fatal            # called with one line when serving must stop
+        # awaited with the backend before each start and restart: room made for it
+        # (sleepwake.SleepWake.admit puts idle sleepers to sleep)
+        self.before_start = before_start
         self.output = output if output is not None else sys.stderr
         self.fatal: str | None = None
         self._stopping = False
@@ -100,6 +106,8 @@ class Supervisor:
     async def _keep(self, engine: Engine) -> None:
         backend = engine.backend
         while not self._stopping:
+            if self.before_start is not None:
+                await self.before_start(backend)
             code = await self._run_once(engine)
             if self._stopping:
                 return
@@ -141,9 +149,10 @@ class Supervisor:
                 start_new_session=True,     # its own group: stopped as one, with its children
                 preexec_fn=_term_with_parent)
         except OSError as exc:
+            backend.admitted = False
             engine.last_error = f"cannot start {engine.command[0]}: {exc.strerror}"
             return 127
-        backend.pid = engine.process.pid
+        backend.pid, backend.admitted = engine.process.pid, False
         relay = asyncio.create_task(self._relay(engine, engine.process))
         code = await _exited(engine.process)
         backend.pid = None
@@ -348,8 +357,19 @@ def check_fit(plan: multi_config.MultiPlan, facts: dict | None = None) -> int | 
     """The models fit on one GPU at their minimums (weights from each config.json, plus
     activations and --kv-min), beside the engines already on its ledger: on
     ``--gpu-memory-bytes`` when given (before the GPU is probed), else on the probed GPU
-    (``facts``). Returns the bytes needed (None: the GPU's size is not known yet)."""
-    from proxima.serve import autosize
+    (``facts``). With models that may sleep (``sleep_after``), those that never sleep and
+    the largest sleeper must fit (:func:`proxima.serve.residency.check`). Returns the bytes
+    needed (None: the GPU's size is not known yet)."""
+    fit = fit_models(plan, facts)
+    return None if fit is None else fit[0]
+
+
+def fit_models(plan: multi_config.MultiPlan, facts: dict | None = None):
+    """:func:`check_fit`'s work: ``(need, capacity, places, source)`` (None: the GPU's size
+    is not known yet); ``capacity`` what the GPU has for the models, ``places`` each
+    model's :class:`~proxima.serve.residency.Place`. UserError (one line) when they do not
+    fit."""
+    from proxima.serve import autosize, residency, sizing
 
     total, _, uuid = autosize.gpu_facts(facts or {})
     if plan.gpu_bytes is not None:
@@ -359,9 +379,20 @@ def check_fit(plan: multi_config.MultiPlan, facts: dict | None = None) -> int | 
     if not total:
         return None
     others = autosize.ledger_others(uuid) if plan.gpu_bytes is None else []
-    return autosize.check_models_fit(
-        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models],
-        total, others, source)
+    claim = sum(o.claim for o in others)
+    sizes = autosize.model_sizes(
+        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models])
+    sleeps = {s.name for s in plan.models if s.sleep_after is not None}
+    places = [residency.Place(name, (nonkv or 0) + least,
+                              (nonkv or 0) - weights + least if name in sleeps else None)
+              for name, nonkv, weights, least in sizes]
+    if sleeps:
+        need = residency.check(places, total, claim, len(others), source=source,
+                               unknown=[n for n, nonkv, _, _ in sizes if nonkv is None])
+    else:
+        need = sizing.check_fit([(n, nonkv, least) for n, nonkv, _, least in sizes], total,
+                                others, source=source)
+    return need, total - claim, places, source
 
 
 def check_engines_options(plan: multi_config.MultiPlan) -> dict:
@@ -436,7 +467,27 @@ def run(argv: list[str]) -> int:
 
     room = gpu_room(autosize.gpu_facts(facts)[2])
     return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan),
-                             sleep_options={"make_room": room}))
+                             sleep_options={"make_room": room,
+                                            "capacity": plan_residency(plan, facts, engines)}))
+
+
+def plan_residency(plan: multi_config.MultiPlan, facts: dict,
+                   engines: list[Engine]) -> int | None:
+    """With models that may sleep and a GPU of known size: each backend's place awake and
+    asleep, the start-up plan logged; returns what the GPU has for the models (None: not
+    counted, every model starts and stays awake as its own sizing allows)."""
+    from proxima.serve.residency import plan_lines
+
+    fit = fit_models(plan, facts) if any(s.sleep_after for s in plan.models) else None
+    if fit is None:
+        return None
+    _, capacity, places, source = fit
+    for engine, place in zip(engines, places):
+        engine.backend.awake_bytes = place.awake
+        engine.backend.asleep_bytes = place.asleep if place.sleeps else place.awake
+    for line in plan_lines(places, capacity, source):
+        log.info("%s", line)
+    return capacity
 
 
 class Endpoint:
@@ -452,6 +503,8 @@ class Endpoint:
         self.router = Router([e.backend for e in engines], health_interval=health_interval,
                              api_keys=api_keys, on_startup=self.supervisor.start,
                              on_shutdown=self.supervisor.stop, sleep_options=sleep_options)
+        if self.router.sleepwake.capacity is not None:     # more models than fit at once
+            self.supervisor.before_start = self.router.sleepwake.admit
         config = uvicorn.Config(self.router, host=host, port=port, lifespan="on",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=10)

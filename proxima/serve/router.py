@@ -75,6 +75,9 @@ class Backend:
     in_flight: int = 0
     sleep_retry_at: float = 0.0
     weights_bytes: int = 0              # what the engine's sleep freed (its answer)
+    awake_bytes: int = 0                # its place on the GPU awake / asleep (residency.py;
+    asleep_bytes: int = 0               # 0: not counted)
+    admitted: bool = False              # room made for its engine, about to start
     sleeps: int = 0
     wakes: int = 0
     wake_failures: int = 0

@@ -18,6 +18,16 @@ A wake that fails or times out answers the held requests 503 in OpenAI's error s
 ``Retry-After``; the model stays listed and asleep, and its next request tries again. One
 log line per sleep and per wake, with the seconds it took. An engine that restarts
 starts awake.
+
+More models than fit at once (``capacity``: what the GPU has for the models, with each
+backend's ``awake_bytes`` / ``asleep_bytes`` from :mod:`proxima.serve.residency`): before
+a wake, and before an engine starts or restarts (:meth:`SleepWake.admit`, the supervisor's
+``before_start``), the least recently used awake model that may sleep, is ready and has no
+request in flight is put to sleep (its KV given back at once: ``{"release": true}``) while
+the GPU has no room for the model beside the others ("model X sleeps to make room for Y").
+A model with a request in flight is never put to sleep; with no such model left the wake
+fails (503 with ``Retry-After``), and a start waits for one (at most the wake's bound, then
+starts anyway: its own sizing decides). One wake or start makes room at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
+
+from proxima.serve import residency
 
 log = logging.getLogger("proxima.serve")
 
@@ -50,9 +62,12 @@ class SleepWake:
 
     def __init__(self, router, *, make_room: RoomFn | None = None,
                  wake_timeout: float = WAKE_TIMEOUT_S, sleep_timeout: float = SLEEP_TIMEOUT_S,
-                 retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None):
+                 retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None,
+                 capacity: int | None = None):
         self.router = router
         self.make_room = make_room
+        self.capacity = capacity            # bytes the models may hold (None: not counted)
+        self._room = asyncio.Lock()         # one wake or start makes room at a time
         self.wake_timeout = wake_timeout
         self.sleep_timeout = sleep_timeout
         self.retry_s = retry_s
@@ -144,16 +159,17 @@ class SleepWake:
                 due.append(backend)
         return due
 
-    def _start_sleep(self, backend) -> asyncio.Task:
+    def _start_sleep(self, backend, release: bool = False) -> asyncio.Task:
         task = self._sleeps.get(backend.name)
         if task is None:
             task = self._sleeps[backend.name] = asyncio.create_task(
-                self._sleep(backend), name=f"proxima-sleep-{backend.name}")
+                self._sleep(backend, release), name=f"proxima-sleep-{backend.name}")
         return task
 
-    async def sleep_now(self, backend) -> str | None:
+    async def sleep_now(self, backend, release: bool = False) -> str | None:
         """Put ``backend``'s model to sleep now (``POST /engines/NAME/proxima/sleep``
-        through the endpoint): None once asleep, else why not (one line)."""
+        through the endpoint; ``release``: its KV given back at once, not after its idle
+        release): None once asleep, else why not (one line)."""
         self._forget_restart(backend)
         if backend.sleep_state == ASLEEP:
             return None
@@ -161,7 +177,7 @@ class SleepWake:
             return f"it is {'waking' if backend.sleep_state == WAKING else 'serving requests'}"
         if not backend.ready:
             return f"its engine is {backend.state}"
-        await asyncio.shield(self._start_sleep(backend))
+        await asyncio.shield(self._start_sleep(backend, release))
         return None if backend.sleep_state == ASLEEP else self.refusals.get(
             backend.name, "its engine refused")
 
@@ -171,13 +187,13 @@ class SleepWake:
                     and now - backend.last_request >= backend.sleep_after
                     and now >= backend.sleep_retry_at)
 
-    async def _sleep(self, backend) -> None:
+    async def _sleep(self, backend, release: bool = False) -> None:
         began = time.monotonic()
         backend.sleep_state = FALLING_ASLEEP
         backend.sleep_generation = backend.generation
+        body = {"timeout_s": self.sleep_timeout, **({"release": True} if release else {})}
         try:
-            status, answer = await self._post(backend, "/proxima/sleep",
-                                              {"timeout_s": self.sleep_timeout},
+            status, answer = await self._post(backend, "/proxima/sleep", body,
                                               self.sleep_timeout + 60)
             if status != 200:
                 backend.sleep_state = AWAKE
@@ -206,28 +222,10 @@ class SleepWake:
     # -- waking ----------------------------------------------------------------------------
     async def _wake(self, backend) -> None:
         began = time.monotonic()
-        backend.sleep_state = WAKING
-        room_s = 0.0
         try:
-            if self.make_room is not None and backend.weights_bytes:
-                try:
-                    await asyncio.wait_for(
-                        self.make_room(backend.name, backend.weights_bytes, self.wake_timeout),
-                        self.wake_timeout)
-                except asyncio.TimeoutError:
-                    raise WakeFailed(f"no room on the GPU for its weights "
-                                     f"({backend.weights_bytes / 2**30:.2f} GiB) within "
-                                     f"{self.wake_timeout:g} s") from None
-                room_s = time.monotonic() - began
-            left = max(1.0, self.wake_timeout - room_s)
-            try:
-                status, answer = await self._post(backend, "/proxima/wake_up", None, left)
-            except asyncio.TimeoutError:
-                raise WakeFailed(f"its engine did not wake within {left:.0f} s") from None
-            except Exception as exc:  # noqa: BLE001 - the engine is gone
-                raise WakeFailed(f"its engine did not answer ({type(exc).__name__})") from None
-            if status != 200:
-                raise WakeFailed(f"its engine answered {status} to the wake: {_why(answer)}")
+            async with self._room:
+                backend.sleep_state = WAKING        # counted awake from now on
+                room_s = await self._wake_with_room(backend, began)
         except WakeFailed as exc:
             backend.sleep_state = ASLEEP
             backend.wake_failures += 1
@@ -243,6 +241,134 @@ class SleepWake:
         backend.last_request = time.monotonic()
         log.info("model %s: awake in %.2f s (room %.2f s, wake %.2f s)", backend.name,
                  backend.last_wake_s, room_s, backend.last_wake_s - room_s)
+
+    async def _wake_with_room(self, backend, began: float) -> float:
+        """Room (sleepers put to sleep, then the ledger's ask), then vLLM's wake: the
+        seconds the room took. WakeFailed (one line) when it does not happen."""
+        if self.short(backend):
+            try:
+                await asyncio.wait_for(self.evict_for(backend), self.wake_timeout)
+            except asyncio.TimeoutError:
+                raise WakeFailed(f"the models put to sleep to make room did not sleep within "
+                                 f"{self.wake_timeout:g} s") from None
+        if self.make_room is not None and backend.weights_bytes:
+            await self._ask_room(backend, began)
+        room_s = time.monotonic() - began
+        left = max(1.0, self.wake_timeout - room_s)
+        try:
+            status, answer = await self._post(backend, "/proxima/wake_up", None, left)
+        except asyncio.TimeoutError:
+            raise WakeFailed(f"its engine did not wake within {left:.0f} s") from None
+        except Exception as exc:  # noqa: BLE001 - the engine is gone
+            raise WakeFailed(f"its engine did not answer ({type(exc).__name__})") from None
+        if status != 200:
+            raise WakeFailed(f"its engine answered {status} to the wake: {_why(answer)}")
+        return room_s
+
+    async def _ask_room(self, backend, began: float) -> None:
+        """The weights' bytes asked of the GPU's other engines (``make_room``, bounded by
+        what is left of the wake's time). While an idle model that may sleep is there, the
+        ask gets half of that; if the KV they give back is not enough by then, the least
+        recently used one is put to sleep and the ask made again."""
+        refused: dict[str, str] = {}
+        while True:
+            left = self.wake_timeout - (time.monotonic() - began)
+            chosen = residency.victim(self._candidates(backend, refused),
+                                      lambda b: b.last_request)
+            bound = max(0.1, left / 2 if chosen is not None else left)
+            try:
+                await asyncio.wait_for(
+                    self.make_room(backend.name, backend.weights_bytes, bound), bound)
+                return
+            except (asyncio.TimeoutError, WakeFailed) as exc:
+                if chosen is None or left - bound <= 0:
+                    if isinstance(exc, WakeFailed):
+                        raise
+                    raise WakeFailed(f"no room on the GPU for its weights "
+                                     f"({backend.weights_bytes / 2**30:.2f} GiB) within "
+                                     f"{self.wake_timeout:g} s") from None
+            chosen = residency.victim(self._candidates(backend, refused),
+                                      lambda b: b.last_request)
+            if chosen is None:
+                continue                    # the one seen is busy now: the rest of the time
+            log.info("model %s sleeps to make room for %s (the KV given back was not "
+                     "enough)", chosen.name, backend.name)
+            why = await self.sleep_now(chosen, release=True)
+            if why is not None:
+                refused[chosen.name] = why
+
+    # -- room: more models than fit at once ------------------------------------------------
+    def holds(self, backend) -> int:
+        """What the model's engine holds on the GPU now, as counted (0: not running)."""
+        if backend.pid is None and not backend.admitted:
+            return 0
+        return backend.asleep_bytes if backend.sleep_state == ASLEEP else backend.awake_bytes
+
+    def short(self, backend) -> int:
+        """Bytes the GPU lacks for ``backend`` awake beside the others as they are (0: it
+        fits, or nothing is counted)."""
+        if self.capacity is None or not backend.awake_bytes:
+            return 0
+        others = sum(self.holds(b) for b in self.router.backends.values() if b is not backend)
+        return max(0, others + backend.awake_bytes - self.capacity)
+
+    def _candidates(self, backend, refused) -> list:
+        return [b for b in self.router.backends.values()
+                if b is not backend and b.sleep_after and b.ready and b.pid is not None
+                and b.sleep_state == AWAKE and b.in_flight == 0
+                and b.name not in self._sleeps and b.name not in refused]
+
+    async def evict_for(self, backend) -> None:
+        """Put the least recently used idle models that may sleep to sleep until
+        ``backend`` fits awake (:meth:`short`); WakeFailed when none is left. Called with
+        the room's lock held."""
+        refused: dict[str, str] = {}
+        while (short := self.short(backend)) > 0:
+            falling = [t for n, t in self._sleeps.items() if n != backend.name]
+            if falling:         # a model falling asleep on its own: its room first
+                await asyncio.gather(*map(asyncio.shield, falling), return_exceptions=True)
+                continue
+            chosen = residency.victim(self._candidates(backend, refused),
+                                      lambda b: b.last_request)
+            if chosen is None:
+                awake = [b.name for b in self.router.backends.values()
+                         if b is not backend and self.holds(b) and b.sleep_state != ASLEEP]
+                tried = "".join(f"; {name} refused: {why}" for name, why in refused.items())
+                raise WakeFailed(
+                    f"the GPU lacks {short / 2**30:.2f} GiB for it beside the models awake "
+                    f"({', '.join(awake) or 'none'}), and none of them may be put to sleep "
+                    f"now (no --sleep-after, a request in flight, or not ready{tried})")
+            log.info("model %s sleeps to make room for %s", chosen.name, backend.name)
+            why = await self.sleep_now(chosen, release=True)
+            if why is not None:
+                refused[chosen.name] = why
+                log.info("model %s: not put to sleep for %s (%s)", chosen.name, backend.name,
+                         why)
+
+    async def admit(self, backend) -> None:
+        """Before ``backend``'s engine starts or restarts (the supervisor's
+        ``before_start``): room for it awake, idle sleepers put to sleep for it. While
+        none can be, waits for one (a request in flight ends) up to the wake's bound, then
+        lets it start anyway (its own sizing then asks the others, or refuses)."""
+        self._forget_restart(backend)
+        deadline = time.monotonic() + self.wake_timeout
+        said = False
+        while True:
+            async with self._room:
+                try:
+                    await self.evict_for(backend)
+                    backend.admitted = True
+                    return
+                except WakeFailed as exc:
+                    if time.monotonic() >= deadline:
+                        log.warning("model %s: starting without room counted for it (%s)",
+                                    backend.name, exc)
+                        backend.admitted = True
+                        return
+                    if not said:
+                        log.info("model %s: waits to start: %s", backend.name, exc)
+                        said = True
+            await asyncio.sleep(min(1.0, self.tick_s))
 
     async def _post(self, backend, path: str, body, timeout: float) -> tuple[int, dict]:
         import aiohttp

@@ -428,6 +428,11 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
             answer = self._asleep(request.pop("asleep_bytes"))
             if answer is not None:
                 return answer
+        if "release_now" in request:        # POST /proxima/sleep {"release": true}
+            if request.pop("release_now") is not True:
+                return {"error": "release_now must be true"}
+            if self.policy.release_idle_now():
+                self.controller.step_policy()
         if request:
             unknown = sorted(set(request) - {"min_bytes", "max_bytes"})
             if unknown:

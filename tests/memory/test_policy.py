@@ -398,6 +398,28 @@ def test_an_idle_engine_gives_back_all_its_kv_after_idle_release_and_regrows_on_
     assert ch.count(MAPPED) >= 4                            # the minimum is back at once
 
 
+def test_an_idle_engine_told_to_release_now_gives_back_all_its_kv_at_its_next_step():
+    ch, pool, policy, now, demand = setup(mapped=8, min_bytes=4 * B, release_delay_s=10.0,
+                                          cache_hold_s=60.0, idle_release_s=600.0)
+    pool.cached[1] = G                                      # a warm cache goes too
+    policy.step()
+    demand[0] = 1
+    assert policy.release_idle_now() is False               # busy: nothing changes
+    policy.step()
+    assert ch.count(MAPPED) >= 4
+    demand[0] = 0
+    now[0] = 1.0
+    assert policy.release_idle_now() is True                # idle 1 s of its 600
+    policy.step()
+    assert ch.count(MAPPED) == 1 and policy.stats.evicted_cached == G
+    demand[0] = 2                                           # the next request
+    policy.step()
+    confirm(ch)
+    assert ch.count(MAPPED) >= 4                            # the minimum is back at once
+    _, _, plain, _, _ = setup(mapped=8, min_bytes=4 * B)
+    assert plain.release_idle_now() is False                # no idle release: refused
+
+
 def test_without_idle_release_an_idle_engine_keeps_its_minimum():
     ch, pool, policy, now, demand = setup(mapped=8, min_bytes=4 * B, release_delay_s=10.0,
                                           cache_hold_s=10.0)

@@ -15,7 +15,8 @@ Sleep and wake, as ``proxima serve --sleep-mode`` answers them (proxima.serve.en
 ``POST /proxima/sleep`` puts it to sleep (200; again while asleep: 200, no second sleep),
 ``POST /proxima/wake_up`` wakes it (after ``--wake-delay S``; 500 with ``--wake-fail``),
 and while it sleeps its inference routes answer 503. ``GET /proxima/kv`` says
-``sleeping`` and counts the sleeps and wakes done.
+``sleeping`` and counts the sleeps and wakes done, and the sleeps asked with
+``{"release": true}`` (``released``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class SleepState:
     def __init__(self, wake_delay: float = 0.0, wake_fail: bool = False):
         self.asleep = False
         self.sleeps = self.wakes = 0
+        self.released = 0                   # sleeps asked with {"release": true}
         self.wake_delay, self.wake_fail = wake_delay, wake_fail
         self.lock = threading.Lock()        # one sleep or wake at a time, as the engine's
 
@@ -101,16 +103,18 @@ def make_handler(name: str, health: int, gate: str | None, served: list,
                 self.wfile.write(body)
             elif self.path == "/proxima/kv":
                 self._json(200, {"engine": name, "mapped_bytes": 1, "sleeping": sleep.asleep,
-                                 "sleeps": sleep.sleeps, "wakes": sleep.wakes})
+                                 "sleeps": sleep.sleeps, "wakes": sleep.wakes,
+                                 "released": sleep.released})
             else:
                 self._json(404, {"error": "not found", "engine": name})
 
-        def _sleep_route(self, action: str):
+        def _sleep_route(self, action: str, body: dict):
             with sleep.lock:
                 if action == "sleep":
                     if not sleep.asleep:
                         sleep.asleep = True
                         sleep.sleeps += 1
+                        sleep.released += body.get("release") is True
                     return self._json(200, {"sleeping": True, "seconds": 0.01,
                                             "weights_bytes": 2**30, "engine": name})
                 if not sleep.asleep:
@@ -127,7 +131,7 @@ def make_handler(name: str, health: int, gate: str | None, served: list,
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             if self.path in ("/proxima/sleep", "/proxima/wake_up"):
-                return self._sleep_route(self.path[len("/proxima/"):])
+                return self._sleep_route(self.path[len("/proxima/"):], body or {})
             if sleep.asleep:
                 return self._json(503, {"error": {"message": "the model is asleep",
                                                   "type": "ServiceUnavailableError",

@@ -43,6 +43,9 @@ class StandInEngineClient:
             self.quiet = request.pop("sleeping")
         if "asleep_bytes" in request:
             self.asleep_bytes = request.pop("asleep_bytes")
+        if request.pop("release_now", None) is True:   # the policy's release_idle_now
+            self.calls.append(("release_now",))
+            self.mapped = 1
         answer = {"mapped_bytes": self.mapped * GRAIN, "bytes_per_granule": GRAIN,
                   "used_bytes": 0}
         if self.releasing and self.mapped > 1 and not self.asleep:
@@ -112,6 +115,19 @@ def test_a_sleep_while_the_kv_is_held_is_refused_and_changes_nothing(args, vllm_
     for bad in ({"timeout_s": -1}, {"timeout_s": "soon"}, [1]):
         assert client.post("/proxima/sleep", json=bad).status_code == 400
     assert client.get("/proxima/sleep").status_code == 405
+
+
+def test_a_sleep_with_release_gives_the_kv_back_at_once_rather_than_waiting(args,  # noqa: F811
+                                                                            vllm_app):
+    engine = StandInEngineClient(mapped_granules=4)
+    engine.releasing = False                    # its idle release is not due for minutes
+    app, client = client_for(args, vllm_app, engine)
+    answer = client.post("/proxima/sleep", json={"timeout_s": 0.05, "release": True})
+    assert answer.status_code == 200 and answer.json()["sleeping"] is True
+    assert engine.calls == [("release_now",), ("sleep", 1, "wait")]
+    for bad in ({"release": "yes"}, {"timeout_s": 1, "releas": True}):
+        refused = client.post("/proxima/sleep", json=bad)
+        assert refused.status_code == 400 and "release" in refused.json()["error"]
 
 
 def test_a_failed_wake_leaves_the_engine_asleep_and_says_why(args, vllm_app):  # noqa: F811

@@ -78,17 +78,19 @@ class Lines:
 @pytest.fixture
 def endpoint(tmp_path):
     """Factory: ``endpoint({name: [extra stand-in options]}, sleep_after={name: seconds},
-    **Endpoint options)`` -> a Running endpoint whose engines are all ready (stopped after
-    the test)."""
+    places={name: (awake_bytes, asleep_bytes)}, **Endpoint options)`` -> a Running endpoint
+    whose engines are all ready (stopped after the test)."""
     started = []
 
-    def start(models: dict, wait_ready=True, sleep_after=None, **options):
+    def start(models: dict, wait_ready=True, sleep_after=None, places=None, **options):
         engines = []
         for name, extra in models.items():
             port = free_port()
+            awake, asleep = (places or {}).get(name, (0, 0))
             engines.append(multi.Engine(
                 backend=Backend(name=name, url=f"http://127.0.0.1:{port}", path=f"/models/{name}",
-                                sleep_after=(sleep_after or {}).get(name)),
+                                sleep_after=(sleep_after or {}).get(name),
+                                awake_bytes=awake, asleep_bytes=asleep),
                 command=standin(name, port, *extra),
                 env={**os.environ, "PYTHONPATH": str(REPO)}))
         out = Lines()

@@ -914,3 +914,20 @@ def test_an_engine_alone_keeps_its_warm_cache_between_bursts():
     e, b = now.details["elastic"], before.details["elastic"]
     assert e["evicted_cached"] < b["evicted_cached"]
     assert e["bytes_returned"] > 0 and e["mapped_granules"] == 1      # back at the minimum
+
+
+def test_release_now_gives_an_idle_engines_kv_back_at_once_and_a_busy_one_keeps_it():
+    """POST /proxima/sleep {"release": true} (the several-models endpoint's eviction):
+    ``proxima_kv {"release_now": true}`` does the idle release now, not after its seconds."""
+    scheduler = scheduler_for(True, 16 * GRANULE, 1, elastic_config(
+        policy="auto", release_delay_s=0.0, initial_granules=4, idle_release_s=600.0,
+        min_bytes="0"))
+    conn = scheduler.connector
+    per = conn.bytes_per_granule
+    conn.control({"min_bytes": 4 * per})
+    held = conn.channel.held()
+    assert held >= 4
+    status = conn.control({"release_now": True})
+    assert "error" not in status
+    assert conn.channel.held() < held and conn.policy.min_granules == 4   # its minimum kept
+    assert "release_now must be true" in conn.control({"release_now": 1})["error"]
