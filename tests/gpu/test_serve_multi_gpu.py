@@ -57,11 +57,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("multi")
+def start_serve(models: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """`proxima serve --model M ...` as a user runs it, waited for until /health is 200
+    (fails the test, with the log's tail, if it exits or is not ready in time)."""
     port = free_port()
-    log = tmp / "serve.log"
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                           if p))
@@ -69,7 +68,7 @@ def served(tmp_path_factory):
     env.pop("PROXIMA_STATS_FILE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxima.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--model", f"a={TINY} {MODEL_OPTIONS}", "--model", f"b={TINY} {MODEL_OPTIONS}"],
+         *[arg for model in models for arg in ("--model", model)]],
         cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -78,13 +77,19 @@ def served(tmp_path_factory):
             pytest.fail(f"proxima serve exited with {proc.returncode}:\n{tail(log)}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"/health not 200 within {START_TIMEOUT_S} s\n{tail(log)}")
         time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    log = tmp_path_factory.mktemp("multi") / "serve.log"
+    proc, url = start_serve([f"a={TINY} {MODEL_OPTIONS}", f"b={TINY} {MODEL_OPTIONS}"], log)
     yield {"url": url, "proc": proc, "log": log}
     if proc.poll() is None:
         proc.kill()
@@ -222,32 +227,11 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
     import json
     import re
 
-    port = free_port()
     log = tmp_path / "serve.log"
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                          if p))
-    env.pop("PROXIMA_ALLOCATOR", None)
-    env.pop("PROXIMA_STATS_FILE", None)
     options = MODEL_OPTIONS if SLEEP_MODEL == TINY else \
         "--load-format dummy --max-model-len 2048 --enforce-eager --kv-max 4GiB"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxima.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--model", f"s={SLEEP_MODEL} {options} --sleep-after {SLEEP_AFTER_S}"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve([f"s={SLEEP_MODEL} {options} --sleep-after {SLEEP_AFTER_S}"], log)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"proxima serve exited with {proc.returncode}:\n{tail(log)}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"/health not 200\n{tail(log)}"
-            time.sleep(1)
         body = {"model": "s", "prompt": "The capital of France is", "max_tokens": 16,
                 "temperature": 0}
         warm_first, _, before = _stream_timed(url, body)
