@@ -174,6 +174,42 @@ def test_kv_memory_keeps_every_other_block_through_unmap_and_remap(torch_on_gpu)
         mem.close()
 
 
+def test_a_grow_beyond_the_gpu_stops_where_keep_free_bytes_stay_free(torch_on_gpu):
+    """The fix for the H100's out-of-memory forward (2026-12-05, ``49f68ab``) on the real
+    driver: a pool reserved larger than the GPU's free memory, a grow asked for all of it.
+    The map stops where ``keep_free_bytes`` (4 GiB) would no longer be free, reports the
+    rest as not mapped (no exception), and torch can still allocate most of what was kept
+    (a forward's activations)."""
+    torch = torch_on_gpu
+    from proxima.memory.kv import KvMemory
+    from proxima.memory.ops import Op
+
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info()
+    keep, granule, page = 4 << 30, 32 * MiB, 64 * 1024
+    blocks = (free0 + (8 << 30)) // granule * (granule // page)   # 8 GiB more than is free
+    mem = KvMemory([page * blocks], blocks, granule_bytes=granule, device=0, mapped=1,
+                   keep_free_bytes=keep)
+    try:
+        grow = mem.num_granules - 1
+        failed = mem.apply([Op.map(1, grow)])
+        free1, _ = torch.cuda.mem_get_info()
+        mapped = mem.mapped_granules
+        print(f"\nfree {free0 / 2**30:.2f} GiB; mapped {mapped} of {mem.num_granules} "
+              f"granules of {granule // MiB} MiB; {free1 / 2**30:.2f} GiB left free")
+        assert failed and failed[0][0] == mapped and sum(n for _, n in failed) == \
+            mem.num_granules - mapped
+        assert mem.stats["map_failures"] == mem.num_granules - mapped
+        assert keep <= free1 < keep + 2 * granule + 512 * MiB      # kept, and not much more
+        x = torch.empty(keep - 512 * MiB, dtype=torch.uint8, device="cuda")   # activations
+        x.fill_(1)
+        torch.cuda.synchronize()
+        del x
+        torch.cuda.empty_cache()
+    finally:
+        mem.close()
+
+
 def test_maps_and_unmaps_on_the_mapping_thread_while_kernels_run(torch_on_gpu):
     """proxima.memory.background on the real driver: a grow is mapped while the forward's
     stream is busy, reported only when usable (zero-filled); a copy out of a granule queued
