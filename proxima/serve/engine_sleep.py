@@ -43,18 +43,14 @@ POLL_S = 0.2
 
 def weights_bytes(args) -> int:
     """The model's weights on one GPU, estimated from its config.json as the sizing does
-    (:func:`proxima.serve.sizing.weights_estimate`); 0 where it cannot be read."""
-    from proxima.serve import sizing
+    (:func:`proxima.serve.autosize.model_weights`); 0 where it cannot be read."""
+    from proxima.serve import autosize
 
+    gpus = (getattr(args, "tensor_parallel_size", 1) or 1) * \
+        (getattr(args, "pipeline_parallel_size", 1) or 1)
     try:
-        config = sizing.read_model_config(args.model)
-        if config is None:
-            return 0
-        gpus = (getattr(args, "tensor_parallel_size", 1) or 1) * \
-            (getattr(args, "pipeline_parallel_size", 1) or 1)
-        total = sizing.weights_estimate(config, getattr(args, "dtype", None),
-                                        getattr(args, "quantization", None))
-        return -(-int(total) // max(1, gpus))
+        return autosize.model_weights(args.model, getattr(args, "dtype", None),
+                                      getattr(args, "quantization", None), gpus) or 0
     except Exception:   # noqa: BLE001 - an estimate only: the ledger then keeps its figure
         return 0
 
