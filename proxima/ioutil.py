@@ -13,6 +13,7 @@ thread. Standard library only.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import stat
@@ -275,6 +276,15 @@ def print_table(text: str) -> BrokenPipeError | None:
     except BrokenPipeError as exc:
         return exc
     return None
+
+
+def shown(value) -> str:
+    """``value`` as a user wrote it in JSON (``null``, ``true``, ``[1, 2]``) where it is
+    JSON, else its ``repr``: for error lines about a value read from a file or a server."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 class KeyTwice(ValueError):

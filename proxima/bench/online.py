@@ -32,6 +32,7 @@ from proxima import interrupts
 from proxima.bench.online_request import RequestRecord, request_body, send_one
 from proxima.bench.online_summary import summarize
 from proxima.errors import UserError
+from proxima.ioutil import shown
 from proxima.workloads import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -85,18 +86,11 @@ def served_models(payload, where: str) -> list[str]:
     """The model ids of a ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
-        shown = json.dumps(payload)[:80] if _jsonable(payload) else repr(payload)[:80]
+        shown = shown(payload)[:80]
         raise UserError(f"{where} answered GET /v1/models with {shown}, not an OpenAI model "
                         f'list {{"data": [{{"id": ...}}]}}: is it an OpenAI-compatible server?')
     return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id") is not None]
 
-
-def _jsonable(value) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 async def preflight(session: aiohttp.ClientSession, target: Target,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxima.errors import UserError
-from proxima.ioutil import KeyTwice, object_keys_once
+from proxima.ioutil import KeyTwice, object_keys_once, shown
 from proxima.serve.serve_flags import flag_value
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
@@ -250,15 +250,8 @@ def _args(value, where: str) -> list[str]:
                                        for v in value):
         return [str(v) for v in value]
     raise UserError(f"{where}: must be a list of strings or one string of options, got "
-                    f"{json.dumps(value) if _jsonable(value) else repr(value)}")
+                    f"{shown(value)}")
 
-
-def _jsonable(value) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def _unknown(key: str, known, where: str) -> UserError:
