@@ -171,7 +171,8 @@ def test_sigterm_stops_the_endpoint_and_every_engine(served):
 
 # -- issue 36 item 3: one sleep/wake cycle on a real engine ------------------------------------
 SLEEP_AFTER_S = 5
-SLEEP_MODEL = os.environ.get("PROXIMA_SLEEP_MODEL", TINY)   # tools/gpu/dummy-llama: 8B's shape
+# tools/gpu/dummy-llama: 8B's shape, config only (the tiny model's tokenizer is given with it)
+SLEEP_MODEL = os.environ.get("PROXIMA_SLEEP_MODEL", TINY)
 
 
 def _gpu_used_bytes() -> int | None:
@@ -229,7 +230,7 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
 
     log = tmp_path / "serve.log"
     options = MODEL_OPTIONS if SLEEP_MODEL == TINY else \
-        "--load-format dummy --max-model-len 2048 --enforce-eager --kv-max 4GiB"
+        f"--load-format dummy --tokenizer {TINY} --max-model-len 2048 --enforce-eager --kv-max 4GiB"
     proc, url = start_serve([f"s={SLEEP_MODEL} {options} --sleep-after {SLEEP_AFTER_S}"], log)
     try:
         body = {"model": "s", "prompt": "The capital of France is", "max_tokens": 16,
