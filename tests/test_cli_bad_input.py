@@ -101,6 +101,10 @@ ROWS = [
         ['answered GET /v1/models with {"data": 5}', "not an OpenAI model list"]),
     Row("serve-no-such-flag", ["serve", "--no-such-flag"],
         ["unrecognized arguments: --no-such-flag", "vllm serve --help"]),
+    Row("serve-misspelt-proxima-flag", ["serve", "--models-file", "m.toml"],
+        ["unrecognized arguments: --models-file; did you mean --models?"]),
+    Row("serve-misspelt-vllm-flag", ["serve", "--max-modle-len", "64"],
+        ["unrecognized arguments: --max-modle-len; did you mean --max-model-len?"]),
     # ---- found by trying things ------------------------------------------------------
     Row("replay-trace-misspelt-optional-key", ["replay", "--trace", "{tmp}/arival.jsonl"],
         ["unknown key 'arival_step': did you mean 'arrival_step'?"]),

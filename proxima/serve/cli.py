@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             from proxima.serve import vllm_args
 
             vllm_args.check_options_without_gpu(argv, f"{first.name} self-check failed too "
-                                                        f"(see above)")
+                                                        f"(see above)", multi_config.OWN_FLAGS)
         raise UserError(f"self-check failed, not serving: {first.line()}")
     validate.check_plugin()
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             from proxima.vllm.activation import installed_version
 
             serve_flags.check_sleep_mode_vllm(installed_version("vllm"))
-    vargs = vllm_args.parse(argv)
+    vargs = vllm_args.parse(argv, own_flags=multi_config.OWN_FLAGS)
     vllm_args.check_supported(vargs)
     chosen = serve_flags.default_executor(vargs, argv) if elastic is not None else None
     if chosen:

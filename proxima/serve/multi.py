@@ -416,7 +416,8 @@ def check_engines_options(plan: multi_config.MultiPlan) -> dict:
             for label, argv in _option_sets(plan):
                 try:
                     vllm_args.check_options_without_gpu(
-                        argv, f"{first.name} self-check failed too (see above)")
+                        argv, f"{first.name} self-check failed too (see above)",
+                        multi_config.OWN_FLAGS)
                 except UserError as exc:
                     raise UserError(f"{label}: {exc}") from None
         raise UserError(f"self-check failed, not serving: {first.line()}")
@@ -431,7 +432,7 @@ def check_engines_options(plan: multi_config.MultiPlan) -> dict:
             log.info("the models fit: %.2f GiB at their minimums", need / 2**30)
     for label, argv in _option_sets(plan):
         try:
-            vargs = vllm_args.parse(argv)
+            vargs = vllm_args.parse(argv, own_flags=multi_config.OWN_FLAGS)
             vllm_args.check_supported(vargs)
         except UserError as exc:
             raise UserError(f"{label}: {exc}") from None

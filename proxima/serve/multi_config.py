@@ -47,7 +47,7 @@ from pathlib import Path
 
 from proxima.errors import UserError
 from proxima.ioutil import KeyTwice, object_keys_once, shown
-from proxima.serve.serve_flags import flag_value
+from proxima.serve.serve_flags import ELASTIC_FLAGS, flag_value
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -69,6 +69,8 @@ RESERVED = {
 #: options of the endpoint (outside --model): flag -> takes a value
 ENDPOINT_FLAGS = {"--host": True, "--port": True, "--models": True, "--model": True,
                   "--compaction": False, "--elastic": False, "--gpu-memory-bytes": True}
+#: every option of ``proxima serve`` that is Proxima's, not vLLM's (for "did you mean")
+OWN_FLAGS = tuple(sorted({*ENDPOINT_FLAGS, *MODEL_FLAGS, *ELASTIC_FLAGS}))
 
 
 @dataclass

@@ -8,7 +8,10 @@ files, same underscore/dash spelling). Building vLLM's parser needs a detected G
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import logging
+from typing import Iterable
 
 from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
@@ -58,11 +61,13 @@ def _v0_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(own_flags: Iterable[str] = ()) -> argparse.ArgumentParser:
+    """vLLM's ``vllm serve`` parser, whose errors are one line (with the closest option
+    among its own and ``own_flags``, Proxima's, for an option it does not know)."""
     if card_stack():
         parser = _v0_parser()
         parser.set_defaults(model=None)
-        parser.error = _parser_error
+        parser.error = functools.partial(_parser_error, parser=parser, own_flags=own_flags)
         return parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -74,19 +79,44 @@ def build_parser() -> argparse.ArgumentParser:
         raise UserError(f"vLLM cannot start its option parser: {one_line(exc)} — run on a "
                         f"machine with an NVIDIA GPU") from None
     parser.set_defaults(model=None)  # None = no model given: serve the embedded demo
-    parser.error = _parser_error  # one line instead of argparse's usage dump and exit
+    # one line instead of argparse's usage dump and exit
+    parser.error = functools.partial(_parser_error, parser=parser, own_flags=own_flags)
     return parser
 
 
-def _parser_error(message: str):
-    raise UserError(f"{message} (the options are those of `vllm serve --help`)")
+def _parser_error(message: str, parser: argparse.ArgumentParser | None = None,
+                  own_flags: Iterable[str] = ()):
+    raise UserError(f"{message}{_closest(message, parser, own_flags)} (the options are those "
+                    f"of `vllm serve --help`, and Proxima's in `proxima serve --help`)")
 
 
-def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def _closest(message: str, parser: argparse.ArgumentParser | None,
+             own_flags: Iterable[str]) -> str:
+    """"; did you mean --X?" for the first unknown option of an "unrecognized arguments"
+    message that is close to a known one, else ""."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return ""
+    vllms = [flag for flag in (parser._option_string_actions if parser is not None else ())
+             if flag.startswith("--")]
+    for token in message[len(prefix):].split():
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        for known in (list(own_flags), vllms):      # Proxima's few first, then vLLM's many
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
+def parse(argv: list[str], parser: argparse.ArgumentParser | None = None,
+          own_flags: Iterable[str] = ()) -> argparse.Namespace:
+    """vLLM's options in ``argv``; ``own_flags``: Proxima's, named in an error's hint."""
     from proxima.vllm.vllm_v1_compat import serve_cli_args
 
     validate_parsed_serve_args = serve_cli_args().validate_parsed_serve_args
-    parser = parser or build_parser()
+    parser = parser or build_parser(own_flags)
     try:
         args = parser.parse_args(list(argv))
         if getattr(args, "model_tag", None):
@@ -99,7 +129,7 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
     return args
 
 
-def check_options_without_gpu(argv: list[str], also: str) -> None:
+def check_options_without_gpu(argv: list[str], also: str, own_flags: Iterable[str] = ()) -> None:
     """Raise the UserError of a bad option in ``argv`` on a machine where vLLM finds no GPU.
 
     vLLM builds its parser only under a detected platform; here its CPU platform stands in.
@@ -114,7 +144,7 @@ def check_options_without_gpu(argv: list[str], also: str) -> None:
             from vllm.platforms.cpu import CpuPlatform
 
             platforms._current_platform = CpuPlatform()
-        parse(argv)
+        parse(argv, own_flags=own_flags)
     except UserError as exc:
         raise UserError(f"{exc}; the {also}") from None
     except (Exception, SystemExit):  # noqa: BLE001 - the GPU error is the one to report then

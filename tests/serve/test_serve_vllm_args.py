@@ -34,7 +34,17 @@ def test_unknown_option_is_one_line(serve_args):
     with pytest.raises(UserError) as info:
         serve_args("--max-modle-len", "10")
     assert "unrecognized arguments: --max-modle-len" in str(info.value)
+    assert "did you mean --max-model-len?" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_an_unknown_option_close_to_proximas_own_names_it():
+    with pytest.raises(UserError) as info:
+        vllm_args.parse(["--kv-mx", "1GiB"], own_flags=("--kv-max", "--kv-min"))
+    assert "unrecognized arguments: --kv-mx; did you mean --kv-max?" in str(info.value)
+    with pytest.raises(UserError) as info:
+        vllm_args.parse(["--no-such-flag"], own_flags=("--kv-max",))
+    assert "did you mean" not in str(info.value)
 
 
 def test_vllms_own_validation_errors_become_user_errors(serve_args):
