@@ -86,9 +86,9 @@ def served_models(payload, where: str) -> list[str]:
     """The model ids of a ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
-        shown = shown(payload)[:80]
-        raise UserError(f"{where} answered GET /v1/models with {shown}, not an OpenAI model "
-                        f'list {{"data": [{{"id": ...}}]}}: is it an OpenAI-compatible server?')
+        raise UserError(f"{where} answered GET /v1/models with {shown(payload)[:80]}, not an "
+                        f'OpenAI model list {{"data": [{{"id": ...}}]}}: is it an '
+                        f"OpenAI-compatible server?")
     return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id") is not None]
 
 
