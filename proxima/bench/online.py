@@ -18,7 +18,6 @@ the figures of a server and of several rounds: :mod:`proxima.bench.online_summar
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import sys
