@@ -23,12 +23,18 @@ PROOF = REPO / "tools" / "gpu"
 
 def free_ports(n: int = 4) -> int:
     """A base port with ``n`` free ports from it (fixed ports collided when two runs of
-    these tests shared a machine: one driver's stand-ins answered the other's requests)."""
+    these tests shared a machine: one driver's stand-ins answered the other's requests),
+    below the kernel's ephemeral range: a port in it was free when checked and then taken
+    by a stand-in engine's port 0 or an outgoing connection before the driver bound it."""
     import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     for _ in range(100):
-        base, held = random.randrange(20000, 60000), []
+        base, held = random.randrange(10000, max(10001, low - n)), []
         try:
             for port in range(base, base + n):
                 sock = socket.socket()
