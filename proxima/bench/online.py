@@ -91,7 +91,6 @@ def served_models(payload, where: str) -> list[str]:
     return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id") is not None]
 
 
-
 async def preflight(session: aiohttp.ClientSession, target: Target,
                     model: str | None) -> list[str]:
     """Raise UserError unless the server answers GET /v1/models and lists ``model`` (any

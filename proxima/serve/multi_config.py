@@ -255,7 +255,6 @@ def _args(value, where: str) -> list[str]:
                     f"{shown(value)}")
 
 
-
 def _unknown(key: str, known, where: str) -> UserError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"

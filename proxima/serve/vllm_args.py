@@ -84,21 +84,18 @@ def build_parser(own_flags: Iterable[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-def _parser_error(message: str, parser: argparse.ArgumentParser | None = None,
-                  own_flags: Iterable[str] = ()):
+def _parser_error(message: str, parser: argparse.ArgumentParser, own_flags: Iterable[str]):
     raise UserError(f"{message}{_closest(message, parser, own_flags)} (the options are those "
                     f"of `vllm serve --help`, and Proxima's in `proxima serve --help`)")
 
 
-def _closest(message: str, parser: argparse.ArgumentParser | None,
-             own_flags: Iterable[str]) -> str:
+def _closest(message: str, parser: argparse.ArgumentParser, own_flags: Iterable[str]) -> str:
     """"; did you mean --X?" for the first unknown option of an "unrecognized arguments"
     message that is close to a known one, else ""."""
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return ""
-    vllms = [flag for flag in (parser._option_string_actions if parser is not None else ())
-             if flag.startswith("--")]
+    vllms = [flag for flag in parser._option_string_actions if flag.startswith("--")]
     for token in message[len(prefix):].split():
         flag = token.split("=", 1)[0]
         if not flag.startswith("--"):
