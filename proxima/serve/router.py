@@ -293,6 +293,7 @@ class Router:
         entry["proxima_state"] = backend.state
         if backend.sleep_after:
             entry["proxima_sleeping"] = backend.sleep_state != sleepwake.AWAKE
+            entry["proxima_sleep_state"] = backend.sleep_state
         return entry
 
     async def _model_by_path(self, request, name: str):

@@ -65,7 +65,8 @@ def test_an_idle_model_is_put_to_sleep_and_still_listed(endpoint, logged):
     listing = {m["id"]: m for m in ep.get("/v1/models").json()["data"]}
     assert set(listing) == {"alpha", "beta"}
     assert listing["alpha"]["proxima_sleeping"] is True
-    assert "proxima_sleeping" not in listing["beta"]
+    assert listing["alpha"]["proxima_sleep_state"] == "asleep"
+    assert "proxima_sleeping" not in listing["beta"] and "proxima_sleep_state" not in listing["beta"]
     health = ep.get("/health")
     assert health.status_code == 200                              # asleep is not unhealthy
     assert health.json()["engines"]["alpha"]["sleep"] == "asleep"
@@ -104,6 +105,8 @@ def test_a_request_for_a_sleeping_model_wakes_it_once_and_is_answered(endpoint, 
     assert state["wakes"] == 1 and state["sleeping"] is False
     assert ep.engines["alpha"].backend.wakes == 1
     assert any("model alpha: awake in" in r for r in logged)
+    entry = ep.get("/v1/models/alpha").json()
+    assert entry["proxima_sleeping"] is False and entry["proxima_sleep_state"] == "awake"
     # it falls asleep again, and a streamed request wakes it just the same
     wait_for(lambda: asleep(ep, "alpha"), "alpha asleep again")
     body = {"model": "alpha", "prompt": "hi", "max_tokens": 3, "stream": True}
