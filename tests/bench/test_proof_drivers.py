@@ -742,7 +742,11 @@ def test_three_models_dry_run_gives_both_setups_three_models_each_and_a_ratio(tm
     # the endpoint reached each model's own engine for its KV state
     idle = sub["setups"]["proxima"]["idle"]["kv"]
     assert set(idle) == models and all(kv["mapped_bytes"] > 0 for kv in idle.values())
-    assert sub["summary"]["ratio"] > 0 and set(sub["summary"]["per_model_ratio"]) == models
+    matched = sub["summary"]["matched"]
+    assert sub["summary"]["ratio"] > 0 and matched["bursts"] == 6 and set(matched["busy"]) == models
+    assert sub["summary"]["complete"] is True and matched["errors"] == {"proxima": 0, "stock": 0}
+    for busy in matched["busy"].values():           # from each burst's own TTFTs, both rounds
+        assert busy["bursts"] == 2 and 0 < busy["proxima_ttft_p50_s"] <= busy["proxima_ttft_p99_s"]
 
 
 def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp_path):
@@ -878,6 +882,71 @@ def test_three_models_says_which_engines_were_ready_when_the_start_up_budget_ran
     died = three_models.not_ready("", 1, 3.0, "Error: no config.json")
     assert died.startswith("proxima serve --models exited with 1: Error: no config.json")
     assert died.endswith("ready: none; not ready: big, mid, small")
+
+
+def _burst(busy, wall, tokens=300, ttfts=(1.0, 2.0), timed_out=0, **extra):
+    """A row of three_models.json's bursts: each model's tokens, TTFTs, requests timed out."""
+    models = {n: {"output_tokens": tokens, "errors": timed_out if n == busy else 0,
+                  "timed_out": timed_out if n == busy else 0, "ttfts": list(ttfts),
+                  "ttft_p50_s": ttfts[0], "ttft_p99_s": ttfts[-1]}
+              for n in ("big", "mid", "small")}
+    return {"busy": busy, "wall_s": wall, "models": models, **extra}
+
+
+def test_three_models_compares_the_bursts_both_setups_ran_in_full():
+    """The H100 run of 2026-12-06: stock's budget ran out in its 4th burst of 6 (7 requests
+    unfinished, counted as 7 errors) and the summary divided proxima's tok/s over 6 bursts by
+    stock's over 4, the cut one included. The ratio is now over the bursts both ran in full,
+    pair by pair; a burst with a request still running when it ended is compared with none."""
+    sys.path.insert(0, str(PROOF))
+    import three_models
+
+    proxima = {"bursts": [_burst("big", 10.0, ttfts=(1.0, 3.0)), _burst("mid", 5.0),
+                          _burst("small", 5.0), _burst("big", 10.0)]}
+    stock = {"bursts": [_burst("big", 30.0, ttfts=(4.0, 9.0)), _burst("mid", 5.0),
+                        _burst("small", 10.0),
+                        _burst("big", 30.0, timed_out=3, cut_by_budget=True)],
+             "cut_short": "the budget ended burst 4 before all its requests did"}
+    s = three_models.summarize({"proxima": proxima, "stock": stock}, planned=6)
+    m = s["matched"]
+    assert m["bursts"] == 3 and m["left_out"] == [4] and s["complete"] is False
+    # 900 tokens a burst: 2,700 in 20 s against 2,700 in 45 s
+    assert m["tok_s"] == {"proxima": 135.0, "stock": 60.0} and s["ratio"] == 2.25
+    assert m["busy"]["big"]["ratio"] == 3.0 and m["busy"]["mid"]["ratio"] == 1.0
+    assert m["busy"]["big"]["proxima_ttft_p99_s"] == 3.0
+    assert m["busy"]["big"]["stock_ttft_p50_s"] == 9.0        # the upper median of (4, 9)
+    assert m["errors"] == {"proxima": 0, "stock": 0}
+    # a request timed out at the burst timeout (not the budget): that burst is left out too
+    stock["bursts"][1] = _burst("mid", 60.0, timed_out=1)
+    assert three_models.summarize({"proxima": proxima, "stock": stock})["matched"]["left_out"] == [2, 4]
+    # rows of the run before (no "timed_out", the message in first_errors) read the same
+    old = _burst("big", 30.0)
+    old["models"]["big"] = {"output_tokens": 300, "errors": 7, "first_errors": [three_models.TIMED_OUT]}
+    assert not three_models.comparable(old)
+    assert three_models.summarize({"proxima": proxima, "stock": {"bursts": []}})["ratio"] is None
+
+
+def test_three_models_summarizes_earlier_runs_and_refuses_another_trace(tmp_path):
+    pytest.importorskip("uvicorn")
+    a = run("three_models.py", tmp_path / "a", "--only", "stock", "--rounds", "1",
+            "--requests", "3", "--background", "1", "--port", "8594")
+    b = run("three_models.py", tmp_path / "b", "--only", "proxima", "--rounds", "1",
+            "--requests", "3", "--background", "1", "--port", "8598")
+    assert a.returncode == b.returncode == 1, a.stderr + b.stderr     # one setup: no ratio
+    files = [str(tmp_path / d / "three_models.json") for d in ("a", "b")]
+    both = run("three_models.py", tmp_path / "c", "--only", "none", "--with", files[0],
+               "--with", files[1])
+    assert both.returncode == 0, both.stdout + both.stderr
+    c = json.loads((tmp_path / "c" / "three_models.json").read_text())["subproofs"]
+    assert c["summary"]["matched"]["bursts"] == 3 and c["summary"]["complete"] is True
+    assert c["summary"]["ratio"] > 0 and c["setups"]["stock"]["bursts"]
+    other = run("three_models.py", tmp_path / "d", "--only", "proxima", "--rounds", "1",
+                "--requests", "4", "--background", "1", "--with", files[0])
+    assert other.returncode == 2 and other.stderr.count("\n") == 1
+    assert "another trace (requests 3 there, 4 here)" in other.stderr
+    assert not (tmp_path / "d").exists()
+    nothing = run("three_models.py", tmp_path / "e", "--only", "none")
+    assert nothing.returncode == 2 and "--with FILE" in nothing.stderr
 
 
 def test_driver_b_counts_an_answer_cut_by_a_dead_engine_as_an_error():

@@ -58,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proofkit as kit  # noqa: E402
-from two_engines import healthy, run_burst  # noqa: E402
+from two_engines import TIMED_OUT, healthy, run_burst  # noqa: E402
 
 GPU = Path(__file__).resolve().parent
 MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
@@ -94,9 +94,11 @@ def parse(argv=None):
                     help="wall-clock seconds for everything (default: %(default)s)")
     ap.add_argument("--only", default="proxima,stock",
                     help="the setups, in this order (default: %(default)s)")
-    ap.add_argument("--with", dest="with_file", default=None,
+    ap.add_argument("--with", dest="with_files", action="append", default=[],
+                    metavar="FILE",
                     help="an earlier three_models.json: its setups not run now join the "
-                         "summary (default: none)")
+                         "summary; repeatable, with --only none to summarize earlier runs "
+                         "only (default: none)")
     ap.add_argument("--port", type=int, default=8500,
                     help="proxima's endpoint; stock's servers on PORT+1..PORT+3 "
                          "(default: %(default)s)")
@@ -131,6 +133,15 @@ def parse(argv=None):
 
 
 # -- the trace ---------------------------------------------------------------------------------
+# what makes the trace: two runs are compared burst by burst only where these are equal
+TRACE_SETTINGS = ("rounds", "requests", "background", "prompt", "output", "seed")
+
+
+def _plain(value):
+    """A setting as JSON gives it back (a MIN:MAX pair is a list there)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def trace(args) -> list[dict]:
     """The bursts, the same for every setup: per burst the busy model and, per model, its
     requests [(prompt token ids, max_tokens)]."""
@@ -418,6 +429,14 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
         got = asyncio.run(run_mixed(ports, burst, left))
         row = {"busy": burst["busy"], "round": burst["round"],
                "wall_s": round(time.perf_counter() - t0, 3), "models": {}}
+        capped = left < args.burst_timeout
+        if capped and any(r.get("timed_out") for r in got.values()):
+            # the budget, not the burst timeout, ended it: its unfinished requests are the
+            # driver's, not the setup's errors, and the burst is compared with no other
+            row["cut_by_budget"] = True
+            for r in got.values():
+                r["unfinished"] = r.get("timed_out", 0)
+                r["errors"] -= r["unfinished"]
         if kv_port:
             row["mapped_during"] = sampler.stop()
             row["kv_after"] = proxima_kv(kv_port)
@@ -431,12 +450,17 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
             acc["errors"] += r["errors"]
             acc["requests"] += r["requests"]
             acc["first_errors"] = (acc["first_errors"] + r["first_errors"])[:5]
-            row["models"][n] = r
+            row["models"][n] = {**r, "ttfts": [round(t, 4) for t in ttfts]}
         result["bursts"].append(row)
         out.log(f"  {name}: burst {i + 1} {row['wall_s']}s, tok/s "
                 + ", ".join(f"{n} {r['output_tokens_per_s']}" for n, r in got.items())
-                + f", errors {sum(r['errors'] for r in got.values())}")
+                + f", errors {sum(r['errors'] for r in got.values())}"
+                + (f", {sum(r['unfinished'] for r in got.values())} unfinished when the budget "
+                   f"ran out" if row.get("cut_by_budget") else ""))
         out.record("setups", **{name: result})
+        if row.get("cut_by_budget"):
+            result["cut_short"] = f"the budget ended burst {i + 1} before all its requests did"
+            break
     wall = time.perf_counter() - t_all
     total = sum(a["tokens"] for a in per_model.values())
     result["trace_wall_s"] = round(wall, 2)
@@ -518,17 +542,73 @@ def gpu_max(r: dict) -> dict | None:
     return top or None
 
 
-def summarize(results: dict) -> dict:
+def comparable(burst: dict) -> bool:
+    """A burst every request of which ended (done or failed) within it: one the budget cut,
+    or one with requests still running at the burst timeout, measured only a part."""
+    return not burst.get("cut_by_budget") and not any(
+        m.get("timed_out", m.get("first_errors", []).count(TIMED_OUT))
+        for m in burst["models"].values())
+
+
+def _pct(values: list, q: float):
+    v = sorted(values)
+    return round(v[min(len(v) - 1, int(q * len(v)))], 3) if v else None
+
+
+def matched(p: dict, k: dict) -> dict:
+    """Proxima against stock on the bursts both ran in full (the trace is the same: burst i
+    is the same requests on both): aggregate output tok/s, its ratio, per busy model the
+    ratio of its bursts' tok/s and its TTFT p50/p99, errors on those bursts."""
+    pairs = [(i, a, b) for i, (a, b) in enumerate(zip(p.get("bursts", []), k.get("bursts", [])))
+             if comparable(a) and comparable(b)]
+    left = [i + 1 for i in range(max(len(p.get("bursts", [])), len(k.get("bursts", []))))
+            if i not in {j for j, _, _ in pairs}]
+    if not pairs:
+        return {"bursts": 0, "ratio": None, "left_out": left}
+
+    def tokens(b):
+        return sum(m["output_tokens"] for m in b["models"].values())
+
+    def rate(bursts):
+        return sum(tokens(b) for b in bursts) / sum(b["wall_s"] for b in bursts)
+
+    out = {"bursts": len(pairs), "left_out": left,
+           "tok_s": {"proxima": round(rate([a for _, a, _ in pairs]), 1),
+                     "stock": round(rate([b for _, _, b in pairs]), 1)},
+           "errors": {"proxima": sum(m["errors"] for _, a, _ in pairs for m in a["models"].values()),
+                      "stock": sum(m["errors"] for _, _, b in pairs for m in b["models"].values())},
+           "busy": {}}
+    out["ratio"] = round(out["tok_s"]["proxima"] / out["tok_s"]["stock"], 3)
+    for n in MODELS:
+        mine = [(a, b) for _, a, b in pairs if a["busy"] == n]
+        if not mine:
+            continue
+        row = {"bursts": len(mine),
+               "ratio": round(rate([a for a, _ in mine]) / rate([b for _, b in mine]), 3)}
+        for side, j in (("proxima", 0), ("stock", 1)):
+            ttfts = [t for pair in mine for t in pair[j]["models"][n].get("ttfts", [])]
+            if ttfts:
+                row[f"{side}_ttft_p50_s"], row[f"{side}_ttft_p99_s"] = _pct(ttfts, 0.5), _pct(ttfts, 0.99)
+            else:       # rows from before the TTFTs were kept: each burst's own percentiles
+                row[f"{side}_ttft_p50_s"] = [pair[j]["models"][n]["ttft_p50_s"] for pair in mine]
+                row[f"{side}_ttft_p99_s"] = [pair[j]["models"][n]["ttft_p99_s"] for pair in mine]
+        out["busy"][n] = row
+    return out
+
+
+def summarize(results: dict, planned: int | None = None) -> dict:
     s = {}
     for name, r in results.items():
         s[name] = {"tok_s": r.get("aggregate_output_tokens_per_s"), "errors": r.get("errors"),
-                   "start_s": r.get("start_s"),
+                   "start_s": r.get("start_s"), "bursts": len(r.get("bursts", [])),
                    "per_model_tok_s": {n: m["output_tokens_per_s"]
                                        for n, m in (r.get("per_model") or {}).items()},
                    "ttft_p50_s": {n: m["ttft_p50_s"] for n, m in (r.get("per_model") or {}).items()},
                    "ttft_p99_s": {n: m["ttft_p99_s"] for n, m in (r.get("per_model") or {}).items()},
                    "idle_gpu_mib": (r.get("idle") or {}).get("gpu", {}).get("mib_per_model"),
                    "gpu_mib_after_bursts_max": gpu_max(r)}
+        if r.get("cut_short"):
+            s[name]["cut_short"] = r["cut_short"]
         if name == "proxima":
             s[name]["kv_bounds"] = {n: [(kv or {}).get("min_bytes"), (kv or {}).get("max_bytes")]
                                     for n, kv in ((r.get("idle") or {}).get("kv") or {}).items()}
@@ -540,26 +620,31 @@ def summarize(results: dict) -> dict:
         else:
             s[name]["kv_gib"] = {n: r.get(f"kv_{n}_gib") for n in MODELS}
     p, k = results.get("proxima"), results.get("stock")
-    if p and k and p.get("aggregate_output_tokens_per_s") and k.get("aggregate_output_tokens_per_s"):
-        s["ratio"] = round(p["aggregate_output_tokens_per_s"] / k["aggregate_output_tokens_per_s"], 3)
-        s["per_model_ratio"] = {
-            n: round(p["per_model"][n]["output_tokens_per_s"] / k["per_model"][n]["output_tokens_per_s"], 3)
-            if k["per_model"][n]["output_tokens_per_s"] else None for n in MODELS}
-        # the same trace on both: a setup cut short compared a part of it
-        s["complete"] = not (p.get("cut_short") or k.get("cut_short"))
+    if p and k and p.get("bursts") and k.get("bursts"):
+        # the ratio: the bursts both setups ran in full, pair by pair (a setup cut short by
+        # the budget is compared on the bursts it finished, not on tok/s over its own part)
+        s["matched"] = matched(p, k)
+        s["ratio"] = s["matched"]["ratio"]
+        s["complete"] = s["matched"]["bursts"] == (planned or max(len(p["bursts"]),
+                                                                  len(k["bursts"])))
     else:
         s["ratio"] = None
-        s["why"] = "a setup did not finish: see three_models.json"
+    if s["ratio"] is None:
+        s["why"] = "no burst that both setups ran in full: see three_models.json"
     return s
 
 
 def main() -> int:
     args = parse()
-    order = [n for n in args.only.split(",") if n]
+    order = [n for n in args.only.split(",") if n and args.only != "none"]
     unknown = sorted(set(order) - set(SETUPS))
-    if unknown or not order:
+    if unknown or not (order or args.only == "none"):
         print(f"three_models: unknown setup(s) {', '.join(unknown) or '(none given)'} in "
-              f"--only: give proxima and/or stock", file=sys.stderr)
+              f"--only: give proxima and/or stock (or none, with --with)", file=sys.stderr)
+        return 2
+    if not order and not args.with_files:
+        print("three_models: --only none runs nothing: give the earlier runs to summarize "
+              "with --with FILE", file=sys.stderr)
         return 2
     if args.rounds < 1 or args.requests < 1 or args.background < 0:
         print(f"three_models: --rounds {args.rounds}, --requests {args.requests}, --background "
@@ -576,14 +661,23 @@ def main() -> int:
               f"{0.95 / len(MODELS):.3f}", file=sys.stderr)
         return 2
     earlier = {}
-    if args.with_file:
-        data = kit.read_json(Path(args.with_file))
+    mine = None if not order else {k: _plain(getattr(args, k)) for k in TRACE_SETTINGS}
+    for path in args.with_files:
+        data = kit.read_json(Path(path))
         if not data or "setups" not in data.get("subproofs", {}):
-            print(f"three_models: --with {args.with_file}: not a three_models.json with "
+            print(f"three_models: --with {path}: not a three_models.json with "
                   f"setups (no file, or no 'subproofs.setups' in it)", file=sys.stderr)
             return 2
-        earlier = {k: v for k, v in data["subproofs"]["setups"].items()
-                   if k in SETUPS and k not in order}
+        theirs = {k: _plain((data.get("settings") or {}).get(k)) for k in TRACE_SETTINGS}
+        mine = mine or theirs
+        if theirs != mine:
+            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} here" for k in TRACE_SETTINGS
+                             if theirs[k] != mine[k])
+            print(f"three_models: --with {path}: another trace ({diff}): its bursts are not "
+                  f"these; give the same trace options, or run both setups anew", file=sys.stderr)
+            return 2
+        earlier.update({k: v for k, v in data["subproofs"]["setups"].items()
+                        if k in SETUPS and k not in order and k not in earlier})
     plan = [setup_seconds(n, args) for n in order]
     refused = kit.budget_refusal(
         "three_models", args.budget, ", ".join(order), plan,
@@ -595,20 +689,25 @@ def main() -> int:
     out = kit.Out(Path(args.out), "three_models")
     budget = kit.Budget(args.budget)
     env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
+    if not order:           # --only none: the trace is the earlier runs'
+        for k, v in mine.items():
+            setattr(args, k, tuple(v) if isinstance(v, list) else v)
     bursts = trace(args)
     out.log(f"three models ({', '.join(f'{n}={p.name}' for n, p in MODELS.items())}), setups "
-            f"{', '.join(order)}: budget {args.budget:.0f}s, {args.rounds} round(s) of 3 bursts, "
+            f"{', '.join(order) or 'none run (a summary of --with)'}: budget {args.budget:.0f}s, "
+            f"{args.rounds} round(s) of 3 bursts, "
             f"{args.requests} requests to the busy model + {args.background} to each other, "
             f"prompts {args.prompt[0]}-{args.prompt[1]}, outputs {args.output[0]}-"
             f"{args.output[1]} tokens, stock util {args.stock_util}"
             f"{', eager' if args.enforce_eager else ''}")
-    out.log(f"  time plan, at least: {'; '.join(p[1] for p in plan)}")
+    if plan:
+        out.log(f"  time plan, at least: {'; '.join(p[1] for p in plan)}")
     settings = dict(vars(args))
     out.results["settings"] = settings
     results = dict(earlier)
     if earlier:
         out.record("setups", **earlier)
-        out.log(f"  from {args.with_file}: {', '.join(earlier)}")
+        out.log(f"  from {', '.join(args.with_files)}: {', '.join(earlier)}")
     for i, (name, (setup_need, _)) in enumerate(zip(order, plan)):
         if budget.left() < setup_need:
             out.record("skipped", **{name: f"only {budget.left():.0f}s left, the setup needs "
@@ -626,7 +725,7 @@ def main() -> int:
             out.log(f"  {name}: FAILED: {exc}")
         finally:
             stop_setup(out, args.dry_run)
-    summary = summarize(results)
+    summary = summarize(results, len(bursts))
     out.record("summary", **summary)
     line = f"three models: {json.dumps(summary)}"
     out.log(line)

@@ -276,6 +276,9 @@ async def one(client, port: int, model: str, prompt: list[int], max_tokens: int,
             "tokens": tokens, "latency": time.perf_counter() - start}
 
 
+TIMED_OUT = "burst timed out"     # a request still running when the burst's time ran out
+
+
 async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
     import httpx
 
@@ -291,7 +294,7 @@ async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
             for t in tasks:
                 t.cancel()
             results = [t.result() if t.done() and not t.cancelled() else
-                       {"error": "burst timed out"} for t in tasks]
+                       {"error": TIMED_OUT} for t in tasks]
         wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -299,7 +302,8 @@ async def run_burst(port: int, model: str, requests, timeout: float) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     return {"requests": len(requests), "wall_s": round(wall, 3), "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / wall, 1) if wall else None,
-            "errors": len(errors), "first_errors": errors[:5], **percentiles(ttft),
+            "errors": len(errors), "first_errors": errors[:5],
+            "timed_out": errors.count(TIMED_OUT), **percentiles(ttft),
             "ttfts": ttft}
 
 
