@@ -742,6 +742,11 @@ def test_three_models_dry_run_gives_both_setups_three_models_each_and_a_ratio(tm
     # the endpoint reached each model's own engine for its KV state
     idle = sub["setups"]["proxima"]["idle"]["kv"]
     assert set(idle) == models and all(kv["mapped_bytes"] > 0 for kv in idle.values())
+    for burst in sub["setups"]["proxima"]["bursts"]:    # memory per model over time
+        for m in burst["mapped_during"].values():
+            assert len(m["series_s_gib"]) == m["n"] >= 1
+            assert [t for t, _ in m["series_s_gib"]] == sorted(t for t, _ in m["series_s_gib"])
+            assert max(g for _, g in m["series_s_gib"]) == round(m["max"] / 2**30, 3)
     matched = sub["summary"]["matched"]
     assert sub["summary"]["ratio"] > 0 and matched["bursts"] == 6 and set(matched["busy"]) == models
     assert sub["summary"]["complete"] is True and matched["errors"] == {"proxima": 0, "stock": 0}

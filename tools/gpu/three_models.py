@@ -277,10 +277,13 @@ def ledger(dry_run: bool) -> list | dict:
 
 
 class Sampler:
-    """proxima's mapped bytes per model every 0.5 s during a burst: min, mean, max."""
+    """proxima's mapped bytes per model every 0.5 s during a burst: min, mean, max, and the
+    series itself (seconds since the burst began, GiB), memory per model over time."""
 
     def __init__(self, port: int | None) -> None:
         self.port, self.seen = port, {n: [] for n in MODELS}
+        self.series: dict = {n: [] for n in MODELS}
+        self.began = time.perf_counter()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         if port is not None:
@@ -291,13 +294,16 @@ class Sampler:
             for name, kv in proxima_kv(self.port).items():
                 if kv and kv.get("mapped_bytes") is not None:
                     self.seen[name].append(kv["mapped_bytes"])
+                    self.series[name].append([round(time.perf_counter() - self.began, 2),
+                                              round(kv["mapped_bytes"] / 2**30, 3)])
             self.done.wait(0.5)
 
     def stop(self) -> dict:
         self.done.set()
         if self.port is not None:
             self.thread.join(5)
-        return {n: {"min": min(v), "mean": int(sum(v) / len(v)), "max": max(v), "n": len(v)}
+        return {n: {"min": min(v), "mean": int(sum(v) / len(v)), "max": max(v), "n": len(v),
+                    "series_s_gib": self.series[n]}
                 for n, v in self.seen.items() if v}
 
 
