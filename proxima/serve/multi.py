@@ -12,12 +12,14 @@ engine core dies). This process restarts an engine's whole ``proxima serve`` whe
 after a backoff (1, 2, 4, 8, 16, 30 s), at most :data:`MAX_RESTARTS` times in
 :data:`RESTART_WINDOW_S`; after that the model is given up (503, named by ``/health``)
 while the others keep serving. An engine that exits before it was ever ready (bad model,
-failed self-check) stops everything: exit 1 with its error line. Engines start one after
-another, each once the previous one is ready: each is sized counting the engines already on
-the GPU's ledger, and one short of memory at start asks them for it (vLLM's start-up memory
-profiling is not the reason: it is skipped where the KV size is given, as it is for every
-elastic engine). With models that may sleep (``sleep_after``) more models than fit at once
-are served (:mod:`proxima.serve.residency`): before each start and restart the
+failed self-check) stops everything: exit 1 with its error line. Engines start side by
+side where the GPU has ample room for all of them (:func:`start_side_by_side`: no model
+sleeps, and the models need at most half the free memory at their minimums); otherwise one
+after another, each once the previous one is ready: each is then sized counting the engines
+already on the GPU's ledger, and one short of memory at start asks them for it (vLLM's
+start-up memory profiling is not the reason: it is skipped where the KV size is given, as it
+is for every elastic engine). With models that may sleep (``sleep_after``) more models than
+fit at once are served (:mod:`proxima.serve.residency`): before each start and restart the
 supervisor's ``before_start`` (:meth:`proxima.serve.sleepwake.SleepWake.admit`) puts
 idle sleepers to sleep until the engine fits.
 """
@@ -67,17 +69,18 @@ class Engine:
 
 
 class Supervisor:
-    """Starts every engine (one after another), restarts the dead ones, stops them all."""
+    """Starts every engine (one after another, or all at once with ``side_by_side``),
+    restarts the dead ones, stops them all."""
 
     def __init__(self, engines: list[Engine], *, backoff=BACKOFF_S, max_restarts=MAX_RESTARTS,
-                 window_s=RESTART_WINDOW_S, stop_timeout=STOP_TIMEOUT_S, sequential=True,
+                 window_s=RESTART_WINDOW_S, stop_timeout=STOP_TIMEOUT_S, side_by_side=False,
                  on_fatal=None, output=None, before_start=None):
         self.engines = engines
         self.backoff = tuple(backoff)
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.stop_timeout = stop_timeout
-        self.sequential = sequential
+        self.side_by_side = side_by_side
         self.on_fatal = on_fatal            # called with one line when serving must stop
         # awaited with the backend before each start and restart: room made for it
         # (sleepwake.SleepWake.admit puts idle sleepers to sleep)
@@ -97,7 +100,7 @@ class Supervisor:
                 return
             task = asyncio.create_task(self._keep(engine), name=f"proxima-engine-{engine.backend.name}")
             self._tasks.append(task)
-            if self.sequential:
+            if not self.side_by_side:
                 while not engine.backend.ever_ready and not task.done() and not self._stopping:
                     await asyncio.sleep(0.1)
                 if self.fatal:
@@ -467,9 +470,49 @@ def run(argv: list[str]) -> int:
     from proxima.serve.sleepwake import gpu_room
 
     room = gpu_room(autosize.gpu_facts(facts)[2])
-    return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan),
+    together, why = start_side_by_side(plan, facts)
+    log.info("the engines start %s (%s)", "side by side" if together else "one after another",
+             why)
+    return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan), side_by_side=together,
                              sleep_options={"make_room": room,
                                             "capacity": plan_residency(plan, facts, engines)}))
+
+
+#: engines start side by side when the models' need at their minimums is at most this share
+#: of the GPU's free memory: room for each engine's start-up beyond its minimum (vLLM's
+#: warm-up maps, then a grow to twice what the warm-up wrote) while the others start. On one
+#: H100 (s27) three engines held 1.05x their need at minimums once started and about 1.4x
+#: at the top of their start-up grows.
+SIDE_BY_SIDE_SHARE = 0.5
+
+
+def start_side_by_side(plan: multi_config.MultiPlan, facts: dict) -> tuple[bool, str]:
+    """Whether the engines start all at once (each start-up, 75-85 s on an H100, then
+    overlaps the others) or one after another, and why (one line for the log). All at once
+    only where the start-ups cannot get in each other's way: no model sleeps (a model that
+    may sleep can need room made by another's sleep: :mod:`proxima.serve.residency`), the
+    GPU's free memory was probed, every model's size is known from its config, and they
+    need at most :data:`SIDE_BY_SIDE_SHARE` of what is free."""
+    from proxima.serve import autosize
+
+    if len(plan.models) < 2:
+        return False, "one model"
+    if any(s.sleep_after is not None for s in plan.models):
+        return False, "models that may sleep take turns on the GPU"
+    _, free, _ = autosize.gpu_facts(facts or {})
+    if plan.gpu_bytes is not None or not free:
+        return False, "the GPU's free memory is not known"
+    sizes = autosize.model_sizes(
+        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models])
+    unknown = [name for name, nonkv, _, _ in sizes if nonkv is None]
+    if unknown:
+        return False, f"the size of {', '.join(unknown)} is not known (no local config.json)"
+    need = sum(nonkv + least for _, nonkv, _, least in sizes)
+    figures = (f"the models need {need / 2**30:.2f} GiB at their minimums, the GPU has "
+               f"{free / 2**30:.2f} GiB free")
+    if need > SIDE_BY_SIDE_SHARE * free:
+        return False, f"{figures}: over {SIDE_BY_SIDE_SHARE:.0%} of it"
+    return True, figures
 
 
 def plan_residency(plan: multi_config.MultiPlan, facts: dict,

@@ -226,13 +226,23 @@ def test_health_is_200_only_when_every_engine_is_and_names_the_ones_that_are_not
 
 
 def test_engines_start_one_after_another(endpoint):
-    """The next engine starts once the one before is ready (vLLM's start-up memory profiling
-    of one engine must not see another one loading)."""
+    """By default (a GPU without ample room, models that may sleep) the next engine starts
+    once the one before is ready: it is sized counting those already on the GPU's ledger."""
     ep = endpoint({"alpha": ["--health", "503"], "beta": []}, wait_ready=False)
     wait_for(lambda: "/health answered 503" in ep.engines["alpha"].backend.detail,
              "alpha answering 503")
     assert ep.engines["beta"].process is None
     assert ep.get("/health").json()["engines"]["beta"]["state"] == "starting"
+
+
+def test_side_by_side_every_engine_starts_at_once(endpoint):
+    """Where the GPU has ample room (multi.start_side_by_side), no engine waits for another:
+    beta starts and is ready while alpha still answers 503."""
+    ep = endpoint({"alpha": ["--health", "503"], "beta": []}, wait_ready=False,
+                  side_by_side=True)
+    wait_for(lambda: ep.engines["beta"].backend.state == READY, "beta ready")
+    assert ep.engines["alpha"].process is not None
+    assert ep.get("/health").json()["engines"]["alpha"]["state"] == "starting"
 
 
 def test_metrics_carry_every_engines_series_labelled_by_model(endpoint):

@@ -277,3 +277,32 @@ def test_the_count_is_what_the_next_engines_own_sizing_reads_from_the_gpus_ledge
     finally:
         for ledger in records:
             ledger.close()
+
+
+# -- side by side or one after another ---------------------------------------------------------
+def test_engines_start_side_by_side_only_where_the_gpu_has_ample_room(monkeypatch):
+    """The three models of the H100 run (8B, 3B and 1B shapes: 31.91 GiB at their minimums)
+    start at once on a GPU with 78 GiB free; not on one with 60 GiB free (over half of it),
+    not with a model that may sleep, not where the free memory was not probed."""
+    small = str(REPO / "tools/gpu/dummy-llama-1b")
+    three = models(f"big={BIG}", f"mid={MID}", f"small={small}")
+    plan = parse_command_line(three)
+    facts = {"devices": [{"total_memory": 85 * 10**9, "free_memory": 78 * GiB, "uuid": "G"}]}
+    together, why = multi.start_side_by_side(plan, facts)
+    assert together, why
+    assert why.startswith("the models need 31.") and why.endswith("the GPU has 78.00 GiB free")
+    facts["devices"][0]["free_memory"] = 60 * GiB
+    together, why = multi.start_side_by_side(plan, facts)
+    assert not together and why.endswith("GiB free: over 50% of it")
+    facts["devices"][0]["free_memory"] = 78 * GiB
+    sleeper = parse_command_line(models(f"big={BIG}", f"mid={MID} --sleep-after 60"))
+    assert multi.start_side_by_side(sleeper, facts) == (
+        False, "models that may sleep take turns on the GPU")
+    assert multi.start_side_by_side(plan, {}) == (False, "the GPU's free memory is not known")
+    given = parse_command_line([*three, "--gpu-memory-bytes", "80GiB"])
+    assert multi.start_side_by_side(given, facts)[0] is False
+    nowhere = parse_command_line(models(f"big={BIG}", "hub=org/not-a-local-dir"))
+    assert multi.start_side_by_side(nowhere, facts) == (
+        False, "the size of hub is not known (no local config.json)")
+    assert multi.start_side_by_side(parse_command_line(models(f"big={BIG}")), facts) == (
+        False, "one model")
