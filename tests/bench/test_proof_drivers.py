@@ -774,14 +774,17 @@ def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp
 
 
 def test_three_models_gpu_plan_counts_the_measured_start_ups_and_asks_for_two_calls(tmp_path):
-    """On a GPU (no --dry-run) both setups eager in one 540 s call are refused before anything
-    starts: proxima serve's three engines start one after another (82 s each measured on an
-    H100), stock's 49 s each; the line does not suggest --enforce-eager when it is given."""
+    """On a GPU (no --dry-run) both setups eager, two rounds, in one 540 s call are refused
+    before anything starts: proxima serve's checks (25 s) then its three engines side by
+    side (82 s), stock's servers one after another (49 s each), a burst 20 s on proxima and
+    33 s on stock (measured on an H100); the line does not suggest --enforce-eager when it
+    is given."""
     done = subprocess.run([sys.executable, str(PROOF / "three_models.py"), "--out",
-                           str(tmp_path / "o"), "--enforce-eager", "--rounds", "1", "--budget",
-                           "540"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                           str(tmp_path / "o"), "--enforce-eager", "--budget", "540"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "proxima 326s (246s of start-up" in done.stderr and "stock 227s" in done.stderr
+    assert "proxima 247s (107s of start-up, 6 bursts x 20s" in done.stderr
+    assert "stock 365s (147s of start-up, 6 bursts x 33s" in done.stderr
     assert "--enforce-eager" not in done.stderr and "one setup in --only" in done.stderr
     assert not (tmp_path / "o").exists()
 

@@ -30,11 +30,13 @@ The plan is checked first: a budget too small for the setups' start-ups, bursts 
 said in one line (exit 2). ``--with FILE`` takes the setups not run now from an earlier
 three_models.json (a run split over two device calls: ``--only proxima``, then ``--only
 stock --with .../three_models.json``), so the ratio is still computed.
-Time, measured on one H100 with ``--enforce-eager`` (2026-12-05): ``proxima serve`` starts
-its three engines one after another, 82-84 s each (about 4.5 min to all ready); a stock
-server 49 s. Both setups do not fit one 600 s device call, eager or compiled (the plan says
-so before anything starts): run ``--only proxima`` and ``--only stock --with FILE`` in two
-calls.
+Time, measured on one H100 with ``--enforce-eager`` (s27, 2026-12-06): ``proxima serve``
+started its three engines one after another, 76-84 s each (258 s to all ready; since then it
+starts them side by side where they need at most half the GPU's free memory, as these do);
+stock's three servers 130 s; a round of bursts 57 s on proxima, 98 s on stock. With two
+rounds both setups do not fit one 600 s device call (the plan says so before anything
+starts): run ``--only proxima`` and ``--only stock --with FILE`` in two calls, or
+``--rounds 1``.
 Files in $OUT: three_models.json (rewritten as results come), three_models.log,
 three_models-logs.tgz (the servers' logs). ``--dry-run``: CPU stand-ins (fake_multi.py, the
 real multi-model endpoint over fake_server.py engines, and fake_server.py for stock).
@@ -64,14 +66,22 @@ GPU = Path(__file__).resolve().parent
 MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
           "small": GPU / "dummy-llama-1b"}
 SETUPS = ("proxima", "stock")
-# the plan's floors, seconds: one model's start-up per setup (compiled; eager), a burst, a
-# setup's stop. Eager start-ups measured on one H100 (2026-12-05, s23): proxima serve's
-# engines 82-84 s each, one after another (self-check, sizing, engine, canary); stock servers
-# 49 s each. Compiled: two `proxima serve --elastic` side by side 111-120 s, two stock 73-114 s.
+# the plan's floors, seconds: one model's start-up per setup (compiled; eager), whether a
+# setup's models start side by side, what proxima serve does before its engines start, a
+# burst, a setup's stop. Measured on one H100: eager, proxima serve's engines 76-84 s each
+# (self-check, sizing, engine, canary; s23, s27) after 23 s of its own checks, stock
+# servers 39-49 s each; compiled, two `proxima serve --elastic` side by side 111-120 s, two
+# stock 73-114 s. proxima serve starts these three side by side since 2026-12-06 (they need
+# 32 of 78 GiB free; not yet timed on a GPU); the driver starts stock's one after another
+# (vLLM's memory profiling of one must not see another loading). A round of three bursts
+# took proxima 57 s and stock 98 s (s27).
 GPU_PLAN = {"start": {"proxima": 120.0, "stock": 75.0},
-            "start_eager": {"proxima": 82.0, "stock": 49.0}, "burst": 20.0, "stop": 20.0}
+            "start_eager": {"proxima": 82.0, "stock": 49.0},
+            "side_by_side": {"proxima": True, "stock": False}, "before": {"proxima": 25.0},
+            "burst": {"proxima": 20.0, "stock": 33.0}, "stop": 20.0}
 DRY_PLAN = {"start": {"proxima": 2.0, "stock": 2.0}, "start_eager": {"proxima": 2.0, "stock": 2.0},
-            "burst": 1.0, "stop": 1.0}
+            "side_by_side": {"proxima": True, "stock": False}, "before": {},
+            "burst": {"proxima": 1.0, "stock": 1.0}, "stop": 1.0}
 
 
 def span(text: str) -> tuple[int, int]:
@@ -408,7 +418,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
     result: dict = {"setup": name, "bursts": []}
     out.record("setups", **{name: result})
     c = DRY_PLAN if args.dry_run else GPU_PLAN
-    reserve = later + c["stop"] + c["burst"] * len(bursts) + 15
+    reserve = later + c["stop"] + c["burst"][name] * len(bursts) + 15
     ports = (start_proxima if name == "proxima" else start_stock)(out, budget, args, env, result,
                                                                   reserve)
     kv_port = args.port if name == "proxima" else None
@@ -416,14 +426,13 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
                                                 "ledger": ledger(args.dry_run)} if kv_port else {})}
     out.log(f"  {name}: idle memory {json.dumps(result['idle'])}")
     out.record("setups", **{name: result})
-    floor = (DRY_PLAN if args.dry_run else GPU_PLAN)["burst"]
+    floor = c["burst"][name]
     per_model = {n: {"tokens": 0, "ttfts": [], "errors": 0, "requests": 0, "first_errors": []}
                  for n in MODELS}
     t_all = time.perf_counter()
     for i, burst in enumerate(bursts):
         left = budget.cap(args.burst_timeout,
-                          reserve=15 + (DRY_PLAN if args.dry_run else GPU_PLAN)["stop"]
-                          + floor * (len(bursts) - i - 1))
+                          reserve=15 + c["stop"] + floor * (len(bursts) - i - 1))
         if left < min(20, floor * 2):
             result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
             out.log(f"  {name}: cut short: {result['cut_short']}")
@@ -532,11 +541,12 @@ def stop_setup(out: kit.Out, dry_run: bool) -> None:
 
 def setup_seconds(name: str, args) -> tuple[float, str]:
     c = DRY_PLAN if args.dry_run else GPU_PLAN
-    start = len(MODELS) * c["start_eager" if args.enforce_eager else "start"][name]
+    one = c["start_eager" if args.enforce_eager else "start"][name]
+    start = c["before"].get(name, 0.0) + one * (1 if c["side_by_side"][name] else len(MODELS))
     bursts = len(MODELS) * args.rounds
-    total = start + bursts * c["burst"] + c["stop"]
+    total = start + bursts * c["burst"][name] + c["stop"]
     return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {bursts} bursts x "
-                   f"{c['burst']:.0f}s, {c['stop']:.0f}s stop)")
+                   f"{c['burst'][name]:.0f}s, {c['stop']:.0f}s stop)")
 
 
 def gpu_max(r: dict) -> dict | None:
