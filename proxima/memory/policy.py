@@ -497,9 +497,11 @@ class GrowShrinkPolicy:
         if not self._reported_short:
             self._reported_short = True
             logger.warning("Proxima elastic KV: the GPU cannot give %d more granules (%.0f MiB) "
-                           "now (another process holds the memory); serving at the current "
-                           "size, retrying after %.1f s, then less and less often (at most "
-                           "every %.0f s)", len(granules),
+                           "now (another process or engine holds the memory; the demand is "
+                           "posted on the GPU's ledger, and engines of Proxima give back at "
+                           "their next step); serving at the current size, retrying once the "
+                           "driver shows memory freed, else after %.1f s, then less and less "
+                           "often (at most every %.0f s)", len(granules),
                            len(granules) * self.bytes_per_granule / 2**20,
                            self.options.retry_s, max(self.options.retry_max_s,
                                                      self.options.retry_s))
