@@ -368,3 +368,14 @@ def test_an_engine_that_cannot_start_stops_everything_with_its_error_line(endpoi
     assert "unrecognized arguments: --no-such-option" in ep.endpoint.line
     assert any(line.startswith("[beta] ") for line in ep.output)      # its log, prefixed
     assert ep.engines["alpha"].process.returncode is not None          # stopped with it
+
+
+def test_side_by_side_an_engine_that_cannot_start_stops_the_others_mid_start(endpoint):
+    """All at once, the others are still starting (alpha never gets ready) when beta fails:
+    every one is stopped, and the line is beta's."""
+    ep = endpoint({"alpha": ["--health", "503"], "beta": ["--no-such-option"]},
+                  wait_ready=False, side_by_side=True)
+    ep.thread.join(timeout=WAIT_S)
+    assert ep.result["code"] == 1
+    assert "beta" in ep.endpoint.line and "unrecognized arguments" in ep.endpoint.line
+    assert ep.engines["alpha"].process.returncode is not None
