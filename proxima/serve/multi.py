@@ -481,8 +481,9 @@ def run(argv: list[str]) -> int:
 #: engines start side by side when the models' need at their minimums is at most this share
 #: of the GPU's free memory: room for each engine's start-up beyond its minimum (vLLM's
 #: warm-up maps, then a grow to twice what the warm-up wrote) while the others start. On one
-#: H100 (s27) three engines held 1.05x their need at minimums once started and about 1.4x
-#: at the top of their start-up grows.
+#: H100 (s27) three engines (8B, 3B, 1B; 31.91 GiB at their minimums) held 1.05x that after
+#: their start-up, and about 1.35x with their start-up grows (KV grown to 5, 4.4 and 1.5 GiB
+#: against minimums of 0.5 GiB each).
 SIDE_BY_SIDE_SHARE = 0.5
 
 
