@@ -367,6 +367,14 @@ def check_fit(plan: multi_config.MultiPlan, facts: dict | None = None) -> int | 
     return None if fit is None else fit[0]
 
 
+def model_sizes(plan: multi_config.MultiPlan) -> list[tuple[str, int | None, int, int]]:
+    """Each model's :func:`proxima.serve.autosize.model_sizes` row, from its options."""
+    from proxima.serve import autosize
+
+    return autosize.model_sizes(
+        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models])
+
+
 def fit_models(plan: multi_config.MultiPlan, facts: dict | None = None):
     """:func:`check_fit`'s work: ``(need, capacity, places, source)`` (None: the GPU's size
     is not known yet); ``capacity`` what the GPU has for the models, ``places`` each
@@ -383,8 +391,7 @@ def fit_models(plan: multi_config.MultiPlan, facts: dict | None = None):
         return None
     others = autosize.ledger_others(uuid) if plan.gpu_bytes is None else []
     claim = sum(o.claim for o in others)
-    sizes = autosize.model_sizes(
-        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models])
+    sizes = model_sizes(plan)
     sleeps = {s.name for s in plan.models if s.sleep_after is not None}
     places = [residency.Place(name, (nonkv or 0) + least,
                               (nonkv or 0) - weights + least if name in sleeps else None)
@@ -478,42 +485,15 @@ def run(argv: list[str]) -> int:
                                             "capacity": plan_residency(plan, facts, engines)}))
 
 
-#: engines start side by side when the models' need at their minimums is at most this share
-#: of the GPU's free memory: room for each engine's start-up beyond its minimum (vLLM's
-#: warm-up maps, then a grow to twice what the warm-up wrote) while the others start. On one
-#: H100 (s27) three engines (8B, 3B, 1B; 31.91 GiB at their minimums) held 1.05x that after
-#: their start-up, and about 1.35x with their start-up grows (KV grown to 5, 4.4 and 1.5 GiB
-#: against minimums of 0.5 GiB each).
-SIDE_BY_SIDE_SHARE = 0.5
-
-
 def start_side_by_side(plan: multi_config.MultiPlan, facts: dict) -> tuple[bool, str]:
-    """Whether the engines start all at once (each start-up, 75-85 s on an H100, then
-    overlaps the others) or one after another, and why (one line for the log). All at once
-    only where the start-ups cannot get in each other's way: no model sleeps (a model that
-    may sleep can need room made by another's sleep: :mod:`proxima.serve.residency`), the
-    GPU's free memory was probed, every model's size is known from its config, and they
-    need at most :data:`SIDE_BY_SIDE_SHARE` of what is free."""
-    from proxima.serve import autosize
+    """:func:`proxima.serve.residency.side_by_side` of these models on the probed GPU."""
+    from proxima.serve import autosize, residency
 
-    if len(plan.models) < 2:
-        return False, "one model"
-    if any(s.sleep_after is not None for s in plan.models):
-        return False, "models that may sleep take turns on the GPU"
-    _, free, _ = autosize.gpu_facts(facts or {})
-    if plan.gpu_bytes is not None or not free:
-        return False, "the GPU's free memory is not known"
-    sizes = autosize.model_sizes(
-        [(s.name, s.path, [*plan.common, *s.args, *s.elastic_args()]) for s in plan.models])
-    unknown = [name for name, nonkv, _, _ in sizes if nonkv is None]
-    if unknown:
-        return False, f"the size of {', '.join(unknown)} is not known (no local config.json)"
-    need = sum(nonkv + least for _, nonkv, _, least in sizes)
-    figures = (f"the models need {need / 2**30:.2f} GiB at their minimums, the GPU has "
-               f"{free / 2**30:.2f} GiB free")
-    if need > SIDE_BY_SIDE_SHARE * free:
-        return False, f"{figures}: over {SIDE_BY_SIDE_SHARE:.0%} of it"
-    return True, figures
+    needs = {name: None if nonkv is None else nonkv + least
+             for name, nonkv, _, least in model_sizes(plan)}
+    free = None if plan.gpu_bytes is not None else autosize.gpu_facts(facts or {})[1]
+    return residency.side_by_side(needs, free,
+                                  any(s.sleep_after is not None for s in plan.models))
 
 
 def plan_residency(plan: multi_config.MultiPlan, facts: dict,

@@ -15,6 +15,7 @@ minimum still. ``capacity``: the GPU's memory less what the engines already on i
   least recently used awake sleeper is put to sleep first (at start-up: the first started).
 - :func:`victim`: the same choice at run time (:mod:`proxima.serve.sleepwake`), among the
   awake sleepers that are ready and have no request in flight.
+- :func:`side_by_side`: whether the engines may start all at once instead.
 """
 
 from __future__ import annotations
@@ -124,3 +125,36 @@ def plan_lines(places: list[Place], capacity: int, source: str = "the GPU") -> l
     lines.append("a request for a sleeping model puts the least recently used idle one to "
                  "sleep when the GPU has no room for both")
     return lines
+
+
+#: engines start side by side when the models' need at their minimums is at most this share
+#: of the GPU's free memory: room for each engine's start-up beyond its minimum (vLLM's
+#: warm-up maps, then a grow to twice what the warm-up wrote) while the others start. On one
+#: H100 (s27) three engines (8B, 3B, 1B; 31.91 GiB at their minimums) held 1.05x that after
+#: their start-up, and about 1.35x with their start-up grows (KV grown to 5, 4.4 and 1.5 GiB
+#: against minimums of 0.5 GiB each).
+SIDE_BY_SIDE_SHARE = 0.5
+
+
+def side_by_side(needs: dict, free: int | None, sleepers: bool) -> tuple[bool, str]:
+    """Whether the engines start all at once (each start-up, 75-85 s on an H100, then
+    overlaps the others') or one after another, and why (one line for the log). ``needs``:
+    each model's non-KV memory and minimum (None: not known, no local config.json);
+    ``free``: the GPU's free memory as probed (None: not probed); ``sleepers``: some model
+    may sleep. All at once only where the start-ups cannot get in each other's way: no model
+    sleeps (one may need room made by another's sleep: :func:`start_plan`), the free memory
+    and every size are known, and the models need at most :data:`SIDE_BY_SIDE_SHARE` of it."""
+    if len(needs) < 2:
+        return False, "one model"
+    if sleepers:
+        return False, "models that may sleep take turns on the GPU"
+    if not free:
+        return False, "the GPU's free memory is not known"
+    unknown = [name for name, need in needs.items() if need is None]
+    if unknown:
+        return False, f"the size of {', '.join(unknown)} is not known (no local config.json)"
+    need = sum(needs.values())
+    figures = f"the models need {_gib(need)} at their minimums, the GPU has {_gib(free)} free"
+    if need > SIDE_BY_SIDE_SHARE * free:
+        return False, f"{figures}: over {SIDE_BY_SIDE_SHARE:.0%} of it"
+    return True, figures
