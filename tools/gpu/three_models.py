@@ -50,7 +50,6 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -60,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proofkit as kit  # noqa: E402
-from two_engines import TIMED_OUT, healthy, run_burst  # noqa: E402
+from two_engines import TIMED_OUT, healthy, percentiles, run_burst  # noqa: E402
 
 GPU = Path(__file__).resolve().parent
 MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
@@ -483,12 +482,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, args, env, bursts,
     result["errors"] = sum(a["errors"] for a in per_model.values())
     result["per_model"] = {}
     for n, a in per_model.items():
-        t = sorted(a["ttfts"])
         result["per_model"][n] = {
             "requests": a["requests"], "output_tokens": a["tokens"],
             "output_tokens_per_s": round(a["tokens"] / wall, 1) if wall else None,
-            "ttft_p50_s": round(statistics.median(t), 3) if t else None,
-            "ttft_p99_s": round(t[min(len(t) - 1, int(0.99 * len(t)))], 3) if t else None,
+            **percentiles(a["ttfts"]),
             "errors": a["errors"], "first_errors": a["first_errors"]}
     out.record("setups", **{name: result})
     return result
@@ -566,11 +563,6 @@ def comparable(burst: dict) -> bool:
         for m in burst["models"].values())
 
 
-def _pct(values: list, q: float):
-    v = sorted(values)
-    return round(v[min(len(v) - 1, int(q * len(v)))], 3) if v else None
-
-
 def matched(p: dict, k: dict) -> dict:
     """Proxima against stock on the bursts both ran in full (the trace is the same: burst i
     is the same requests on both): aggregate output tok/s, its ratio, per busy model the
@@ -604,7 +596,7 @@ def matched(p: dict, k: dict) -> dict:
         for side, j in (("proxima", 0), ("stock", 1)):
             ttfts = [t for pair in mine for t in pair[j]["models"][n].get("ttfts", [])]
             if ttfts:
-                row[f"{side}_ttft_p50_s"], row[f"{side}_ttft_p99_s"] = _pct(ttfts, 0.5), _pct(ttfts, 0.99)
+                row.update({f"{side}_{k}": v for k, v in percentiles(ttfts).items()})
             else:       # rows from before the TTFTs were kept: each burst's own percentiles
                 row[f"{side}_ttft_p50_s"] = [pair[j]["models"][n]["ttft_p50_s"] for pair in mine]
                 row[f"{side}_ttft_p99_s"] = [pair[j]["models"][n]["ttft_p99_s"] for pair in mine]
