@@ -294,9 +294,32 @@ def engine_command(spec: multi_config.ModelSpec, port: int, plan: multi_config.M
             *plan.common, *spec.args, *spec.elastic_args()]
 
 
-def engine_env() -> dict:
-    env = dict(os.environ)
+# vLLM's workers meet on a torch.distributed port that vLLM takes as the first free one from
+# VLLM_PORT up (or, unset, one the OS picks). Engines started side by side all look before any
+# binds: on the H100 two of them both took VLLM_PORT=20000 and one failed (EADDRINUSE). Each
+# engine searches from its own base instead.
+VLLM_PORT_STRIDE = 100
+
+
+def engine_env(index: int, environ=os.environ) -> dict:
+    """Engine ``index``'s environment: the parent's, less its stats file, and where VLLM_PORT
+    is set, ``index`` strides above it."""
+    env = dict(environ)
     env.pop("PROXIMA_STATS_FILE", None)     # each engine writes its own (a temporary file)
+    base = environ.get("VLLM_PORT")
+    if not base:
+        return env
+    try:
+        first = int(base)
+    except ValueError:
+        raise UserError(f"VLLM_PORT must be a port number, got {base!r}: unset it (vLLM then "
+                        "asks the OS) or give one") from None
+    port = first + index * VLLM_PORT_STRIDE
+    if first < 1 or port + VLLM_PORT_STRIDE > 65535:
+        raise UserError(f"VLLM_PORT must leave {VLLM_PORT_STRIDE} ports to each model (1 up to "
+                        f"{65535 - VLLM_PORT_STRIDE * (index + 1)} for {index + 1} models), got "
+                        f"{base!r}: unset it or give a lower one")
+    env["VLLM_PORT"] = str(port)
     return env
 
 
@@ -331,13 +354,13 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
                 raise UserError(f"model {spec.name!r}: {exc}") from None
             taken.add(spec.port)
     engines = []
-    for spec in plan.models:
+    for index, spec in enumerate(plan.models):
         engine_port = spec.port if spec.port is not None else free_port(avoid=taken)
         taken.add(engine_port)
         backend = Backend(name=spec.name, url=f"http://{ENGINE_HOST}:{engine_port}", path=spec.path,
                           sleep_after=spec.sleep_after)
         engines.append(Engine(backend=backend, command=engine_command(spec, engine_port, plan),
-                              env=engine_env()))
+                              env=engine_env(index)))
     return plan, host, port, engines
 
 

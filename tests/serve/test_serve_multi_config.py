@@ -157,6 +157,35 @@ def test_an_engine_gets_a_free_port_distinct_from_the_others_and_no_shared_statu
     assert [e.backend.name for e in engines] == ["a", "b"]
 
 
+def test_engines_started_side_by_side_do_not_pick_the_same_distributed_port(monkeypatch):
+    """vLLM takes its workers' port as the first free one from VLLM_PORT up; engines that all
+    look before any binds took the same one (H100, EADDRINUSE). Each engine's own environment,
+    given to vLLM's own port search with nothing bound yet, must give distinct ports."""
+    network_utils = pytest.importorskip("vllm.utils.network_utils")
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    monkeypatch.setenv("VLLM_PORT", str(_free()))
+    _, _, _, engines = multi.prepare(["--model", f"a={TINY}", "--model", f"b={TINY}",
+                                      "--model", f"c={TINY}", "--host", "127.0.0.1",
+                                      "--port", str(_free())])
+    picked = []
+    for engine in engines:
+        monkeypatch.setenv("VLLM_PORT", engine.env["VLLM_PORT"])
+        picked.append(network_utils.get_open_port())
+    assert len(set(picked)) == 3, picked
+
+
+@pytest.mark.parametrize("value, says", [("abc", "got 'abc'"), ("65500", "got '65500'")])
+def test_a_vllm_port_that_cannot_serve_every_model_is_refused_in_one_line(monkeypatch, value,
+                                                                         says):
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    monkeypatch.setenv("VLLM_PORT", value)
+    with pytest.raises(UserError) as exc:
+        multi.prepare(["--model", f"a={TINY}", "--model", f"b={TINY}", "--host", "127.0.0.1",
+                       "--port", str(_free())])
+    assert "VLLM_PORT" in str(exc.value) and says in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
 def test_compaction_in_the_environment_is_checked_as_the_elastic_engines_see_it(monkeypatch):
     """Every engine runs elastic: PROXIMA_COMPACTION=1 is not refused for want of
     PROXIMA_ELASTIC=1 in the endpoint's own environment."""
