@@ -776,15 +776,15 @@ def test_three_models_refuses_a_budget_too_small_and_merges_an_earlier_setup(tmp
 def test_three_models_gpu_plan_counts_the_measured_start_ups_and_asks_for_two_calls(tmp_path):
     """On a GPU (no --dry-run) both setups eager, two rounds, in one 540 s call are refused
     before anything starts: proxima serve's checks (25 s) then its three engines side by
-    side (82 s), stock's servers one after another (49 s each), a burst 20 s on proxima and
-    33 s on stock (measured on an H100); the line does not suggest --enforce-eager when it
-    is given."""
+    side (130 s: not ready after 120 s on a fresh H100), stock's servers one after another
+    (53 s each), a burst 20 s on proxima and 33 s on stock (measured on an H100); the line
+    does not suggest --enforce-eager when it is given."""
     done = subprocess.run([sys.executable, str(PROOF / "three_models.py"), "--out",
                            str(tmp_path / "o"), "--enforce-eager", "--budget", "540"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "proxima 247s (107s of start-up, 6 bursts x 20s" in done.stderr
-    assert "stock 365s (147s of start-up, 6 bursts x 33s" in done.stderr
+    assert "proxima 295s (155s of start-up, 6 bursts x 20s" in done.stderr
+    assert "stock 377s (159s of start-up, 6 bursts x 33s" in done.stderr
     assert "--enforce-eager" not in done.stderr and "one setup in --only" in done.stderr
     assert not (tmp_path / "o").exists()
 
@@ -882,11 +882,16 @@ def test_three_models_says_which_engines_were_ready_when_the_start_up_budget_ran
     sys.path.insert(0, str(PROOF))
     import three_models
 
-    log = ("proxima INFO model big: ready\n[small] GET /health 503\n"
+    log = ("proxima INFO the engines start one after another (a model may sleep)\n"
+           "proxima INFO model big: ready\n[small] GET /health 503\n"
            "proxima INFO model mid: ready\n[small] GET /health 503\n")
     line = three_models.not_ready(log, None, 468.4)
     assert line == ("proxima serve --models not ready after 468s (the setup's start-up budget; "
-                    "its engines start one after another); ready: big, mid; not ready: small")
+                    "its engines started one after another); ready: big, mid; not ready: small")
+    # s28: side by side, none ready when the budget ran out; the line says how they started
+    side = three_models.not_ready("proxima INFO the engines start side by side (the models "
+                                  "need 31.91 GiB ...)\n", None, 120.2)
+    assert "its engines started side by side); ready: none" in side
     died = three_models.not_ready("", 1, 3.0, "Error: no config.json")
     assert died.startswith("proxima serve --models exited with 1: Error: no config.json")
     assert died.endswith("ready: none; not ready: big, mid, small")
@@ -956,6 +961,60 @@ def test_three_models_summarizes_earlier_runs_and_refuses_another_trace(tmp_path
     assert not (tmp_path / "d").exists()
     nothing = run("three_models.py", tmp_path / "e", "--only", "none")
     assert nothing.returncode == 2 and "--with FILE" in nothing.stderr
+
+
+def _tm_file(path, only, rounds, setups, **settings):
+    """A three_models.json as the driver writes it: the setups it holds and what it ran."""
+    path.write_text(json.dumps({"settings": {"only": only, "rounds": rounds, "requests": 64,
+                                             "background": 4, "prompt": [2000, 6000],
+                                             "output": [256, 512], "seed": 36, **settings},
+                                "subproofs": {"setups": setups}}))
+    return str(path)
+
+
+def test_three_models_pools_runs_in_abba_order_over_calls(tmp_path):
+    """Two H100 sessions of 2026-12-06: proxima (two rounds), stock (cut in its 4th burst,
+    written with proxima's file as --with), then stock, a proxima that never started, proxima
+    (one round), and a stock cut in its first burst. The pooled ratio is over every burst run
+    in full at a key both setups ran in full (round 1: big, mid, small), each run counted
+    once (not again as the --with setup of a later file); each pair of runs and each setup's
+    runs against each other give the spread; a run's cut bursts are named."""
+    def r(round_, busy, wall, **kw):
+        return {**_burst(busy, wall, **kw), "round": round_}
+
+    a1 = {"bursts": [r(0, "big", 10.0), r(0, "mid", 5.0), r(0, "small", 5.0),
+                     r(1, "big", 8.0), r(1, "mid", 4.0), r(1, "small", 5.0)]}
+    b1 = {"bursts": [r(0, "big", 30.0), r(0, "mid", 10.0), r(0, "small", 5.0),
+                     r(1, "big", 30.0, timed_out=3, cut_by_budget=True)]}
+    b2 = {"bursts": [r(0, "big", 20.0), r(0, "mid", 10.0), r(0, "small", 5.0)]}
+    a2 = {"bursts": [r(0, "big", 10.0), r(0, "mid", 5.0), r(0, "small", 5.0)]}
+    b3 = {"bursts": [r(0, "big", 20.0, timed_out=3, cut_by_budget=True)]}
+    files = [_tm_file(tmp_path / "a1.json", "proxima", 2, {"proxima": a1}),
+             _tm_file(tmp_path / "b1.json", "stock", 2, {"proxima": a1, "stock": b1}),
+             _tm_file(tmp_path / "b2.json", "proxima,stock", 1, {"proxima": {}, "stock": b2}),
+             _tm_file(tmp_path / "a2.json", "proxima", 1, {"proxima": a2}),
+             _tm_file(tmp_path / "b3.json", "stock", 1, {"stock": b3})]
+    done = run("three_models.py", tmp_path / "sum", "--only", "none",
+               *[x for f in files for x in ("--with", f)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    p = json.loads((tmp_path / "sum" / "three_models.json").read_text())["subproofs"]["summary"]["pooled"]
+    assert [x["run"] for x in p["runs"]["proxima"]] == [files[0], files[2], files[3]]
+    assert [x["full_bursts"] for x in p["runs"]["stock"]] == [3, 3, 0]
+    assert p["runs"]["stock"][0]["not_full"] == [4] and p["runs"]["stock"][2]["not_full"] == [1]
+    assert p["keys"] == ["round 1 big", "round 1 mid", "round 1 small"]
+    # 900 tokens a burst: proxima 6 bursts in 40 s, stock 6 in 80 s
+    assert p["bursts"] == {"proxima": 6, "stock": 6}
+    assert p["tok_s"] == {"proxima": 135.0, "stock": 67.5} and p["ratio"] == 2.0
+    assert [x["ratio"] for x in p["pairs"]] == [2.25, 1.75, 2.25, 1.75]
+    assert p["spread"]["stock"] == [{"runs": [files[1], files[2]], "bursts": 3,
+                                     "ratio": round(35 / 45, 3)}]
+    assert p["spread"]["proxima"][0]["ratio"] == 1.0
+    assert p["busy"]["big"]["ratio"] == 2.5 and p["busy"]["small"]["ratio"] == 1.0
+    # a trace that differs in more than its rounds is still refused
+    other = _tm_file(tmp_path / "o.json", "stock", 1, {"stock": b2}, requests=32)
+    refused = run("three_models.py", tmp_path / "x", "--only", "none", "--with", files[0],
+                  "--with", other)
+    assert refused.returncode == 2 and "another trace (requests 32 there, 64 here)" in refused.stderr
 
 
 def test_driver_b_counts_an_answer_cut_by_a_dead_engine_as_an_error():

@@ -9,8 +9,9 @@ small = dummy-llama-1b (Llama-3.2-1B). Two setups, the same seeded trace:
 
 * proxima: ONE command, no sizing flag: ``proxima serve --port P --models FILE`` (the file,
   JSON, lists the three with ``--load-format dummy --tokenizer TINY --max-model-len 8192``;
-  compaction off). The endpoint starts the engines one after another and sizes each
-  (the "elastic sizing:" lines of its log are recorded); requests carry "model": NAME.
+  compaction off). The endpoint starts the engines (side by side where they need at most
+  half the GPU's free memory, as these do) and each sizes itself (the "elastic sizing:"
+  lines of its log are recorded); requests carry "model": NAME.
 * stock: three stock vLLM OpenAI servers (PROXIMA_ALLOCATOR=0), one per model on its own
   port, each with a static share ``--gpu-memory-utilization --stock-util`` (0.28), started
   one after another (a profile run is upset by another engine loading beside it).
@@ -30,13 +31,17 @@ The plan is checked first: a budget too small for the setups' start-ups, bursts 
 said in one line (exit 2). ``--with FILE`` takes the setups not run now from an earlier
 three_models.json (a run split over two device calls: ``--only proxima``, then ``--only
 stock --with .../three_models.json``), so the ratio is still computed.
-Time, measured on one H100 with ``--enforce-eager`` (s27, 2026-12-06): ``proxima serve``
-started its three engines one after another, 76-84 s each (258 s to all ready; since then it
-starts them side by side where they need at most half the GPU's free memory, as these do);
-stock's three servers 130 s; a round of bursts 57 s on proxima, 98 s on stock. With two
-rounds both setups do not fit one 600 s device call (the plan says so before anything
-starts): run ``--only proxima`` and ``--only stock --with FILE`` in two calls, or
-``--rounds 1``.
+Time, measured on one H100 with ``--enforce-eager``: ``proxima serve`` started its three
+engines one after another in 258 s (s27); side by side, 94 s on a warm host, and not within
+120 s on a fresh one (s28); stock's three servers 130-158 s; a round of bursts 49-57 s on
+proxima, 98-100 s on stock. ``--rounds 1`` fits both setups in one 600 s device call (plan
+513 s); with two rounds the plan refuses both before anything starts: run ``--only
+proxima`` and ``--only stock --with FILE`` in two calls.
+Rounds over calls (ABBA): give every earlier run with ``--with`` (repeatable; runs of
+different ``--rounds`` pool on the bursts they share, each burst being seeded by its round
+and model); the summary's ``pooled`` gives the ratio over every burst run in full at a
+(round, model) both setups ran in full, each pair of runs' ratio, and each setup's runs
+against each other (its spread).
 Files in $OUT: three_models.json (rewritten as results come), three_models.log,
 three_models-logs.tgz (the servers' logs). ``--dry-run``: CPU stand-ins (fake_multi.py, the
 real multi-model endpoint over fake_server.py engines, and fake_server.py for stock).
@@ -67,15 +72,17 @@ MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
 SETUPS = ("proxima", "stock")
 # the plan's floors, seconds: one model's start-up per setup (compiled; eager), whether a
 # setup's models start side by side, what proxima serve does before its engines start, a
-# burst, a setup's stop. Measured on one H100: eager, proxima serve's engines 76-84 s each
-# (self-check, sizing, engine, canary; s23, s27) after 23 s of its own checks, stock
-# servers 39-49 s each; compiled, two `proxima serve --elastic` side by side 111-120 s, two
-# stock 73-114 s. proxima serve starts these three side by side since 2026-12-06 (they need
-# 32 of 78 GiB free; not yet timed on a GPU); the driver starts stock's one after another
-# (vLLM's memory profiling of one must not see another loading). A round of three bursts
-# took proxima 57 s and stock 98 s (s27).
-GPU_PLAN = {"start": {"proxima": 120.0, "stock": 75.0},
-            "start_eager": {"proxima": 82.0, "stock": 49.0},
+# burst, a setup's stop. Measured on one H100: eager, proxima serve's engines one after
+# another 76-84 s each (s23, s27) after 23 s of its own checks; side by side (since
+# 2026-12-06, where the models need at most half the GPU's free memory: these need 32 of
+# 78 GiB) all three ready 94 s after the endpoint started on a warm host, and NOT ready after
+# 120 s on the first start of a fresh one (three vLLM imports at once, cold page cache; s28);
+# stock servers 39-64 s each (s27, s28); compiled, two `proxima serve --elastic` side by side
+# 111-120 s, two stock 73-114 s. The driver starts stock's one after another (vLLM's memory
+# profiling of one must not see another loading). A round of three bursts took proxima
+# 49-57 s and stock 98-100 s (s27, s28).
+GPU_PLAN = {"start": {"proxima": 150.0, "stock": 75.0},
+            "start_eager": {"proxima": 130.0, "stock": 53.0},
             "side_by_side": {"proxima": True, "stock": False}, "before": {"proxima": 25.0},
             "burst": {"proxima": 20.0, "stock": 33.0}, "stop": 20.0}
 DRY_PLAN = {"start": {"proxima": 2.0, "stock": 2.0}, "start_eager": {"proxima": 2.0, "stock": 2.0},
@@ -335,9 +342,12 @@ def not_ready(log_text: str, code: int | None, waited: float, tail: str = "") ->
     out; and which engines were ready by then (the endpoint's "model NAME: ready" lines),
     not the tail of the health polls."""
     done = [n for n in MODELS if f"model {n}: ready" in log_text]
+    how = ("side by side" if "engines start side by side" in log_text else
+           "one after another" if "engines start one after another" in log_text else
+           "before any engine started")
     why = (f"exited with {code}: {tail}" if code is not None else
-           f"not ready after {waited:.0f}s (the setup's start-up budget; its engines start one "
-           f"after another)")
+           f"not ready after {waited:.0f}s (the setup's start-up budget; its engines started "
+           f"{how})")
     return (f"proxima serve --models {why}; ready: {', '.join(done) or 'none'}; not ready: "
             f"{', '.join(n for n in MODELS if n not in done) or 'none'}")
 
@@ -604,6 +614,76 @@ def matched(p: dict, k: dict) -> dict:
     return out
 
 
+def pooled(runs: dict) -> dict:
+    """Several runs of a setup (rounds in ABBA order, over device calls): ``runs`` maps a setup
+    to [(label, its result)]. A burst is keyed by (round, busy model), the same requests in
+    every run (each burst's seed is its own). Per setup, every burst it ran in full at a key
+    that both setups ran in full at least once: pooled output tok/s (tokens over wall time),
+    the pooled ratio, each busy model's ratio and pooled TTFTs; every proxima run against
+    every stock run on their common keys, and each setup's runs against each other (its
+    spread); per run, the bursts it did not run in full."""
+    def full(result):
+        return {(b["round"], b["busy"]): b for b in result.get("bursts", []) if comparable(b)}
+
+    def rate(bursts):
+        bursts = list(bursts)
+        return (sum(m["output_tokens"] for b in bursts for m in b["models"].values())
+                / sum(b["wall_s"] for b in bursts))
+
+    per = {s: [(label, full(r), r) for label, r in runs.get(s, [])] for s in SETUPS}
+    have = {s: set().union(*(set(f) for _, f, _ in per[s])) for s in SETUPS}
+    keys = sorted(have["proxima"] & have["stock"])
+    out = {"runs": {s: [{"run": label, "full_bursts": len(f),
+                         "not_full": [i + 1 for i, b in enumerate(r.get("bursts", []))
+                                      if not comparable(b)]} for label, f, r in per[s]]
+                    for s in SETUPS},
+           "keys": [f"round {r + 1} {busy}" for r, busy in keys]}
+    if not keys:
+        out["ratio"] = None
+        return out
+    chosen = {s: [b for _, f, _ in per[s] for k, b in f.items() if k in keys] for s in SETUPS}
+    out["bursts"] = {s: len(chosen[s]) for s in SETUPS}
+    out["tok_s"] = {s: round(rate(chosen[s]), 1) for s in SETUPS}
+    out["ratio"] = round(out["tok_s"]["proxima"] / out["tok_s"]["stock"], 3)
+    out["errors"] = {s: sum(m["errors"] for b in chosen[s] for m in b["models"].values())
+                     for s in SETUPS}
+    out["pairs"] = []
+    for lp, fp, _ in per["proxima"]:
+        for ls, fs, _ in per["stock"]:
+            common = sorted(set(fp) & set(fs))
+            if common:
+                out["pairs"].append({"proxima": lp, "stock": ls, "bursts": len(common),
+                                     "ratio": round(rate(fp[k] for k in common)
+                                                    / rate(fs[k] for k in common), 3)})
+    out["spread"] = {}
+    for s in SETUPS:
+        rows = []
+        for i, (la, fa, _) in enumerate(per[s]):
+            for lb, fb, _ in per[s][i + 1:]:
+                common = sorted(set(fa) & set(fb) & set(keys))
+                if common:
+                    rows.append({"runs": [la, lb], "bursts": len(common),
+                                 "ratio": round(rate(fa[k] for k in common)
+                                                / rate(fb[k] for k in common), 3)})
+        out["spread"][s] = rows
+    out["busy"] = {}
+    for n in MODELS:
+        mine = {s: [b for b in chosen[s] if b["busy"] == n] for s in SETUPS}
+        if not (mine["proxima"] and mine["stock"]):
+            continue
+        row = {"bursts": {s: len(mine[s]) for s in SETUPS},
+               "ratio": round(rate(mine["proxima"]) / rate(mine["stock"]), 3)}
+        for s in SETUPS:
+            if all(b["models"][n].get("ttfts") for b in mine[s]):
+                ttfts = [t for b in mine[s] for t in b["models"][n]["ttfts"]]
+                row.update({f"{s}_{k}": v for k, v in percentiles(ttfts).items()})
+            else:       # a run from before the TTFTs were kept: each burst's own percentiles
+                row[f"{s}_ttft_p50_s"] = [b["models"][n]["ttft_p50_s"] for b in mine[s]]
+                row[f"{s}_ttft_p99_s"] = [b["models"][n]["ttft_p99_s"] for b in mine[s]]
+        out["busy"][n] = row
+    return out
+
+
 def summarize(results: dict, planned: int | None = None) -> dict:
     s = {}
     for name, r in results.items():
@@ -668,24 +748,33 @@ def main() -> int:
               f"{len(MODELS) * args.stock_util:.2f} of the GPU: give at most "
               f"{0.95 / len(MODELS):.3f}", file=sys.stderr)
         return 2
-    earlier = {}
-    mine = None if not order else {k: _plain(getattr(args, k)) for k in TRACE_SETTINGS}
+    earlier, runs = {}, {s: [] for s in SETUPS}
+    # a trace of fewer rounds is the start of one of more (each burst is seeded by its round
+    # and its model): runs of different --rounds pool on the bursts they share
+    same = [k for k in TRACE_SETTINGS if k != "rounds"]
+    mine = None if not order else {k: _plain(getattr(args, k)) for k in same}
+    most_rounds = args.rounds if order else 0
     for path in args.with_files:
         data = kit.read_json(Path(path))
         if not data or "setups" not in data.get("subproofs", {}):
             print(f"three_models: --with {path}: not a three_models.json with "
                   f"setups (no file, or no 'subproofs.setups' in it)", file=sys.stderr)
             return 2
-        theirs = {k: _plain((data.get("settings") or {}).get(k)) for k in TRACE_SETTINGS}
+        theirs = {k: _plain((data.get("settings") or {}).get(k)) for k in same}
         mine = mine or theirs
         if theirs != mine:
-            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} here" for k in TRACE_SETTINGS
+            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} here" for k in same
                              if theirs[k] != mine[k])
             print(f"three_models: --with {path}: another trace ({diff}): its bursts are not "
                   f"these; give the same trace options, or run both setups anew", file=sys.stderr)
             return 2
+        most_rounds = max(most_rounds, int((data.get("settings") or {}).get("rounds") or 1))
         earlier.update({k: v for k, v in data["subproofs"]["setups"].items()
                         if k in SETUPS and k not in order and k not in earlier})
+        ran = str((data.get("settings") or {}).get("only") or "").split(",")
+        for k, v in data["subproofs"]["setups"].items():
+            if k in SETUPS and k in ran:        # not the setups it took from its own --with
+                runs[k].append((path, v))
     plan = [setup_seconds(n, args) for n in order]
     refused = kit.budget_refusal(
         "three_models", args.budget, ", ".join(order), plan,
@@ -700,6 +789,7 @@ def main() -> int:
     if not order:           # --only none: the trace is the earlier runs'
         for k, v in mine.items():
             setattr(args, k, tuple(v) if isinstance(v, list) else v)
+        args.rounds = most_rounds
     bursts = trace(args)
     out.log(f"three models ({', '.join(f'{n}={p.name}' for n, p in MODELS.items())}), setups "
             f"{', '.join(order) or 'none run (a summary of --with)'}: budget {args.budget:.0f}s, "
@@ -734,6 +824,13 @@ def main() -> int:
         finally:
             stop_setup(out, args.dry_run)
     summary = summarize(results, len(bursts))
+    for name in order:
+        if name in results:
+            runs[name].append(("this run", results[name]))
+    if any(len(v) > 1 for v in runs.values()):
+        summary["pooled"] = pooled(runs)
+        out.log(f"  pooled over {', '.join(f'{len(v)} {s} run(s)' for s, v in runs.items())}: "
+                f"ratio {summary['pooled']['ratio']}")
     out.record("summary", **summary)
     line = f"three models: {json.dumps(summary)}"
     out.log(line)
@@ -744,6 +841,9 @@ def main() -> int:
     out.finish()
     ok = summary.get("ratio") is not None and all(
         r.get("errors") == 0 and not r.get("cut_short") for r in results.values())
+    if "pooled" in summary:     # runs over calls: the pooled figure is the one
+        pool = summary["pooled"]
+        ok = pool["ratio"] is not None and not any(pool["errors"].values())
     return 0 if ok else 1
 
 
