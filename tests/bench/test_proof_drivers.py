@@ -1017,6 +1017,61 @@ def test_three_models_pools_runs_in_abba_order_over_calls(tmp_path):
     assert refused.returncode == 2 and "another trace (requests 32 there, 64 here)" in refused.stderr
 
 
+def _te_burst(round_, engine, wall, shape="4000:1024:96", tokens=1000, ttfts=(1.0, 3.0), **kw):
+    return {"round": round_, "engine": engine, "shape": shape, "wall_s": wall,
+            "output_tokens": tokens, "errors": 0, "first_errors": [], "preemptions": 1,
+            "ttfts": list(ttfts), "ttft_p50_s": ttfts[0], "ttft_p99_s": ttfts[-1], **kw}
+
+
+def _te_file(path, c, **settings):
+    load = {"engines": 2, "requests": None, "prompt": 256, "output": 512,
+            "shapes": [[4000, 1024, 96]], "contexts": None, "tail": [0, 0],
+            "enforce_eager": False, "model": "m", **settings}
+    path.write_text(json.dumps({"settings": load, "subproofs": {"c": c}}))
+    return str(path)
+
+
+def test_driver_b_pools_abba_runs_over_calls(tmp_path):
+    """Issue 33's protocol: static then elastic in one call, elastic then static in the next
+    (and single, the upper bound, in a third). The pool is over the (round, engine) bursts
+    both setups ran in full: a burst that timed out is named and left out; each pair of runs
+    and static's spread against itself are given; TTFTs pool over every request."""
+    s1 = {"bursts": [_te_burst(0, "A", 10.0), _te_burst(0, "B", 10.0)]}
+    e1 = {"bursts": [_te_burst(0, "A", 5.0, ttfts=(0.5, 1.0)), _te_burst(0, "B", 5.0)]}
+    e2 = {"bursts": [_te_burst(0, "A", 5.0), _te_burst(0, "B", 10.0)]}
+    s2 = {"bursts": [_te_burst(0, "A", 8.0),
+                     _te_burst(0, "B", 30.0, timed_out=3,
+                               first_errors=["burst timed out"])],
+          "cut_short": "only 12s left before burst 3"}
+    one = {"bursts": [_te_burst(0, "A", 4.0), _te_burst(0, "B", 4.0)]}
+    files = [_te_file(tmp_path / "1.json", {"static": s1, "elastic": e1}),
+             _te_file(tmp_path / "2.json", {"elastic": e2, "static": s2}),
+             _te_file(tmp_path / "3.json", {"single": one})]
+    done = subprocess.run([sys.executable, str(PROOF / "two_engines.py"), "--out",
+                           str(tmp_path / "p"), *[x for f in files for x in ("--pool", f)]],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    p = json.loads((tmp_path / "p" / "two_engines-pooled.json").read_text())["subproofs"]["pooled"]
+    assert p["runs"]["static"][1]["not_full"] == [2] and "cut_short" in p["runs"]["static"][1]
+    (w,) = p["workloads"]
+    assert w["workload"] == "4000:1024:96"
+    # static: 3 full bursts, 3,000 tokens in 28 s; elastic: 4 bursts, 4,000 in 25 s
+    assert w["static"]["bursts"] == 3 and w["static"]["tok_s"] == round(3000 / 28, 1)
+    assert w["elastic"]["tok_s"] == 160.0 and w["ratio"] == round(160.0 / round(3000 / 28, 1), 3)
+    assert w["single"]["tok_s"] == 250.0 and w["elastic_to_single"] == 0.64
+    # e1/s1 both bursts; e1/s2 and e2/s2 only A (s2's B timed out); e2/s1 both
+    assert [x["ratio"] for x in w["pairs"]] == [2.0, 1.6, 1.333, 1.6]
+    assert w["spread"]["static"] == [{"runs": [files[0], files[1]], "bursts": 1, "ratio": 0.8}]
+    assert w["elastic"]["ttft_p50_s"] == 1.0 and w["elastic"]["ttft_p99_s"] == 3.0
+    assert "elastic / static" in done.stdout
+    other = _te_file(tmp_path / "o.json", {"static": s1}, output=256)
+    refused = subprocess.run([sys.executable, str(PROOF / "two_engines.py"), "--out",
+                              str(tmp_path / "q"), "--pool", files[0], "--pool", other],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "another load (output 256 there, 512 before)" in refused.stderr
+
+
 def test_driver_b_counts_an_answer_cut_by_a_dead_engine_as_an_error():
     """H100, 2026-12-05: an engine died mid-burst (out of memory); vLLM ended each stream
     with an error chunk and [DONE], and the driver counted 96 short answers as 0 errors

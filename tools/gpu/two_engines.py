@@ -45,6 +45,11 @@ Before anything starts, the driver checks its plan: the memory (an estimate from
 are refused) and the time (every setup's start-ups, N x ``--rounds`` bursts, the stops): a
 budget too small for it is said in one line (exit 2), not run.
 
+Rounds over device calls (ABBA: ``--only static,elastic``, then ``--only elastic,static``;
+``--only single`` for the upper bound): ``--pool FILE`` for each run's two_engines.json
+pools them (nothing starts) into two_engines-pooled.json: per workload the ratio over every
+(round, engine) burst both setups ran in full, each pair of runs, each setup's spread.
+
 Files in $OUT: two_engines.json (rewritten after every burst), two_engines.log, and
 two_engines-logs.tgz (the servers' logs). The driver never touches CUDA; servers run in their
 own process groups and are killed when their time is up or the driver exits.
@@ -471,7 +476,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     burst[f"events_{k}"] = [
                         [round(t - t_burst, 2), kind, n] for t, kind, n in e.get("events") or ()
                         if t >= t_burst - 5]
-            ttfts = burst.pop("ttfts")
+            ttfts = burst["ttfts"] = [round(t, 3) for t in burst["ttfts"]]   # kept: --pool
             result.setdefault("all_ttfts", []).extend(ttfts)
             label = burst.get("shape") or burst.get("contexts")
             if label:       # each workload's own TTFT percentiles (per_workload)
@@ -546,6 +551,134 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
                         if row["static_tok_s"] and row["elastic_tok_s"] else None)
         rows.append(row)
     return rows
+
+
+# what makes two runs' bursts the same requests: the rest (budget, order, ports) may differ
+LOAD_SETTINGS = ("engines", "requests", "prompt", "output", "shapes", "contexts", "tail",
+                 "enforce_eager", "model")
+
+
+def full_burst(burst: dict) -> bool:
+    """A burst every request of which ended within it (none still running at its timeout)."""
+    return not burst.get("timed_out") and TIMED_OUT not in burst.get("first_errors", [])
+
+
+def pool(runs: list[tuple[str, dict]]) -> dict:
+    """Runs of the same load over several device calls (ABBA: ``--only static,elastic``,
+    then ``--only elastic,static``), each ``(label, its subproof c)``. A burst is keyed by
+    (round, engine): the same requests in every run (its seed is its round and engine). Per
+    workload (shape, contexts, or the one load), over the keys that static and elastic both
+    ran in full at least once: each setup's output tokens over the wall time of all its full
+    bursts there (pooled tok/s), elastic / static, elastic / single where single ran, TTFT
+    p50/p99 over every request of those bursts; each elastic run against each static run; each
+    setup's runs against each other (its spread); per run, its bursts not run in full."""
+    setups = ("static", "elastic", "single", "compacted")
+    per = {n: [(label, {(b["round"], b["engine"]): b for b in c[n]["bursts"] if full_burst(b)},
+                c[n]) for label, c in runs if isinstance(c.get(n), dict) and c[n].get("bursts")]
+           for n in setups}
+
+    def keys_of(name):
+        return set().union(*(set(f) for _, f, _ in per[name])) if per[name] else set()
+
+    def rate(bursts):
+        bursts = list(bursts)
+        wall = sum(b["wall_s"] for b in bursts)
+        return round(sum(b["output_tokens"] for b in bursts) / wall, 1) if wall else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    def label(b):
+        return b.get("shape") or b.get("contexts") or "all"
+
+    both = keys_of("static") & keys_of("elastic")
+    out = {"runs": {n: [{"run": lab, "full_bursts": len(f),
+                         "not_full": [i + 1 for i, b in enumerate(r["bursts"]) if not full_burst(b)],
+                         **({"cut_short": r["cut_short"]} if r.get("cut_short") else {})}
+                        for lab, f, r in per[n]] for n in setups if per[n]},
+           "workloads": []}
+    if not both:
+        out["why"] = "no burst that static and elastic both ran in full"
+        return out
+    workloads = sorted({label(b) for _, f, _ in per["static"] for k, b in f.items() if k in both},
+                       key=str)
+    for w in workloads:
+        row: dict = {"workload": w}
+        for n in setups:
+            keys = {k for k in both if any(k in f and label(f[k]) == w for _, f, _ in per[n])}
+            chosen = [f[k] for _, f, _ in per[n] for k in keys if k in f]
+            if not chosen:
+                continue
+            ttfts = [t for b in chosen for t in b.get("ttfts", [])]
+            row[n] = {"bursts": len(chosen), "tok_s": rate(chosen),
+                      "errors": sum(b["errors"] for b in chosen),
+                      "preemptions": sum(b.get("preemptions") or 0 for b in chosen),
+                      **(percentiles(ttfts) if ttfts and all("ttfts" in b for b in chosen)
+                         else {"ttft_p50_s": [b["ttft_p50_s"] for b in chosen],
+                               "ttft_p99_s": [b["ttft_p99_s"] for b in chosen]})}
+        row["ratio"] = ratio(row.get("elastic", {}).get("tok_s"), row["static"]["tok_s"])
+        if "single" in row:
+            row["elastic_to_single"] = ratio(row["elastic"]["tok_s"], row["single"]["tok_s"])
+        row["pairs"] = []
+        for le, fe, _ in per["elastic"]:
+            for ls, fs, _ in per["static"]:
+                common = [k for k in set(fe) & set(fs) if label(fs[k]) == w]
+                if common:
+                    row["pairs"].append({"elastic": le, "static": ls, "bursts": len(common),
+                                         "ratio": ratio(rate(fe[k] for k in common),
+                                                        rate(fs[k] for k in common))})
+        row["spread"] = {}
+        for n in ("static", "elastic"):
+            rows = []
+            for i, (la, fa, _) in enumerate(per[n]):
+                for lb, fb, _ in per[n][i + 1:]:
+                    common = [k for k in set(fa) & set(fb) & both if label(fa[k]) == w]
+                    if common:
+                        rows.append({"runs": [la, lb], "bursts": len(common),
+                                     "ratio": ratio(rate(fa[k] for k in common),
+                                                    rate(fb[k] for k in common))})
+            row["spread"][n] = rows
+        out["workloads"].append(row)
+    return out
+
+
+def pool_main(args) -> int:
+    """``--pool FILE ...``: summarize earlier runs (nothing starts)."""
+    runs, mine = [], None
+    for path in args.pool:
+        data = kit.read_json(Path(path))
+        c = (data or {}).get("subproofs", {}).get("c")
+        if not c:
+            print(f"two_engines: --pool {path}: not a two_engines.json with setups (no file, "
+                  f"or no 'subproofs.c' in it)", file=sys.stderr)
+            return 2
+        theirs = {k: (data.get("settings") or {}).get(k) for k in LOAD_SETTINGS}
+        mine = mine or theirs
+        if theirs != mine:
+            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} before" for k in LOAD_SETTINGS
+                             if theirs[k] != mine[k])
+            print(f"two_engines: --pool {path}: another load ({diff}): its bursts are not "
+                  f"the others'; pool runs of one load", file=sys.stderr)
+            return 2
+        runs.append((path, c))
+    out = kit.Out(Path(args.out), "two_engines-pooled")
+    out.results["settings"] = {"pool": args.pool, **mine}
+    summary = pool(runs)
+    out.record("pooled", **summary)
+    for row in summary["workloads"]:
+        out.log(f"{row['workload']}: elastic / static {row['ratio']} "
+                f"({row.get('elastic', {}).get('tok_s')} against {row['static']['tok_s']} "
+                f"tok/s, {row['static']['bursts']} static and "
+                f"{row.get('elastic', {}).get('bursts')} elastic bursts, errors "
+                f"{row['static']['errors']} / {row.get('elastic', {}).get('errors')}); pairs "
+                f"{[p['ratio'] for p in row['pairs']]}; static's spread "
+                f"{[x['ratio'] for x in row['spread']['static']]}"
+                + (f"; elastic / single {row['elastic_to_single']}" if "single" in row else ""))
+    if not summary["workloads"]:
+        out.log(f"nothing pooled: {summary.get('why')}")
+    out.results["summary_lines"] = [json.dumps(summary)]
+    out.finish()
+    return 0 if summary["workloads"] else 1
 
 
 def hit_rate(bursts: list[dict]) -> float | None:
@@ -686,6 +819,12 @@ def parse(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU stand-in servers (fake_server.py): checks the orchestration, "
                          "proves nothing (default: off)")
+    ap.add_argument("--pool", action="append", default=[], metavar="FILE",
+                    help="an earlier two_engines.json of the same load; repeatable: nothing "
+                         "runs, the runs are pooled (ABBA over device calls) into "
+                         "two_engines-pooled.json: per workload the ratio over every burst "
+                         "both setups ran in full, each pair of runs, each setup's spread "
+                         "(default: none)")
     return ap.parse_args(argv)
 
 
@@ -841,6 +980,8 @@ def gpu_known() -> tuple[float, float] | None:
 
 def main() -> int:
     args = parse()
+    if args.pool:
+        return pool_main(args)
     order = [n for n in args.only.split(",") if n]
     unknown = sorted(set(order) - {"static", "elastic", "compacted", "single"})
     if unknown:
