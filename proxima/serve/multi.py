@@ -47,6 +47,7 @@ BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 MAX_RESTARTS = 5            # restarts within RESTART_WINDOW_S before a model is given up
 RESTART_WINDOW_S = 600.0
 STOP_TIMEOUT_S = 30.0       # SIGTERM, then this long, then SIGKILL of the engine's group
+STOP_DRAIN_S = 6.0         # then this long for the engines' output to end (a relay waits 5 s)
 ENGINE_HOST = "127.0.0.1"
 
 
@@ -227,7 +228,13 @@ class Supervisor:
         for engine in self.engines:
             if engine.process is not None:
                 _signal_group(engine.process.pid, signal.SIGKILL)
-        for task in self._tasks:
+        # each supervising task ends its run: the engine's output read to its end, so asyncio
+        # closes the pipes while the loop still runs (cancelled at once, they were left to
+        # be closed at exit, after the loop: two tracebacks at every stop)
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=STOP_DRAIN_S)
+        for task in pending:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
