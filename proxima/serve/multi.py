@@ -308,25 +308,25 @@ def engine_command(spec: multi_config.ModelSpec, port: int, plan: multi_config.M
 VLLM_PORT_STRIDE = 100
 
 
-def engine_env(index: int, environ=os.environ) -> dict:
-    """Engine ``index``'s environment: the parent's, less its stats file, and where VLLM_PORT
-    is set, ``index`` strides above it."""
+def engine_env(index: int, count: int, environ=os.environ) -> dict:
+    """Engine ``index`` (of ``count``)'s environment: the parent's, less its stats file, and
+    where VLLM_PORT is set, ``index`` strides above it."""
     env = dict(environ)
     env.pop("PROXIMA_STATS_FILE", None)     # each engine writes its own (a temporary file)
     base = environ.get("VLLM_PORT")
     if not base:
         return env
+    highest = 65535 - VLLM_PORT_STRIDE * count
     try:
         first = int(base)
     except ValueError:
         raise UserError(f"VLLM_PORT must be a port number, got {base!r}: unset it (vLLM then "
-                        "asks the OS) or give one") from None
-    port = first + index * VLLM_PORT_STRIDE
-    if first < 1 or port + VLLM_PORT_STRIDE > 65535:
-        raise UserError(f"VLLM_PORT must leave {VLLM_PORT_STRIDE} ports to each model (1 up to "
-                        f"{65535 - VLLM_PORT_STRIDE * (index + 1)} for {index + 1} models), got "
-                        f"{base!r}: unset it or give a lower one")
-    env["VLLM_PORT"] = str(port)
+                        f"asks the OS) or give one from 1 to {highest}") from None
+    if not 1 <= first <= highest:
+        raise UserError(f"VLLM_PORT must leave {VLLM_PORT_STRIDE} ports to each of the "
+                        f"{count} models (from 1 to {highest}), got {base!r}: unset it or give "
+                        f"one in that range")
+    env["VLLM_PORT"] = str(first + index * VLLM_PORT_STRIDE)
     return env
 
 
@@ -367,7 +367,7 @@ def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Eng
         backend = Backend(name=spec.name, url=f"http://{ENGINE_HOST}:{engine_port}", path=spec.path,
                           sleep_after=spec.sleep_after)
         engines.append(Engine(backend=backend, command=engine_command(spec, engine_port, plan),
-                              env=engine_env(index)))
+                              env=engine_env(index, len(plan.models))))
     return plan, host, port, engines
 
 

@@ -174,7 +174,9 @@ def test_engines_started_side_by_side_do_not_pick_the_same_distributed_port(monk
     assert len(set(picked)) == 3, picked
 
 
-@pytest.mark.parametrize("value, says", [("abc", "got 'abc'"), ("65500", "got '65500'")])
+@pytest.mark.parametrize("value, says", [
+    ("abc", "got 'abc'"), ("65500", "each of the 2 models (from 1 to 65335), got '65500'"),
+    ("0", "got '0'")])
 def test_a_vllm_port_that_cannot_serve_every_model_is_refused_in_one_line(monkeypatch, value,
                                                                          says):
     monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
