@@ -221,3 +221,14 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def settings_diff(data: dict, keys, mine: dict | None, norm=lambda v: v,
+                  here: str = "here") -> tuple[dict, str]:
+    """An earlier run's ``keys`` (its ``settings``), and how they differ from ``mine``:
+    "KEY A there, B <here>", comma-separated; "" where they agree or ``mine`` is None."""
+    theirs = {k: norm((data.get("settings") or {}).get(k)) for k in keys}
+    if mine is None or theirs == mine:
+        return theirs, ""
+    return theirs, ", ".join(f"{k} {theirs[k]} there, {mine[k]} {here}" for k in keys
+                             if theirs[k] != mine[k])

@@ -760,11 +760,9 @@ def main() -> int:
             print(f"three_models: --with {path}: not a three_models.json with "
                   f"setups (no file, or no 'subproofs.setups' in it)", file=sys.stderr)
             return 2
-        theirs = {k: _plain((data.get("settings") or {}).get(k)) for k in same}
+        theirs, diff = kit.settings_diff(data, same, mine, _plain)
         mine = mine or theirs
-        if theirs != mine:
-            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} here" for k in same
-                             if theirs[k] != mine[k])
+        if diff:
             print(f"three_models: --with {path}: another trace ({diff}): its bursts are not "
                   f"these; give the same trace options, or run both setups anew", file=sys.stderr)
             return 2

@@ -652,11 +652,9 @@ def pool_main(args) -> int:
             print(f"two_engines: --pool {path}: not a two_engines.json with setups (no file, "
                   f"or no 'subproofs.c' in it)", file=sys.stderr)
             return 2
-        theirs = {k: (data.get("settings") or {}).get(k) for k in LOAD_SETTINGS}
+        theirs, diff = kit.settings_diff(data, LOAD_SETTINGS, mine, here="before")
         mine = mine or theirs
-        if theirs != mine:
-            diff = ", ".join(f"{k} {theirs[k]} there, {mine[k]} before" for k in LOAD_SETTINGS
-                             if theirs[k] != mine[k])
+        if diff:
             print(f"two_engines: --pool {path}: another load ({diff}): its bursts are not "
                   f"the others'; pool runs of one load", file=sys.stderr)
             return 2
