@@ -31,13 +31,13 @@ import collections
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
 from proxima.errors import UserError
 from proxima.serve import multi_config
+from proxima.serve.multi_config import ENGINE_HOST, engine_command, engine_env, free_port
 from proxima.serve.router import (FAILED, READY, RESTARTING, STARTING, STOPPED, Backend,
                                   Router)
 
@@ -48,7 +48,6 @@ MAX_RESTARTS = 5            # restarts within RESTART_WINDOW_S before a model is
 RESTART_WINDOW_S = 600.0
 STOP_TIMEOUT_S = 30.0       # SIGTERM, then this long, then SIGKILL of the engine's group
 STOP_DRAIN_S = 6.0         # then this long for the engines' output to end (a relay waits 5 s)
-ENGINE_HOST = "127.0.0.1"
 
 
 @dataclass
@@ -281,53 +280,6 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def free_port(host: str = ENGINE_HOST, avoid: set[int] = frozenset()) -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in avoid:
-            return port
-
-
-def engine_command(spec: multi_config.ModelSpec, port: int, plan: multi_config.MultiPlan) -> list[str]:
-    """The single-model ``proxima serve`` of one model: local, elastic, named."""
-    return [sys.executable, "-m", "proxima.cli", "serve", spec.path, "--host", ENGINE_HOST,
-            "--port", str(port), "--served-model-name", spec.name, "--elastic",
-            *(["--compaction"] if plan.compaction else []),
-            *(["--gpu-memory-bytes", str(plan.gpu_bytes)] if plan.gpu_bytes else []),
-            *plan.common, *spec.args, *spec.elastic_args()]
-
-
-# vLLM's workers meet on a torch.distributed port that vLLM takes as the first free one from
-# VLLM_PORT up (or, unset, one the OS picks). Engines started side by side all look before any
-# binds: on the H100 two of them both took VLLM_PORT=20000 and one failed (EADDRINUSE). Each
-# engine searches from its own base instead.
-VLLM_PORT_STRIDE = 100
-
-
-def engine_env(index: int, count: int, environ=os.environ) -> dict:
-    """Engine ``index`` (of ``count``)'s environment: the parent's, less its stats file, and
-    where VLLM_PORT is set, ``index`` strides above it."""
-    env = dict(environ)
-    env.pop("PROXIMA_STATS_FILE", None)     # each engine writes its own (a temporary file)
-    base = environ.get("VLLM_PORT")
-    if not base:
-        return env
-    highest = 65535 - VLLM_PORT_STRIDE * count
-    try:
-        first = int(base)
-    except ValueError:
-        raise UserError(f"VLLM_PORT must be a port number, got {base!r}: unset it (vLLM then "
-                        f"asks the OS) or give one from 1 to {highest}") from None
-    if not 1 <= first <= highest:
-        raise UserError(f"VLLM_PORT must leave {VLLM_PORT_STRIDE} ports to each of the "
-                        f"{count} models (from 1 to {highest}), got {base!r}: unset it or give "
-                        f"one in that range")
-    env["VLLM_PORT"] = str(first + index * VLLM_PORT_STRIDE)
-    return env
 
 
 # -- the command ------------------------------------------------------------------------------

@@ -33,15 +33,20 @@ Models file (``--models FILE``; TOML, or JSON when the name ends in ``.json``)::
                                           # the idle release, at most this)
     port = 8101                           # the engine's local port (optional)
 
-Every check raises :class:`~proxima.errors.UserError` with one line.
+Every check raises :class:`~proxima.errors.UserError` with one line. Last, what each engine
+is started with: its command (:func:`engine_command`), its environment (:func:`engine_env`)
+and a free local port.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import shlex
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -471,3 +476,54 @@ def check_plan(plan: MultiPlan, check_model=None) -> None:
             raise UserError(f"models {ports[spec.port]!r} and {spec.name!r} are both given port "
                             f"{spec.port}: every engine needs its own port (or none: one is picked)")
         ports[spec.port] = spec.name
+
+
+# -- what each engine is started with -------------------------------------------------------
+ENGINE_HOST = "127.0.0.1"
+
+
+def free_port(host: str = ENGINE_HOST, avoid: set[int] = frozenset()) -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def engine_command(spec: ModelSpec, port: int, plan: MultiPlan) -> list[str]:
+    """The single-model ``proxima serve`` of one model: local, elastic, named."""
+    return [sys.executable, "-m", "proxima.cli", "serve", spec.path, "--host", ENGINE_HOST,
+            "--port", str(port), "--served-model-name", spec.name, "--elastic",
+            *(["--compaction"] if plan.compaction else []),
+            *(["--gpu-memory-bytes", str(plan.gpu_bytes)] if plan.gpu_bytes else []),
+            *plan.common, *spec.args, *spec.elastic_args()]
+
+
+# vLLM's workers meet on a torch.distributed port that vLLM takes as the first free one from
+# VLLM_PORT up (or, unset, one the OS picks). Engines started side by side all look before any
+# binds: on the H100 two of them both took VLLM_PORT=20000 and one failed (EADDRINUSE). Each
+# engine searches from its own base instead.
+VLLM_PORT_STRIDE = 100
+
+
+def engine_env(index: int, count: int, environ=os.environ) -> dict:
+    """Engine ``index`` (of ``count``)'s environment: the parent's, less its stats file, and
+    where VLLM_PORT is set, ``index`` strides above it."""
+    env = dict(environ)
+    env.pop("PROXIMA_STATS_FILE", None)     # each engine writes its own (a temporary file)
+    base = environ.get("VLLM_PORT")
+    if not base:
+        return env
+    highest = 65535 - VLLM_PORT_STRIDE * count
+    try:
+        first = int(base)
+    except ValueError:
+        raise UserError(f"VLLM_PORT must be a port number, got {base!r}: unset it (vLLM then "
+                        f"asks the OS) or give one from 1 to {highest}") from None
+    if not 1 <= first <= highest:
+        raise UserError(f"VLLM_PORT must leave {VLLM_PORT_STRIDE} ports to each of the "
+                        f"{count} models (from 1 to {highest}), got {base!r}: unset it or give "
+                        f"one in that range")
+    env["VLLM_PORT"] = str(first + index * VLLM_PORT_STRIDE)
+    return env

@@ -39,7 +39,7 @@ def test_the_command_line_gives_each_model_its_own_options_and_the_rest_to_all()
     assert (small.args, small.kv_min, small.port) == ([], "1GiB", None)
     assert (plan.host, plan.port, plan.compaction, plan.common) == \
         ("127.0.0.1", 9000, True, ["--enforce-eager"])
-    command = multi.engine_command(chat, 9101, plan)
+    command = multi_config.engine_command(chat, 9101, plan)
     assert command[2:] == ["proxima.cli", "serve", TINY, "--host", "127.0.0.1", "--port", "9101",
                            "--served-model-name", "chat", "--elastic", "--compaction",
                            "--enforce-eager", "--max-model-len", "4096", "--kv-max", "8GiB"]
