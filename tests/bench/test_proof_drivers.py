@@ -1064,6 +1064,15 @@ def test_driver_b_pools_abba_runs_over_calls(tmp_path):
     assert w["spread"]["static"] == [{"runs": [files[0], files[1]], "bursts": 1, "ratio": 0.8}]
     assert w["elastic"]["ttft_p50_s"] == 1.0 and w["elastic"]["ttft_p99_s"] == 3.0
     assert "elastic / static" in done.stdout
+    # s24 call 2: B's engine died mid-burst and the driver of the day counted its 96 cut
+    # answers (185 tokens of 98,304) as no error: short of its tokens, a burst is not full
+    sys.path.insert(0, str(PROOF))
+    import two_engines
+
+    assert not two_engines.full_burst(_te_burst(0, "B", 40.0, tokens=185, requests=96))
+    assert two_engines.full_burst(_te_burst(0, "B", 40.0, tokens=96 * 1024, requests=96))
+    assert not two_engines.full_burst({**_te_burst(0, "A", 9.0, tokens=99, requests=1),
+                                       "shape": None}, output=100)
     other = _te_file(tmp_path / "o.json", {"static": s1}, output=256)
     refused = subprocess.run([sys.executable, str(PROOF / "two_engines.py"), "--out",
                               str(tmp_path / "q"), "--pool", files[0], "--pool", other],

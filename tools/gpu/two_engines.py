@@ -558,12 +558,19 @@ LOAD_SETTINGS = ("engines", "requests", "prompt", "output", "shapes", "contexts"
                  "enforce_eager", "model")
 
 
-def full_burst(burst: dict) -> bool:
-    """A burst every request of which ended within it (none still running at its timeout)."""
-    return not burst.get("timed_out") and TIMED_OUT not in burst.get("first_errors", [])
+def full_burst(burst: dict, output: int | None = None) -> bool:
+    """A burst every request of which ended within it (none still running at its timeout)
+    with all its ``output`` tokens (ignore_eos: fewer is an answer cut short, which a driver
+    before 2026-12-05 counted as no error when an engine died mid-burst)."""
+    if burst.get("shape"):
+        output = int(str(burst["shape"]).split(":")[1])
+    short = output is not None and burst.get("requests") and (
+        burst["output_tokens"] < burst["requests"] * output)
+    return (not short and not burst.get("timed_out")
+            and TIMED_OUT not in burst.get("first_errors", []))
 
 
-def pool(runs: list[tuple[str, dict]]) -> dict:
+def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
     """Runs of the same load over several device calls (ABBA: ``--only static,elastic``,
     then ``--only elastic,static``), each ``(label, its subproof c)``. A burst is keyed by
     (round, engine): the same requests in every run (its seed is its round and engine). Per
@@ -571,9 +578,11 @@ def pool(runs: list[tuple[str, dict]]) -> dict:
     ran in full at least once: each setup's output tokens over the wall time of all its full
     bursts there (pooled tok/s), elastic / static, elastic / single where single ran, TTFT
     p50/p99 over every request of those bursts; each elastic run against each static run; each
-    setup's runs against each other (its spread); per run, its bursts not run in full."""
+    setup's runs against each other (its spread); per run, its bursts not run in full (one
+    still running at its timeout, or with fewer than ``output`` tokens an answer)."""
     setups = ("static", "elastic", "single", "compacted")
-    per = {n: [(label, {(b["round"], b["engine"]): b for b in c[n]["bursts"] if full_burst(b)},
+    per = {n: [(label, {(b["round"], b["engine"]): b for b in c[n]["bursts"]
+                        if full_burst(b, output)},
                 c[n]) for label, c in runs if isinstance(c.get(n), dict) and c[n].get("bursts")]
            for n in setups}
 
@@ -593,7 +602,8 @@ def pool(runs: list[tuple[str, dict]]) -> dict:
 
     both = keys_of("static") & keys_of("elastic")
     out = {"runs": {n: [{"run": lab, "full_bursts": len(f),
-                         "not_full": [i + 1 for i, b in enumerate(r["bursts"]) if not full_burst(b)],
+                         "not_full": [i + 1 for i, b in enumerate(r["bursts"])
+                                      if not full_burst(b, output)],
                          **({"cut_short": r["cut_short"]} if r.get("cut_short") else {})}
                         for lab, f, r in per[n]] for n in setups if per[n]},
            "workloads": []}
@@ -661,7 +671,7 @@ def pool_main(args) -> int:
         runs.append((path, c))
     out = kit.Out(Path(args.out), "two_engines-pooled")
     out.results["settings"] = {"pool": args.pool, **mine}
-    summary = pool(runs)
+    summary = pool(runs, mine.get("output"))
     out.record("pooled", **summary)
     for row in summary["workloads"]:
         out.log(f"{row['workload']}: elastic / static {row['ratio']} "
