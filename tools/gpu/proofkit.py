@@ -232,3 +232,33 @@ def settings_diff(data: dict, keys, mine: dict | None, norm=lambda v: v,
         return theirs, ""
     return theirs, ", ".join(f"{k} {theirs[k]} there, {mine[k]} {here}" for k in keys
                              if theirs[k] != mine[k])
+
+
+def run_pairs(a: tuple[str, list], b: tuple[str, list], rate,
+              keep=lambda key, burst: True) -> list[dict]:
+    """Each run of one setup against each run of another, on the bursts both ran in full:
+    ``a`` and ``b`` are (setup name, [(run label, {burst key: burst})]); ``rate`` gives the
+    output tok/s of bursts; ``keep`` picks the keys (a workload's). The ratio a / b."""
+    (name_a, runs_a), (name_b, runs_b) = a, b
+    rows = []
+    for label_a, full_a in runs_a:
+        for label_b, full_b in runs_b:
+            common = sorted(k for k in set(full_a) & set(full_b) if keep(k, full_b[k]))
+            if common:
+                rows.append({name_a: label_a, name_b: label_b, "bursts": len(common),
+                             "ratio": round(rate(full_a[k] for k in common)
+                                            / rate(full_b[k] for k in common), 3)})
+    return rows
+
+
+def run_spread(runs: list, rate, keep=lambda key, burst: True) -> list[dict]:
+    """A setup's runs against each other (its spread), as :func:`run_pairs` does."""
+    rows = []
+    for i, (label_a, full_a) in enumerate(runs):
+        for label_b, full_b in runs[i + 1:]:
+            common = sorted(k for k in set(full_a) & set(full_b) if keep(k, full_b[k]))
+            if common:
+                rows.append({"runs": [label_a, label_b], "bursts": len(common),
+                             "ratio": round(rate(full_a[k] for k in common)
+                                            / rate(full_b[k] for k in common), 3)})
+    return rows

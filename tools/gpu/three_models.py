@@ -64,7 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proofkit as kit  # noqa: E402
-from two_engines import TIMED_OUT, healthy, percentiles, run_burst  # noqa: E402
+from two_engines import TIMED_OUT, healthy, percentiles, run_burst, ttft_figures  # noqa: E402
 
 GPU = Path(__file__).resolve().parent
 MODELS = {"big": GPU / "dummy-llama", "mid": GPU / "dummy-llama-3b",
@@ -604,12 +604,8 @@ def matched(p: dict, k: dict) -> dict:
         row = {"bursts": len(mine),
                "ratio": round(rate([a for a, _ in mine]) / rate([b for _, b in mine]), 3)}
         for side, j in (("proxima", 0), ("stock", 1)):
-            ttfts = [t for pair in mine for t in pair[j]["models"][n].get("ttfts", [])]
-            if ttfts:
-                row.update({f"{side}_{k}": v for k, v in percentiles(ttfts).items()})
-            else:       # rows from before the TTFTs were kept: each burst's own percentiles
-                row[f"{side}_ttft_p50_s"] = [pair[j]["models"][n]["ttft_p50_s"] for pair in mine]
-                row[f"{side}_ttft_p99_s"] = [pair[j]["models"][n]["ttft_p99_s"] for pair in mine]
+            row.update({f"{side}_{k}": v for k, v in
+                        ttft_figures([pair[j]["models"][n] for pair in mine]).items()})
         out["busy"][n] = row
     return out
 
@@ -647,25 +643,11 @@ def pooled(runs: dict) -> dict:
     out["ratio"] = round(out["tok_s"]["proxima"] / out["tok_s"]["stock"], 3)
     out["errors"] = {s: sum(m["errors"] for b in chosen[s] for m in b["models"].values())
                      for s in SETUPS}
-    out["pairs"] = []
-    for lp, fp, _ in per["proxima"]:
-        for ls, fs, _ in per["stock"]:
-            common = sorted(set(fp) & set(fs))
-            if common:
-                out["pairs"].append({"proxima": lp, "stock": ls, "bursts": len(common),
-                                     "ratio": round(rate(fp[k] for k in common)
-                                                    / rate(fs[k] for k in common), 3)})
-    out["spread"] = {}
-    for s in SETUPS:
-        rows = []
-        for i, (la, fa, _) in enumerate(per[s]):
-            for lb, fb, _ in per[s][i + 1:]:
-                common = sorted(set(fa) & set(fb) & set(keys))
-                if common:
-                    rows.append({"runs": [la, lb], "bursts": len(common),
-                                 "ratio": round(rate(fa[k] for k in common)
-                                                / rate(fb[k] for k in common), 3)})
-        out["spread"][s] = rows
+    runs_of = {s: [(label, f) for label, f, _ in per[s]] for s in SETUPS}
+    out["pairs"] = kit.run_pairs(("proxima", runs_of["proxima"]), ("stock", runs_of["stock"]),
+                                 rate)
+    out["spread"] = {s: kit.run_spread(runs_of[s], rate, lambda k, b: k in keys)
+                     for s in SETUPS}
     out["busy"] = {}
     for n in MODELS:
         mine = {s: [b for b in chosen[s] if b["busy"] == n] for s in SETUPS}
@@ -674,12 +656,8 @@ def pooled(runs: dict) -> dict:
         row = {"bursts": {s: len(mine[s]) for s in SETUPS},
                "ratio": round(rate(mine["proxima"]) / rate(mine["stock"]), 3)}
         for s in SETUPS:
-            if all(b["models"][n].get("ttfts") for b in mine[s]):
-                ttfts = [t for b in mine[s] for t in b["models"][n]["ttfts"]]
-                row.update({f"{s}_{k}": v for k, v in percentiles(ttfts).items()})
-            else:       # a run from before the TTFTs were kept: each burst's own percentiles
-                row[f"{s}_ttft_p50_s"] = [b["models"][n]["ttft_p50_s"] for b in mine[s]]
-                row[f"{s}_ttft_p99_s"] = [b["models"][n]["ttft_p99_s"] for b in mine[s]]
+            row.update({f"{s}_{k}": v for k, v in
+                        ttft_figures([b["models"][n] for b in mine[s]]).items()})
         out["busy"][n] = row
     return out
 

@@ -530,6 +530,16 @@ def percentiles(values: list[float]) -> dict:
             "ttft_p99_s": round(v[min(len(v) - 1, int(0.99 * len(v)))], 3) if v else None}
 
 
+def ttft_figures(rows: list[dict]) -> dict:
+    """TTFT p50/p99 over every request of ``rows`` (bursts, or one model's part of each)
+    where every row kept its TTFTs; else each row's own percentiles, as lists (rows written
+    before the TTFTs were kept)."""
+    if rows and all("ttfts" in r for r in rows):
+        return percentiles([t for r in rows for t in r["ttfts"]])
+    return {"ttft_p50_s": [r["ttft_p50_s"] for r in rows],
+            "ttft_p99_s": [r["ttft_p99_s"] for r in rows]}
+
+
 def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> list[dict]:
     """Each ``--contexts`` or ``--shapes`` workload's figures (``key``), static against
     elastic: output tokens over the summed wall time of its bursts, TTFT p50/p99,
@@ -619,35 +629,20 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
             chosen = [f[k] for _, f, _ in per[n] for k in keys if k in f]
             if not chosen:
                 continue
-            ttfts = [t for b in chosen for t in b.get("ttfts", [])]
             row[n] = {"bursts": len(chosen), "tok_s": rate(chosen),
                       "errors": sum(b["errors"] for b in chosen),
                       "preemptions": sum(b.get("preemptions") or 0 for b in chosen),
-                      **(percentiles(ttfts) if ttfts and all("ttfts" in b for b in chosen)
-                         else {"ttft_p50_s": [b["ttft_p50_s"] for b in chosen],
-                               "ttft_p99_s": [b["ttft_p99_s"] for b in chosen]})}
+                      **ttft_figures(chosen)}
         row["ratio"] = ratio(row.get("elastic", {}).get("tok_s"), row["static"]["tok_s"])
         if "single" in row:
             row["elastic_to_single"] = ratio(row["elastic"]["tok_s"], row["single"]["tok_s"])
-        row["pairs"] = []
-        for le, fe, _ in per["elastic"]:
-            for ls, fs, _ in per["static"]:
-                common = [k for k in set(fe) & set(fs) if label(fs[k]) == w]
-                if common:
-                    row["pairs"].append({"elastic": le, "static": ls, "bursts": len(common),
-                                         "ratio": ratio(rate(fe[k] for k in common),
-                                                        rate(fs[k] for k in common))})
-        row["spread"] = {}
-        for n in ("static", "elastic"):
-            rows = []
-            for i, (la, fa, _) in enumerate(per[n]):
-                for lb, fb, _ in per[n][i + 1:]:
-                    common = [k for k in set(fa) & set(fb) & both if label(fa[k]) == w]
-                    if common:
-                        rows.append({"runs": [la, lb], "bursts": len(common),
-                                     "ratio": ratio(rate(fa[k] for k in common),
-                                                    rate(fb[k] for k in common))})
-            row["spread"][n] = rows
+        runs_of = {n: [(lab, f) for lab, f, _ in per[n]] for n in ("static", "elastic")}
+        row["pairs"] = kit.run_pairs(("elastic", runs_of["elastic"]),
+                                     ("static", runs_of["static"]), rate,
+                                     lambda k, b: label(b) == w)
+        row["spread"] = {n: kit.run_spread(runs_of[n], rate,
+                                           lambda k, b: k in both and label(b) == w)
+                         for n in ("static", "elastic")}
         out["workloads"].append(row)
     return out
 
