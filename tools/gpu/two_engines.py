@@ -626,7 +626,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
         row: dict = {"workload": w}
         for n in setups:
             keys = {k for k in both if any(k in f and label(f[k]) == w for _, f, _ in per[n])}
-            chosen = [f[k] for _, f, _ in per[n] for k in keys if k in f]
+            chosen = [f[k] for _, f, _ in per[n] for k in sorted(keys) if k in f]
             if not chosen:
                 continue
             row[n] = {"bursts": len(chosen), "tok_s": rate(chosen),
