@@ -821,6 +821,33 @@ def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp
     assert all(t >= -5 for b in bursts for k in "AB" for t, _, _ in b[f"events_{k}"])
 
 
+def test_driver_b_user_path_max_gib_caps_each_engine_and_does_not_pool_with_uncapped(
+        tmp_path, monkeypatch):
+    """--user-path --max-gib G: each `proxima serve --elastic` gets --kv-max G GiB (a capped
+    engine, to tell elastic mode's own cost from what more memory does to a load); without
+    --max-gib no cap is given. A capped run is another load to --pool."""
+    from proxima.config import parse_size
+
+    te = _two_engines(monkeypatch)
+    capped = te.parse(["--user-path", "--max-gib", "17", "--requests", "8"])
+    assert te.resolve(capped, ["static", "elastic"])[0] is None
+    cmd = te.server_cmd(8300, False, capped, tmp_path / ".e.json")
+    assert parse_size(cmd[cmd.index("--kv-max") + 1]) == 17 * 2**30
+    free = te.parse(["--user-path", "--requests", "8"])
+    assert te.resolve(free, ["static", "elastic"])[0] is None
+    assert "--kv-max" not in te.server_cmd(8300, False, free, tmp_path / ".e.json")
+    runs = []
+    for name, cap in (("free", []), ("capped", ["--max-gib", "17"])):
+        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
+                   "--user-path", "--dry-run", *cap)
+        assert done.returncode in (0, 1), done.stderr
+        runs.append(tmp_path / name / "two_engines.json")
+    done = run("two_engines.py", tmp_path / "pool", "--pool", str(runs[0]), "--pool",
+               str(runs[1]))
+    assert done.returncode != 0
+    assert "user_kv_max_gib 17.0 there, None before" in done.stdout + done.stderr
+
+
 def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path, monkeypatch):
     """--only ...,single: the upper bound of any sharing (issue 33), ONE stock server at
     --single-util with every engine's bursts sent to it in turn; the summary gives elastic's

@@ -124,8 +124,10 @@ def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = F
             cmd += ["--kv-cache-memory-bytes", str(int(args.static_kv_gib * GiB))]
         return cmd
     if args.user_path:    # as the docs tell a user: `proxima serve MODEL --elastic`, no sizing
+        cap = getattr(args, "user_kv_max_gib", None)   # --max-gib given: a capped engine
         return [sys.executable, "-m", "proxima.cli", "serve", args.model] + cmd[5:] + [
-            "--elastic", "--elastic-options", f"stats_file={stats_file}"]
+            "--elastic", "--elastic-options", f"stats_file={stats_file}"] + (
+                ["--kv-max", f"{int(cap * GiB)}"] if cap else [])
     options = {"policy": "auto", "min_bytes": MIN_GIB * GiB, "max_bytes": int(args.max_gib * GiB),
                "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
                "stats_file": str(stats_file)}
@@ -565,7 +567,7 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
 
 # what makes two runs' bursts the same requests: the rest (budget, order, ports) may differ
 LOAD_SETTINGS = ("engines", "requests", "prompt", "output", "shapes", "contexts", "tail",
-                 "enforce_eager", "model")
+                 "enforce_eager", "model", "user_kv_max_gib")
 
 
 def full_burst(burst: dict, output: int | None = None) -> bool:
@@ -759,7 +761,9 @@ def parse(argv=None):
                          "more than half of an H200's 139.8 GiB; for more engines what the GPU "
                          "holds for the busy one with every other at its 2 GiB minimum: "
                          "--gpu-gib - N x --engine-gib - (N-1) x 2 - 4 GiB of slack, e.g. 57 "
-                         "for four)")
+                         "for four; with --user-path: not given, each engine sizes itself; "
+                         "given, serve's --kv-max caps each, e.g. at a static share to tell "
+                         "elastic mode's own cost from what more memory does to a load)")
     ap.add_argument("--delay", type=float, default=2.0,
                     help="elastic release delay, s (default: %(default)s)")
     ap.add_argument("--granule-mib", type=int, default=32,
@@ -813,9 +817,9 @@ def parse(argv=None):
                     help="the elastic servers as the docs tell a user to start them: `proxima "
                          "serve MODEL --elastic` (gunicorn, self-check, mp executor), with no "
                          "sizing flag (it sizes itself from the GPU and the per-GPU ledger) and "
-                         "the product's release delay; --max-gib, --delay and --granule-mib "
-                         "then do not apply (default: off: vLLM's api_server with Proxima's "
-                         "connector and those options)")
+                         "the product's release delay; --delay and --granule-mib then do not "
+                         "apply, --max-gib only where given (default: off: vLLM's api_server "
+                         "with Proxima's connector and those options)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -890,6 +894,7 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     if args.static_kv_gib < 0:
         return f"--static-kv-gib wants 0 (profile) or more GiB, got {args.static_kv_gib}", notes
     base = args.engine_gib
+    args.user_kv_max_gib = args.max_gib if args.user_path else None
     if args.max_gib is None:
         args.max_gib = 72.0 if n == 2 else float(math.floor(
             args.gpu_gib - n * base - (n - 1) * MIN_GIB - 4))
@@ -926,8 +931,10 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                         else ", KV profiled") + f", all {n} engines' bursts sent to it")
     if args.user_path and any(x in order for x in ("elastic", "compacted")):
         notes.append("elastic: `proxima serve MODEL --elastic`, no sizing flag: each engine "
-                     "sizes itself (its 'elastic sizing:' log line); --max-gib, --delay and "
-                     "--granule-mib do not apply")
+                     "sizes itself (its 'elastic sizing:' log line); --delay and "
+                     "--granule-mib do not apply" + (
+                         f"; --max-gib {args.user_kv_max_gib:g} caps each (serve's --kv-max)"
+                         if args.user_kv_max_gib else ", nor --max-gib (not given)"))
     elif any(x in order for x in ("elastic", "compacted")):
         peak = n * base + (n - 1) * MIN_GIB + args.max_gib
         notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
