@@ -1079,6 +1079,9 @@ def test_driver_b_pools_abba_runs_over_calls(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     p = json.loads((tmp_path / "p" / "two_engines-pooled.json").read_text())["subproofs"]["pooled"]
+    # nothing ran, so no children's logs: the summary and its log, not an empty .tgz
+    assert sorted(x.name for x in (tmp_path / "p").iterdir()) == [
+        "two_engines-pooled.json", "two_engines-pooled.log"]
     assert p["runs"]["static"][1]["not_full"] == [2] and "cut_short" in p["runs"]["static"][1]
     (w,) = p["workloads"]
     assert w["workload"] == "4000:1024:96"

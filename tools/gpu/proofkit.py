@@ -146,10 +146,12 @@ class Out:
         return self.logs / f"{name}.log"
 
     def finish(self) -> None:
-        with tarfile.open(self.tgz, "w:gz") as tar:
-            for path in sorted(self.logs.glob("*")):
-                tar.add(path, arcname=f"{self.logs.name}/{path.name}")
-        for path in self.logs.glob("*"):
+        children = sorted(self.logs.glob("*"))
+        if children:     # no children (a --pool summary): no empty .tgz
+            with tarfile.open(self.tgz, "w:gz") as tar:
+                for path in children:
+                    tar.add(path, arcname=f"{self.logs.name}/{path.name}")
+        for path in children:
             path.unlink()
         self.logs.rmdir()
         self.results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
