@@ -435,6 +435,16 @@ def test_driver_b_reports_each_setups_prefix_hits_on_a_reuse_workload(tmp_path):
             # the stand-in caches everything: the second and third visits hit the context
             assert burst["prefix_cache_queries"] == sum(len(p) for p, _ in reqs)
             assert burst["prefix_cache_hits"] == 4 * 2 * 64
+            # the work each burst made its engine do, from the engine's own counters (the
+            # stand-in: one step a request): prompt tokens computed, generated, mean step
+            work = burst["work"]
+            assert work["prompt_tokens_computed"] == sum(len(p) for p, _ in reqs)
+            assert work["generated_tokens"] == 12 * 8 and work["steps"] == 12
+            assert work["step_tokens"] == work["prompt_tokens_computed"] + 12 * 8
+            assert work["ms_per_step"] == round(1000 * burst["wall_s"] / 12, 2)
+        assert c[setup]["work"]["steps"] == 12 * len(c[setup]["bursts"])
+        assert c[setup]["work"]["prompt_tokens_computed"] == sum(
+            b["work"]["prompt_tokens_computed"] for b in c[setup]["bursts"])
         assert c[setup]["prefix_hit_rate"] == round(
             2 * 512 / sum(b["prefix_cache_queries"] for b in c[setup]["bursts"]), 4)
     assert c["summary"]["prefix_hit_rate"] == [c["static"]["prefix_hit_rate"],

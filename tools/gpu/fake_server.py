@@ -47,6 +47,8 @@ def main() -> int:
     last_end = [time.monotonic()]
     cached: set = set()                 # prefixes seen, whole blocks (a cache that never evicts)
     cache = {"queries": 0, "hits": 0}
+    work = {"iteration_tokens_total_count": 0, "iteration_tokens_total_sum": 0,
+            "prompt_tokens_total": 0, "generation_tokens_total": 0}
 
     def write_stats() -> None:          # under the lock; atomic, the driver samples it
         if not args.stats_file:
@@ -93,7 +95,9 @@ def main() -> int:
             elif self.path == "/metrics":
                 self._send(200, (f"vllm:num_preemptions_total{{engine=\"0\"}} {served[0]}.0\n"
                                  f"vllm:prefix_cache_queries_total {cache['queries']}.0\n"
-                                 f"vllm:prefix_cache_hits_total {cache['hits']}.0\n")
+                                 f"vllm:prefix_cache_hits_total {cache['hits']}.0\n"
+                                 + "".join(f"vllm:{k}{{engine=\"0\"}} {v}.0\n"
+                                           for k, v in work.items()))
                            .encode(), "text/plain")
             elif self.path == "/v1/models":
                 self._send(200, json.dumps({"object": "list", "data": [
@@ -123,6 +127,11 @@ def main() -> int:
                     hit += 1
                 cached.update(keys)
                 cache["queries"] += len(prompt)
+                # the work counters as vLLM's: here one step a request, prompt and output
+                work["iteration_tokens_total_count"] += 1
+                work["iteration_tokens_total_sum"] += len(prompt) + n
+                work["prompt_tokens_total"] += len(prompt)
+                work["generation_tokens_total"] += n
                 cache["hits"] += hit * BLOCK
                 want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
                 if want > state["mapped_bytes"]:

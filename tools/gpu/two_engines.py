@@ -23,7 +23,10 @@ times). Run twice, on the same schedule:
   request).
 
 Per setup: aggregate output tokens/s over the schedule, per-burst time and tokens/s,
-preemptions (vLLM's counter, from /metrics), TTFT p50/p99, errors; for elastic also each
+preemptions (vLLM's counter, from /metrics), TTFT p50/p99, errors, the work each burst made
+its engine do (``work``, vLLM's own counters on both sides: steps that reported, their mean
+length in ms of the burst's wall time and in tokens, prompt tokens computed, a preempted
+request's again, and tokens generated); for elastic also each
 engine's mapped bytes at the end of every burst (``mapped_<X>_bytes``), sampled every 0.5 s
 during it (``mapped_during``: the idle engines' memory), and the grow/shrink counters (the
 connector's stats file). PASS: elastic >= 1.3x static's aggregate throughput, zero errors;
@@ -84,6 +87,25 @@ MIN_GIB = 2                     # each elastic engine's minimum
 # vLLM's counters read around each burst: preemptions, prefix-cache tokens looked up, found
 BURST_METRICS = ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total")
+# ... and the work it did, the same on both sides (stock's own counters): engine steps,
+# tokens over them, prompt tokens computed (a preempted request's again) and tokens generated
+WORK_METRICS = {"steps": "vllm:iteration_tokens_total_count",
+                "step_tokens": "vllm:iteration_tokens_total_sum",
+                "prompt_tokens_computed": "vllm:prompt_tokens_total",
+                "generated_tokens": "vllm:generation_tokens_total"}
+
+
+def burst_work(before: list, after: list, wall_s: float) -> dict:
+    """What a burst made its engine do, from :data:`WORK_METRICS` read before and after
+    it: each counter's growth, and the mean step (ms of the burst's wall time a step, tokens
+    a step). Empty where the server did not give them."""
+    if None in before or None in after:
+        return {}
+    work = {k: int(a - b) for k, a, b in zip(WORK_METRICS, after, before)}
+    if work["steps"] > 0:
+        work["ms_per_step"] = round(1000 * wall_s / work["steps"], 2)
+        work["tokens_per_step"] = round(work["step_tokens"] / work["steps"], 1)
+    return work
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
 # side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
 GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
@@ -443,6 +465,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 break
             port = target[key]
             before = metrics(port, BURST_METRICS)
+            work_before = metrics(port, WORK_METRICS.values())
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
             prompt, output, n = shape or (args.prompt, args.output, args.requests or 0)
@@ -458,6 +481,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             burst = asyncio.run(run_burst(port, args.model, requests, left))
             burst["mapped_during"] = sampler.stop()
             after = metrics(port, BURST_METRICS)
+            burst["work"] = burst_work(work_before, metrics(port, WORK_METRICS.values()),
+                                       burst["wall_s"])
             burst.update(engine=key, round=r, preemptions=None if None in (before[0], after[0])
                          else after[0] - before[0])
             if spec:
@@ -486,7 +511,11 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             result["bursts"].append(burst)
             out.log(f"  {name}: burst {i + 1} done: {burst['wall_s']}s, "
                     f"{burst['output_tokens_per_s']} tok/s, errors {burst['errors']}, "
-                    f"preemptions {burst['preemptions']}")
+                    f"preemptions {burst['preemptions']}" + (
+                        f", {burst['work']['steps']} steps of {burst['work']['ms_per_step']} "
+                        f"ms and {burst['work']['tokens_per_step']} tokens, prompt tokens "
+                        f"computed {burst['work']['prompt_tokens_computed']}"
+                        if burst["work"].get("steps") else ""))
             out.record("c", **{name: {k: v for k, v in result.items() if k != "all_ttfts"}})
         wall = time.perf_counter() - t_all
         if tails:       # they count for errors, not for the schedule's throughput
@@ -505,6 +534,11 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             errors=sum(b["errors"] for b in result["bursts"]),
             preemptions=sum(b["preemptions"] or 0 for b in result["bursts"]),
             prefix_hit_rate=hit_rate(result["bursts"]), **percentiles(ttft))
+        if result["bursts"] and all(b["work"].get("steps") for b in result["bursts"]):
+            work = {k: sum(b["work"][k] for b in result["bursts"]) for k in WORK_METRICS}
+            busy = sum(b["wall_s"] for b in result["bursts"])
+            result["work"] = dict(work, ms_per_step=round(1000 * busy / work["steps"], 2),
+                                  tokens_per_step=round(work["step_tokens"] / work["steps"], 1))
         for k, path in stats.items():
             e = kit.read_json(path)
             if e:
