@@ -127,12 +127,12 @@ def main() -> int:
                     hit += 1
                 cached.update(keys)
                 cache["queries"] += len(prompt)
+                cache["hits"] += hit * BLOCK
                 # the work counters as vLLM's: here one step a request, prompt and output
                 work["iteration_tokens_total_count"] += 1
                 work["iteration_tokens_total_sum"] += len(prompt) + n
                 work["prompt_tokens_total"] += len(prompt)
                 work["generation_tokens_total"] += n
-                cache["hits"] += hit * BLOCK
                 want = min(args.max_bytes, args.min_bytes + active[0] * PER_REQUEST)
                 if want > state["mapped_bytes"]:
                     event("grow", want - state["mapped_bytes"])

@@ -106,6 +106,8 @@ def burst_work(before: list, after: list, wall_s: float) -> dict:
         work["ms_per_step"] = round(1000 * wall_s / work["steps"], 2)
         work["tokens_per_step"] = round(work["step_tokens"] / work["steps"], 1)
     return work
+
+
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
 # side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
 GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
@@ -464,8 +466,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = target[key]
-            before = metrics(port, BURST_METRICS)
-            work_before = metrics(port, WORK_METRICS.values())
+            before = metrics(port, BURST_METRICS + tuple(WORK_METRICS.values()))
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
             prompt, output, n = shape or (args.prompt, args.output, args.requests or 0)
@@ -480,9 +481,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             t_burst = time.monotonic()   # the engines' policy clock is the same monotonic one
             burst = asyncio.run(run_burst(port, args.model, requests, left))
             burst["mapped_during"] = sampler.stop()
-            after = metrics(port, BURST_METRICS)
-            burst["work"] = burst_work(work_before, metrics(port, WORK_METRICS.values()),
-                                       burst["wall_s"])
+            after = metrics(port, BURST_METRICS + tuple(WORK_METRICS.values()))
+            n_burst = len(BURST_METRICS)
+            burst["work"] = burst_work(before[n_burst:], after[n_burst:], burst["wall_s"])
+            before, after = before[:n_burst], after[:n_burst]
             burst.update(engine=key, round=r, preemptions=None if None in (before[0], after[0])
                          else after[0] - before[0])
             if spec:
