@@ -856,6 +856,17 @@ def test_driver_b_user_path_max_gib_caps_each_engine_and_does_not_pool_with_unca
                str(runs[1]))
     assert done.returncode != 0
     assert "user_kv_max_gib 17.0 there, None before" in done.stdout + done.stderr
+    # nor does a single engine of another KV size pool with the profiled one
+    for name, kv in (("s0", "0"), ("s17", "17")):
+        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
+                   "--only", "single", "--single-kv-gib", kv)
+        assert done.returncode in (0, 1), done.stderr
+    done = run("two_engines.py", tmp_path / "pool2", "--pool", str(runs[0]), "--pool",
+               str(tmp_path / "s17" / "two_engines.json"))
+    assert done.returncode != 0 and "single_kv_gib 17.0 there, 0.0 before" in done.stderr
+    done = run("two_engines.py", tmp_path / "pool3", "--pool", str(runs[0]), "--pool",
+               str(tmp_path / "s0" / "two_engines.json"))
+    assert done.returncode == 0, done.stderr
 
 
 def test_driver_b_single_is_one_engine_serving_every_engines_bursts(tmp_path, monkeypatch):

@@ -601,9 +601,11 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
     return rows
 
 
-# what makes two runs' bursts the same requests: the rest (budget, order, ports) may differ
+# what makes two runs' bursts the same requests, and their setups the same servers (a capped
+# elastic engine, a single engine of another size: not runs to pool); the rest (budget, order,
+# ports) may differ
 LOAD_SETTINGS = ("engines", "requests", "prompt", "output", "shapes", "contexts", "tail",
-                 "enforce_eager", "model", "user_kv_max_gib")
+                 "enforce_eager", "model", "user_kv_max_gib", "single_util", "single_kv_gib")
 
 
 def full_burst(burst: dict, output: int | None = None) -> bool:
