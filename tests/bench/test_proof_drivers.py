@@ -1115,6 +1115,25 @@ def test_driver_b_pools_abba_runs_over_calls(tmp_path):
     assert w["spread"]["static"] == [{"runs": [files[0], files[1]], "bursts": 1, "ratio": 0.8}]
     assert w["elastic"]["ttft_p50_s"] == 1.0 and w["elastic"]["ttft_p99_s"] == 3.0
     assert "elastic / static" in done.stdout
+    # the engines' work pools too, where every burst pooled has it (runs before it had none)
+    assert "work" not in w["elastic"] and "work" not in w["static"]
+    for c in (s1, s2):
+        for b in c["bursts"]:
+            b["work"] = {"steps": 100, "step_tokens": 5000, "prompt_tokens_computed": 4000,
+                         "generated_tokens": 1000}
+    files[:2] = [_te_file(tmp_path / "1.json", {"static": s1, "elastic": e1}),
+                 _te_file(tmp_path / "2.json", {"elastic": e2, "static": s2})]
+    done = subprocess.run([sys.executable, str(PROOF / "two_engines.py"), "--out",
+                           str(tmp_path / "p2"), *[x for f in files for x in ("--pool", f)]],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    (w,) = json.loads((tmp_path / "p2" / "two_engines-pooled.json").read_text())[
+        "subproofs"]["pooled"]["workloads"]
+    # static's 3 full bursts (28 s): 300 steps, 15,000 tokens
+    assert w["static"]["work"] == {"steps": 300, "step_tokens": 15000,
+                                   "prompt_tokens_computed": 12000, "generated_tokens": 3000,
+                                   "ms_per_step": round(28000 / 300, 2), "tokens_per_step": 50.0}
+    assert "work" not in w["elastic"]
+    assert f"; static {round(28000 / 300, 2)} ms and 50.0 tokens a step" in done.stdout
     # s24 call 2: B's engine died mid-burst and the driver of the day counted its 96 cut
     # answers (185 tokens of 98,304) as no error: short of its tokens, a burst is not full
     sys.path.insert(0, str(PROOF))

@@ -95,17 +95,31 @@ WORK_METRICS = {"steps": "vllm:iteration_tokens_total_count",
                 "generated_tokens": "vllm:generation_tokens_total"}
 
 
-def burst_work(before: list, after: list, wall_s: float) -> dict:
-    """What a burst made its engine do, from :data:`WORK_METRICS` read before and after
-    it: each counter's growth, and the mean step (ms of the burst's wall time a step, tokens
-    a step). Empty where the server did not give them."""
-    if None in before or None in after:
-        return {}
-    work = {k: int(a - b) for k, a, b in zip(WORK_METRICS, after, before)}
+def _mean_step(work: dict, wall_s: float) -> dict:
+    """``work`` (:data:`WORK_METRICS`' counters) with its mean step: ms of ``wall_s`` a step,
+    tokens a step (where it has steps)."""
     if work["steps"] > 0:
         work["ms_per_step"] = round(1000 * wall_s / work["steps"], 2)
         work["tokens_per_step"] = round(work["step_tokens"] / work["steps"], 1)
     return work
+
+
+def burst_work(before: list, after: list, wall_s: float) -> dict:
+    """What a burst made its engine do, from :data:`WORK_METRICS` read before and after
+    it: each counter's growth, and the mean step. Empty where the server did not give them."""
+    if None in before or None in after:
+        return {}
+    return _mean_step({k: int(a - b) for k, a, b in zip(WORK_METRICS, after, before)}, wall_s)
+
+
+def work_total(bursts) -> dict:
+    """The work of ``bursts`` together: their counters summed, the mean step over their wall
+    time; empty unless every one of them has it."""
+    bursts = list(bursts)
+    if not bursts or not all((b.get("work") or {}).get("steps") for b in bursts):
+        return {}
+    return _mean_step({k: sum(b["work"][k] for b in bursts) for k in WORK_METRICS},
+                      sum(b["wall_s"] for b in bursts))
 
 
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
@@ -536,11 +550,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             errors=sum(b["errors"] for b in result["bursts"]),
             preemptions=sum(b["preemptions"] or 0 for b in result["bursts"]),
             prefix_hit_rate=hit_rate(result["bursts"]), **percentiles(ttft))
-        if result["bursts"] and all(b["work"].get("steps") for b in result["bursts"]):
-            work = {k: sum(b["work"][k] for b in result["bursts"]) for k in WORK_METRICS}
-            busy = sum(b["wall_s"] for b in result["bursts"])
-            result["work"] = dict(work, ms_per_step=round(1000 * busy / work["steps"], 2),
-                                  tokens_per_step=round(work["step_tokens"] / work["steps"], 1))
+        work = work_total(result["bursts"])
+        if work:
+            result["work"] = work
         for k, path in stats.items():
             e = kit.read_json(path)
             if e:
@@ -673,6 +685,9 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
                       "errors": sum(b["errors"] for b in chosen),
                       "preemptions": sum(b.get("preemptions") or 0 for b in chosen),
                       **ttft_figures(chosen)}
+            work = work_total(chosen)
+            if work:            # the engines' own counters (runs since they were read)
+                row[n]["work"] = work
         row["ratio"] = ratio(row.get("elastic", {}).get("tok_s"), row["static"]["tok_s"])
         if "single" in row:
             row["elastic_to_single"] = ratio(row["elastic"]["tok_s"], row["single"]["tok_s"])
@@ -716,7 +731,10 @@ def pool_main(args) -> int:
                 f"{row['static']['errors']} / {row.get('elastic', {}).get('errors')}); pairs "
                 f"{[p['ratio'] for p in row['pairs']]}; static's spread "
                 f"{[x['ratio'] for x in row['spread']['static']]}"
-                + (f"; elastic / single {row['elastic_to_single']}" if "single" in row else ""))
+                + (f"; elastic / single {row['elastic_to_single']}" if "single" in row else "")
+                + "".join(f"; {n} {row[n]['work']['ms_per_step']} ms and "
+                          f"{row[n]['work']['tokens_per_step']} tokens a step"
+                          for n in ("static", "elastic", "single") if "work" in row.get(n, {})))
     if not summary["workloads"]:
         out.log(f"nothing pooled: {summary.get('why')}")
     out.results["summary_lines"] = [json.dumps(summary)]
