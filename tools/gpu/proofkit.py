@@ -236,6 +236,16 @@ def settings_diff(data: dict, keys, mine: dict | None, norm=lambda v: v,
                              if theirs[k] != mine[k])
 
 
+def _pair_ratio(full_a: dict, full_b: dict, rate, keep) -> tuple[int, float] | None:
+    """Two runs' bursts ({burst key: burst}) on the keys both ran that ``keep`` picks: how
+    many, and a's output tok/s over b's (None where they share none)."""
+    common = sorted(k for k in set(full_a) & set(full_b) if keep(k, full_b[k]))
+    if not common:
+        return None
+    return len(common), round(rate(full_a[k] for k in common)
+                              / rate(full_b[k] for k in common), 3)
+
+
 def run_pairs(a: tuple[str, list], b: tuple[str, list], rate,
               keep=lambda key, burst: True) -> list[dict]:
     """Each run of one setup against each run of another, on the bursts both ran in full:
@@ -245,11 +255,10 @@ def run_pairs(a: tuple[str, list], b: tuple[str, list], rate,
     rows = []
     for label_a, full_a in runs_a:
         for label_b, full_b in runs_b:
-            common = sorted(k for k in set(full_a) & set(full_b) if keep(k, full_b[k]))
-            if common:
-                rows.append({name_a: label_a, name_b: label_b, "bursts": len(common),
-                             "ratio": round(rate(full_a[k] for k in common)
-                                            / rate(full_b[k] for k in common), 3)})
+            got = _pair_ratio(full_a, full_b, rate, keep)
+            if got:
+                rows.append({name_a: label_a, name_b: label_b, "bursts": got[0],
+                             "ratio": got[1]})
     return rows
 
 
@@ -258,9 +267,7 @@ def run_spread(runs: list, rate, keep=lambda key, burst: True) -> list[dict]:
     rows = []
     for i, (label_a, full_a) in enumerate(runs):
         for label_b, full_b in runs[i + 1:]:
-            common = sorted(k for k in set(full_a) & set(full_b) if keep(k, full_b[k]))
-            if common:
-                rows.append({"runs": [label_a, label_b], "bursts": len(common),
-                             "ratio": round(rate(full_a[k] for k in common)
-                                            / rate(full_b[k] for k in common), 3)})
+            got = _pair_ratio(full_a, full_b, rate, keep)
+            if got:
+                rows.append({"runs": [label_a, label_b], "bursts": got[0], "ratio": got[1]})
     return rows
