@@ -123,9 +123,27 @@ def work_total(bursts) -> dict:
 
 
 # The time plan's floors (seconds): a warm start-up of one engine (session 7: 75-81 s, two
-# side by side), what each more engine side by side adds, the shortest burst, a setup's stop.
-GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "burst": 15.0, "stop": 15.0}
-DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "burst": 1.0, "stop": 1.0}
+# side by side), what each more engine side by side adds, what an elastic start-up adds (its
+# spawned `mp` worker, ~19 s, and the GPU pre-flight probe, ~5 s: session 29), what a start-up
+# adds where this host has no torch.compile cache yet (session 30 on a fresh H100: elastic
+# healthy after 155 s against 100-122 s warm, a stock start cut off after 75 s), the shortest
+# burst, a setup's stop.
+GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "elastic_more": 25.0, "cold_more": 50.0,
+            "burst": 15.0, "stop": 15.0}
+DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "elastic_more": 0.0, "cold_more": 0.0,
+            "burst": 1.0, "stop": 1.0}
+
+
+def compile_cache_root() -> Path:
+    """Where the engines keep vLLM's cache (torch.compile's under it): VLLM_CACHE_ROOT."""
+    return Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof"))
+
+
+def compile_cache_cold(root: Path) -> bool:
+    """True where no engine has compiled on this host yet: no file under the torch.compile
+    cache, so every start-up compiles from scratch."""
+    cache = root / "torch_compile_cache"
+    return not (cache.is_dir() and any(f.is_file() for f in cache.rglob("*")))
 
 
 def names(n: int) -> list[str]:
@@ -1002,21 +1020,25 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     return None, notes
 
 
-def setup_seconds(name: str, args) -> tuple[float, str]:
-    """The least time a setup can take: its start-ups (side by side or in a row), N x rounds
+def setup_seconds(name: str, args, cold: bool = False) -> tuple[float, str]:
+    """The least time a setup can take: its start-ups (side by side or in a row; longer for
+    an elastic setup, and where ``cold``: no torch.compile cache on this host), N x rounds
     bursts at their shortest, its stop."""
     c = DRY_PLAN if args.dry_run else GPU_PLAN
     n = args.engines
     together = starts_together(name == "static", args)
+    one = c["start"] + (c["elastic_more"] if name not in ("static", "single") else 0.0) \
+        + (c["cold_more"] if cold else 0.0)
     if name == "single":
-        start, n, together = c["start"], 1, True
+        start, n, together = one, 1, True
     else:
-        start = c["start"] + c["start_each_more"] * (n - 2) if together else c["start"] * n
+        start = one + c["start_each_more"] * (n - 2) if together else one * n
     bursts = args.engines * args.rounds
     total = start + bursts * c["burst"] + c["stop"]
     how = ("one engine" if name == "single" else
            f"{n} {'side by side' if together else 'one after the other'}")
-    return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {how}, {bursts} "
+    return total, (f"{name} {total:.0f}s ({start:.0f}s of start-up, {how}"
+                   f"{', no compile cache yet' if cold else ''}, {bursts} "
                    f"bursts x {c['burst']:.0f}s, {c['stop']:.0f}s stop)")
 
 
@@ -1058,7 +1080,8 @@ def main() -> int:
     if error:
         print(f"two_engines: {error}", file=sys.stderr)
         return 2
-    plan = [setup_seconds(name, args) for name in order]
+    cold = not args.dry_run and compile_cache_cold(compile_cache_root())
+    plan = [setup_seconds(name, args, cold) for name in order]
     need = sum(p[0] for p in plan)
     refused = kit.budget_refusal("two_engines", args.budget,
                                  f"{len(order)} setup(s) of {args.engines} engines", plan,
@@ -1068,7 +1091,7 @@ def main() -> int:
         return 2
     out = kit.Out(Path(args.out), "two_engines")
     budget = kit.Budget(args.budget)
-    env = kit.engine_env(Path(os.environ.get("VLLM_CACHE_ROOT", "/root/.cache/vllm-proof")))
+    env = kit.engine_env(compile_cache_root())
     keys = names(args.engines)
     reuse = "".join(f"{', then' if i else ', after'} {c} contexts of {t} tokens, each asked "
                     f"{v} times" for i, (c, t, v) in enumerate(args.contexts or ()))
@@ -1092,7 +1115,9 @@ def main() -> int:
     out.log(f"  time plan, at least: {'; '.join(p[1] for p in plan)}")
     out.results["settings"] = vars(args)
     results = {}
-    for (name, (setup_need, _)) in zip(order, plan):
+    for name in order:   # what a setup needs now: a setup before it may have filled the cache
+        setup_need = setup_seconds(name, args, not args.dry_run
+                                   and compile_cache_cold(compile_cache_root()))[0]
         if budget.left() < setup_need:
             out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left, the setup "
                                f"needs at least {setup_need:.0f}s: give --budget "
