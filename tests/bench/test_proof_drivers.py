@@ -1233,3 +1233,30 @@ def test_driver_b_counts_an_answer_cut_by_a_dead_engine_as_an_error():
     assert got["error"]["errors"] == 2 and "EngineCore" in got["error"]["first_errors"][0]
     assert got["short"]["errors"] == 2 and got["short"]["first_errors"][0] == "3 of 8 tokens"
     assert got["whole"]["errors"] == 0 and got["whole"]["output_tokens"] == 16
+
+
+def test_run_sh_packs_every_file_under_out_folders_too_into_one_tgz(tmp_path):
+    """A device call brings back 8 files: several runs into OUT=$OUT/NAME folders in one call
+    (session 30: 4 and 5 files) are packed by `run.sh pack`, folders and all, into one tgz."""
+    out = tmp_path / "out"
+    for sub in ("s17", "s38"):
+        (out / sub).mkdir(parents=True)
+        for name in ("two_engines.json", "two_engines.log", "two_engines-logs.tgz", "run.log",
+                     "call-run.txt"):
+            (out / sub / name).write_text(f"{sub}/{name}")
+    env = {**os.environ, "OUT": str(out)}
+    done = subprocess.run(["bash", "tools/gpu/run.sh", "pack"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["call-pack.txt", "results-pack.tgz"]
+    listed = subprocess.run(["tar", "tzf", str(out / "results-pack.tgz")], capture_output=True,
+                            text=True).stdout.split()
+    assert sorted(listed) == sorted(f"{s}/{n}" for s in ("s17", "s38") for n in (
+        "two_engines.json", "two_engines.log", "two_engines-logs.tgz", "run.log", "call-run.txt"))
+    few = tmp_path / "few"
+    (few / "s17").mkdir(parents=True)
+    (few / "s17" / "two_engines.json").write_text("{}")
+    subprocess.run(["bash", "tools/gpu/run.sh", "pack"], cwd=REPO, env={**env, "OUT": str(few)},
+                   capture_output=True, text=True, timeout=60)
+    assert (few / "s17" / "two_engines.json").read_text() == "{}"
+    assert not (few / "results-pack.tgz").exists()

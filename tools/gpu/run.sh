@@ -13,6 +13,9 @@
 #                                               # .stage/plugin, .stage/serve-extra); installer rc=2
 #   bash tools/gpu/run.sh c2 BUDGET_S LANE...   # volume 2 (carry .stage/c2), then the lanes
 #   bash tools/gpu/run.sh run BUDGET_S LANE...  # later calls on the warm host
+#   bash tools/gpu/run.sh pack                  # one tgz of all under $OUT if more than 8 files
+#                                               # (a call brings 8 back): after several runs
+#                                               # into OUT=$OUT/NAME folders in one call
 # (cN for each volume N: the call that brings the last one runs the lanes.)
 #
 # LANE is "GPUS:TASK,TASK,...", e.g. "0:identity,gpu-tests" "1:serve-tests" or "0,1:tp2".
@@ -217,19 +220,21 @@ print('serve imports ok')" 2>&1 | tail -n 3)
   return 0
 }
 
-pack_out() {
-  local n; n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+pack_out() {   # every file under $OUT, folders too (session 30 lost 4 files of a folder)
+  local n; n=$(find "$OUT" -type f | wc -l)
   [ "$n" -le 8 ] && return 0
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name "call-$STEP.txt" ! -name '*.tgz' -printf '%P\n' \
+  (cd "$OUT" && find . -type f ! -path "./call-$STEP.txt" ! -path "./results-$STEP.tgz" ! -path ./.packed -printf '%P\n' \
      | LC_ALL=C sort > .packed && tar czf "results-$STEP.tgz" -T .packed && xargs rm -f < .packed \
-     && rm -f .packed) && echo "packed $((n - 1)) files into $OUT/results-$STEP.tgz" | tee -a "$LOG"
+     && rm -f .packed && find . -mindepth 1 -type d -empty -delete) \
+    && echo "packed $((n - 1)) files into $OUT/results-$STEP.tgz" | tee -a "$LOG"
 }
 
 facts "$@" 2>&1 | tee "$LOG"
 case "$STEP" in
   c[0-9]*|run)
     check_install && lanes "$@" ;;
-  *) echo "run.sh: unknown step '$STEP' (c1, c2, ... for the call that brings that volume, or run)" \
+  pack) ;;   # only pack_out below: after several OUT=$OUT/sub runs in one call
+  *) echo "run.sh: unknown step '$STEP' (c1, c2, ... for the call that brings that volume, run, or pack)" \
        | tee -a "$LOG"; exit 64 ;;
 esac
 echo "== step $STEP done after ${SECONDS}s" | tee -a "$LOG"
