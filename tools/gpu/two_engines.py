@@ -146,6 +146,11 @@ def compile_cache_cold(root: Path) -> bool:
     return not (cache.is_dir() and any(f.is_file() for f in cache.rglob("*")))
 
 
+def starts_cold(args) -> bool:
+    """Whether the time plan counts start-ups as cold now (never in a --dry-run)."""
+    return not args.dry_run and compile_cache_cold(compile_cache_root())
+
+
 def names(n: int) -> list[str]:
     """The engines' names: A, B, C, ..."""
     return [chr(ord("A") + i) for i in range(n)]
@@ -1080,8 +1085,7 @@ def main() -> int:
     if error:
         print(f"two_engines: {error}", file=sys.stderr)
         return 2
-    cold = not args.dry_run and compile_cache_cold(compile_cache_root())
-    plan = [setup_seconds(name, args, cold) for name in order]
+    plan = [setup_seconds(name, args, starts_cold(args)) for name in order]
     need = sum(p[0] for p in plan)
     refused = kit.budget_refusal("two_engines", args.budget,
                                  f"{len(order)} setup(s) of {args.engines} engines", plan,
@@ -1116,8 +1120,7 @@ def main() -> int:
     out.results["settings"] = vars(args)
     results = {}
     for name in order:   # what a setup needs now: a setup before it may have filled the cache
-        setup_need = setup_seconds(name, args, not args.dry_run
-                                   and compile_cache_cold(compile_cache_root()))[0]
+        setup_need = setup_seconds(name, args, starts_cold(args))[0]
         if budget.left() < setup_need:
             out.record("c", **{f"{name}_skipped": f"only {budget.left():.0f}s left, the setup "
                                f"needs at least {setup_need:.0f}s: give --budget "
