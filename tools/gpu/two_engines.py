@@ -93,6 +93,8 @@ WORK_METRICS = {"steps": "vllm:iteration_tokens_total_count",
                 "step_tokens": "vllm:iteration_tokens_total_sum",
                 "prompt_tokens_computed": "vllm:prompt_tokens_total",
                 "generated_tokens": "vllm:generation_tokens_total"}
+#: what one /metrics scrape on each side of a burst reads: BURST_METRICS, then WORK_METRICS
+SCRAPED = BURST_METRICS + tuple(WORK_METRICS.values())
 
 
 def _mean_step(work: dict, wall_s: float) -> dict:
@@ -503,7 +505,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = target[key]
-            before = metrics(port, BURST_METRICS + tuple(WORK_METRICS.values()))
+            before = metrics(port, SCRAPED)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
             prompt, output, n = shape or (args.prompt, args.output, args.requests or 0)
@@ -518,7 +520,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             t_burst = time.monotonic()   # the engines' policy clock is the same monotonic one
             burst = asyncio.run(run_burst(port, args.model, requests, left))
             burst["mapped_during"] = sampler.stop()
-            after = metrics(port, BURST_METRICS + tuple(WORK_METRICS.values()))
+            after = metrics(port, SCRAPED)
             n_burst = len(BURST_METRICS)
             burst["work"] = burst_work(before[n_burst:], after[n_burst:], burst["wall_s"])
             before, after = before[:n_burst], after[:n_burst]
@@ -1085,7 +1087,8 @@ def main() -> int:
     if error:
         print(f"two_engines: {error}", file=sys.stderr)
         return 2
-    plan = [setup_seconds(name, args, starts_cold(args)) for name in order]
+    cold = starts_cold(args)
+    plan = [setup_seconds(name, args, cold) for name in order]
     need = sum(p[0] for p in plan)
     refused = kit.budget_refusal("two_engines", args.budget,
                                  f"{len(order)} setup(s) of {args.engines} engines", plan,
