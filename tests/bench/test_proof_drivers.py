@@ -131,6 +131,185 @@ def test_driver_a_gives_every_engine_the_executor_asked_for(tmp_path):
     assert bad.returncode == 2 and "--executor: invalid choice: 'ray'" in bad.stderr
 
 
+def _elastic_child():
+    sys.path.insert(0, str(PROOF))
+    import elastic_child
+
+    return elastic_child
+
+
+def test_driver_a_tp2_reaches_every_engines_build_as_tensor_parallel_over_mp(
+        tmp_path, monkeypatch):
+    done = run("elastic_proof.py", tmp_path / "tp", "--budget", "620", "--only", "a,d",
+               "--tp", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "tp" / "elastic_proof.json").read_text())
+    assert data["tp"] == 2 and data["executor"] == "mp"
+    assert data["executors"] == {"a-stock": "mp", "a-elastic": "mp", "d-elastic": "mp",
+                                 "d-stock": "mp"}
+    import shlex
+    import tarfile
+
+    with tarfile.open(tmp_path / "tp" / "elastic_proof-logs.tgz") as tar:
+        logs = {Path(m.name).stem: tar.extractfile(m).read().decode() for m in tar.getmembers()}
+    cmds = {name: shlex.split(text.splitlines()[0].removeprefix("[elastic_proof] "))
+            for name, text in logs.items()}
+    assert set(cmds) == set(data["executors"])
+    assert all(c[c.index("--tp") + 1] == "2" and c[c.index("--executor") + 1] == "mp"
+               for c in cmds.values()), cmds
+    # the real child given a-stock's arguments: what its LLM is built with
+    child = _elastic_child()
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    class LLM:
+        def __init__(self, **kw):
+            seen.update(kw)
+            raise Built("stop before any engine")
+
+    import vllm
+
+    from proxima.vllm import plugin
+
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    monkeypatch.setattr(plugin, "register", lambda: None)
+    monkeypatch.setattr(child.tempfile, "mkdtemp", lambda **kw: str(tmp_path))
+    monkeypatch.setattr(child, "EXECUTOR", child.EXECUTOR)
+    monkeypatch.setattr(child, "TP", child.TP)
+    for key in ("PROXIMA_STATS_FILE", "PROXIMA_ALLOCATOR", "PROXIMA_ELASTIC", "PROXIMA_OBSERVE"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))       # build sets them: restored
+    argv = cmds["a-stock"][2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "child.json")
+    monkeypatch.setattr(sys, "argv", ["elastic_child.py", *argv])
+    assert child.main() == 1
+    result = json.loads((tmp_path / "child.json").read_text())
+    assert "Built: stop before any engine" in result["error"]
+    assert result["tp"] == 2 and result["executor"] == "mp"
+    assert seen["tensor_parallel_size"] == 2 and seen["distributed_executor_backend"] == "mp"
+    # 30,720 tokens in all: each GPU holds half of every token's KV heads
+    assert seen["kv_cache_memory_bytes"] == child.KV_30K // 2
+    assert seen["gpu_memory_utilization"] == 0.3
+
+
+def test_driver_a_refuses_tp_with_the_uni_executor_in_one_line(tmp_path, monkeypatch):
+    bad = run("elastic_proof.py", tmp_path / "uni", "--only", "a", "--tp", "2",
+              "--executor", "uni")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert "--tp 2 needs the mp executor" in bad.stderr
+    assert not (tmp_path / "uni").exists()                  # refused before $OUT was made
+    zero = run("elastic_proof.py", tmp_path / "zero", "--only", "a", "--tp", "0")
+    assert zero.returncode == 2 and zero.stderr.count("\n") == 1, zero.stderr
+    assert "--tp wants a number of GPUs per engine, 1 or more, got 0" in zero.stderr
+    # the child refuses it too (run by hand)
+    child = _elastic_child()
+    monkeypatch.setattr(sys, "argv", ["elastic_child.py", "identity", "--tp", "2",
+                                      "--executor", "uni", "--out", str(tmp_path / "c.json")])
+    with pytest.raises(SystemExit) as exc:
+        child.main()
+    assert exc.value.code == 2
+
+
+FAKE_TORCH = '''"""torch for the taker's test: len(FREE) GPUs, each 10 GiB free at the engine's
+peak (the taker's first measure of each), then FREE[d] free after its release."""
+import json, os
+GiB = 1 << 30
+uint8 = "uint8"
+FREE = json.loads(os.environ["FAKE_FREE_AFTER"])
+measured, held = [0], {}
+
+
+def _free(d):
+    return (FREE[d] if measured[0] > len(FREE) else 10 * GiB) - held.get(d, 0)
+
+
+class _Buf:
+    def fill_(self, value):
+        pass
+
+
+def empty(n, dtype=None, device="cuda"):
+    d = int(str(device).partition(":")[2] or 0)
+    if n > _free(d):
+        raise RuntimeError(f"CUDA out of memory on GPU {d}")
+    held[d] = held.get(d, 0) + n
+    return _Buf()
+
+
+class cuda:
+    @staticmethod
+    def device_count():
+        return len(FREE)
+
+    @staticmethod
+    def mem_get_info(d=0):
+        measured[0] += 1
+        return _free(d), 80 * GiB
+
+    @staticmethod
+    def synchronize(d=None):
+        pass
+'''
+
+
+def test_b_needs_every_gpus_memory_back_and_taken_not_their_sum(tmp_path):
+    """(b) with --tp 2: the taker (the real script, on a stand-in torch) measures and takes
+    memory on each GPU; the engine's workers released 12 GiB each, so each GPU must see
+    12 GiB come back. GPU 1 keeping its memory fails (b), though the two GPUs' sum would
+    pass a check of the 12 GiB."""
+    proof = _elastic_proof()
+    GiB = 1 << 30
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "torch.py").write_text(FAKE_TORCH)
+    progress = tmp_path / "progress.json"
+    progress.write_text(json.dumps({"phase": "released", "released": 12 * GiB}))
+    engine = {"rc": 0, "min_bytes": GiB, "burst1": {"peak_mapped_bytes": 13 * GiB},
+              "released": {"mapped_bytes": GiB, "seconds_after_burst": 13.0},
+              "burst2": {"peak_mapped_bytes": 13 * GiB}}
+
+    def take(free_after, gpus=2):
+        out = tmp_path / "taken.json"
+        out.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(tmp_path / "torch"),
+               "FAKE_FREE_AFTER": json.dumps(free_after)}
+        subprocess.run([sys.executable, "-c", proof.TAKER, str(progress), str(out), str(gpus)],
+                       env=env, capture_output=True, timeout=60)
+        return json.loads(out.read_text())
+
+    def judge(taken, gpus=2):
+        out = proof.kit.Out(tmp_path / f"out{len(list(tmp_path.glob('out*')))}", "elastic_proof")
+        proof.judge_b(out, engine, taken, 12.0, gpus)
+        return out.results["subproofs"]["b"]
+
+    both = take([22 * GiB, 22 * GiB])
+    assert [d["allocated"] for d in both["devices"]] == [int(0.95 * 12 * GiB)] * 2
+    assert both["allocated"] == both["devices"][0]["allocated"]   # top level: GPU 0's
+    b = judge(both)
+    assert b["passed"], b
+    assert b["summary"]["freed_seen_per_gpu"] == [12 * GiB, 12 * GiB]
+    one = take([22 * GiB, 10 * GiB])                          # GPU 1 kept its memory
+    came = [d["free_after_release"] - d["free_at_peak"] for d in one["devices"]]
+    took = [d["allocated"] for d in one["devices"]]
+    assert came == [12 * GiB, 0] and took == [int(0.95 * 12 * GiB), 0]
+    assert sum(came) >= 0.9 * 12 * GiB and sum(took) >= 0.85 * 12 * GiB   # the sum passes
+    b = judge(one)
+    assert not b["passed"]
+    assert b["summary"]["freed_seen_by_other_process_bytes"] == 0
+    assert b["summary"]["allocated_per_gpu"] == took
+    # a taker that saw fewer GPUs than the engine has: no verdict on the missing one
+    assert not judge(take([22 * GiB]), gpus=2)["passed"]
+    # one GPU, as before: the taker's fields at the top level, no devices needed
+    single = take([22 * GiB], gpus=1)
+    old = {k: v for k, v in single.items() if k != "devices"}
+    for taken in (single, old):
+        b = judge(taken, gpus=1)
+        assert b["passed"], b
+        assert b["summary"]["other_process_allocated_bytes"] == int(0.95 * 12 * GiB)
+        assert "allocated_per_gpu" not in b["summary"]
+
+
 def test_driver_a_d_also_runs_more_engines_against_stock(tmp_path):
     done = run("elastic_proof.py", tmp_path, "--budget", "900", "--only", "d",
                "--d-also", "elastic-off,elastic-fixed,elastic-compacted,proxima")

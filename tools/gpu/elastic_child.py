@@ -5,7 +5,7 @@
     python3 tools/gpu/elastic_child.py throughput --out F [--modes M,M] [--load steady|passes]
         [--concurrency 256 --warmup-s 10 --windows 2 --window-s 20 --drain-s 5]
         [--release --progress F --go F] [--start-after F [--turns N --turn-dir D]] [--step-log]
-    (every job) [--executor uni|mp]
+    (every job) [--executor uni|mp] [--tp N]
 
 Runs in its own process (vLLM starts its engine core from here -- forked, so it inherits
 Proxima's patches from :func:`proxima.vllm.plugin.register` even where Proxima's entry
@@ -34,6 +34,7 @@ MODEL = os.environ.get("PROXIMA_PROOF_MODEL", str(ROOT / "tools" / "gpu" / "dumm
 KV_30K = 30720 * 131072            # 30,720 tokens of Llama-3.1-8B's KV (3.75 GiB)
 GiB = 1 << 30
 EXECUTOR = None     # --executor: vLLM's distributed_executor_backend (None: vLLM's choice)
+TP = 1              # --tp: vLLM's tensor_parallel_size, the first TP visible GPUs
 BUILT: list = []    # the executor vLLM chose for each engine built here, in order
 
 
@@ -104,7 +105,8 @@ def build(mode: str, stats_dir: Path, **kw):
         # engine core's scheduler; uni (vLLM's default for one GPU): both on one thread
         kw["distributed_executor_backend"] = EXECUTOR
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              disable_log_stats=False, enable_prefix_caching=True, **kw)
+              disable_log_stats=False, enable_prefix_caching=True, tensor_parallel_size=TP,
+              **kw)
     BUILT.append(executor_of(llm))
     return llm
 
@@ -171,7 +173,9 @@ def job_identity(args, result: dict) -> None:
     if args.gpu_memory_utilization:     # engines started side by side: each checks its share
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
     t0 = time.time()
-    llm = build(args.mode, stats, kv_cache_memory_bytes=KV_30K, max_model_len=4096,
+    # KV_30K // TP a GPU: each holds 1/TP of every token's KV heads, so the pool stays
+    # 30,720 tokens (and the pressure phase preempts) on any number of GPUs
+    llm = build(args.mode, stats, kv_cache_memory_bytes=KV_30K // TP, max_model_len=4096,
                 max_num_seqs=128, **extra)
     result["start_s"] = round(time.time() - t0, 1)
     for name, requests in identity_phases().items():
@@ -679,7 +683,14 @@ def main() -> int:
     ap.add_argument("--cpus", default=None, metavar="LIST",
                     help="run on these CPUs only, e.g. 0-7 or 0,2,4 (the engine core's "
                          "process inherits them) (default: wherever the OS puts it)")
+    ap.add_argument("--tp", type=positive(int), default=1, metavar="N",
+                    help="every engine's tensor_parallel_size, on the first N visible GPUs "
+                         "(above 1: the mp executor; identity's KV is split over them, "
+                         "30,720 tokens in all) (default: %(default)s)")
     args = ap.parse_args()
+    if args.tp > 1 and args.executor == "uni":
+        ap.error(f"--tp {args.tp} needs the mp executor (uni runs one worker): leave "
+                 f"--executor out or give mp")
     if args.cpus:
         try:
             os.sched_setaffinity(0, cpu_list(args.cpus))
@@ -689,10 +700,11 @@ def main() -> int:
                            and len(args.modes.split(",")) == 1):
         ap.error("--turns needs --turn-dir, --start-after, --load steady and one engine in "
                  "--modes")
-    global EXECUTOR
-    EXECUTOR = args.executor
+    global EXECUTOR, TP
+    EXECUTOR, TP = args.executor or ("mp" if args.tp > 1 else None), args.tp
     # the executor asked for; once engines are built, the one vLLM chose for them
-    result: dict = {"job": args.job, "mode": args.mode, "executor": args.executor or "default"}
+    result: dict = {"job": args.job, "mode": args.mode, "executor": EXECUTOR or "default",
+                    "tp": TP}
     code = 0
     try:
         {"identity": job_identity, "burst": job_burst, "throughput": job_throughput}[args.job](

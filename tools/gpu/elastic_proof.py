@@ -3,7 +3,7 @@
     OUT=$OUT PYTHONPATH=$PWD:/tmp/site python3 tools/gpu/elastic_proof.py \\
         [--budget 620] [--only a,b,d] [--a-modes elastic[,proxima]] [--d-load steady|passes]
         [--d-turns ROUNDS [--d-interleave SLICE[,WARMUP]] | --d-together GIB] [--d-also M,...]
-        [--d-phases] [--executor uni|mp]
+        [--d-phases] [--executor uni|mp] [--tp N]
 
 Sub-proofs, each in its own try/except with its own time budget, results written to
 $OUT/elastic_proof.json after every step, a PASS/FAIL summary line per sub-proof at the end
@@ -38,6 +38,12 @@ as it can: (a)'s engines start side by side, and (b) runs on (d)'s elastic engin
     release delay plus 10 s, a separate process must see that memory come back free and
     allocate it, and more load must map memory again.
 
+``--tp N`` (issue 38): every engine with tensor_parallel_size=N on the N GPUs visible
+(CUDA_VISIBLE_DEVICES), through vLLM's mp executor (uni runs one worker: refused). (a)'s
+engines keep 30,720 tokens of KV (each GPU holds 1/N of every token's KV heads) and still
+run side by side, 0.3 of each GPU each; in (b) the taker measures and allocates on each of
+the N GPUs, and each GPU must give back and have taken what its worker released.
+
 Needs: vLLM 0.26.0 importable (PYTHONPATH=$PWD:/tmp/site as staged by run.sh c1/c2), the
 Llama-3.1-8B-shaped config tools/gpu/dummy-llama (PROXIMA_PROOF_MODEL overrides).
 About 8-9 minutes (four engine start-ups); ``--only d,b --budget 440`` about 6.
@@ -48,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -64,40 +71,59 @@ GiB = 1 << 30
 _STOCK: dict = {}          # stock's identity run, for the informational (a2) comparison
 A_MODES = ["elastic"]      # (a)'s engines beside stock (--a-modes)
 EXECUTOR = ""              # --executor: every engine's vLLM executor ("": vLLM's choice)
+TP = 1                     # --tp: every engine's tensor_parallel_size (GPUs per engine)
 DRY = False
 WANTED: set = set()
 
+# The taker (with_taker: a process of its own, never the driver) on each of the first GPUS
+# visible GPUs (argv[3], default 1): free memory at the engine's peak, then after its
+# release, then allocates what came back on every GPU at once. Its top-level fields are
+# GPU 0's (as a one-GPU run's always were), ``devices`` holds each GPU's.
 TAKER = r"""
 import json, sys, time
 import torch
 progress, out = sys.argv[1], sys.argv[2]
-torch.empty(1, device="cuda")
+gpus = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+if torch.cuda.device_count() < gpus:
+    json.dump({"error": f"{gpus} GPUs wanted, {torch.cuda.device_count()} visible",
+               "devices": []}, open(out, "w"))
+    sys.exit(1)
+for d in range(gpus):
+    torch.empty(1, device=f"cuda:{d}")    # each GPU's context before the first measure
 def phase():
     try:
         return json.load(open(progress))
     except Exception:
         return {}
-free_peak, total = torch.cuda.mem_get_info()
-result = {"free_at_peak": free_peak, "total": total}
+devices = []
+for d in range(gpus):
+    free_peak, total = torch.cuda.mem_get_info(d)
+    devices.append({"device": d, "free_at_peak": free_peak, "total": total})
 end = time.monotonic() + 60
 while phase().get("phase") != "released" and time.monotonic() < end:
     time.sleep(0.2)
 p = phase()
 time.sleep(0.5)
-free_after, _ = torch.cuda.mem_get_info()
-result.update(free_after_release=free_after, released=p.get("released"),
-              seen_release=p.get("phase") == "released")
-want = int(0.95 * min(max(0, free_after - free_peak), p.get("released") or 0))
-result["tried"] = want
-try:
-    buf = torch.empty(want, dtype=torch.uint8, device="cuda")
-    buf.fill_(7)
-    torch.cuda.synchronize()
-    result["allocated"] = want
-    del buf
-except Exception as exc:
-    result["allocated"] = 0
-    result["error"] = f"{type(exc).__name__}: {exc}"
+for dev in devices:
+    dev["free_after_release"] = torch.cuda.mem_get_info(dev["device"])[0]
+held = []
+for dev in devices:
+    want = int(0.95 * min(max(0, dev["free_after_release"] - dev["free_at_peak"]),
+                          p.get("released") or 0))
+    dev["tried"] = want
+    try:
+        buf = torch.empty(want, dtype=torch.uint8, device=f"cuda:{dev['device']}")
+        buf.fill_(7)
+        torch.cuda.synchronize(dev["device"])
+        dev["allocated"] = want
+        held.append(buf)
+    except Exception as exc:
+        dev["allocated"] = 0
+        dev["error"] = f"{type(exc).__name__}: {exc}"
+del held
+result = {k: v for k, v in devices[0].items() if k != "device"}
+result.update(released=p.get("released"), seen_release=p.get("phase") == "released",
+              devices=devices)
 json.dump(result, open(out, "w"))
 """
 
@@ -117,18 +143,24 @@ def _collect(out: kit.Out, name: str, path: Path, rc: int, started: float) -> di
     return result
 
 
-def engine_cmd(args: list[str], path: Path) -> list[str]:
+def engine_cmd(args: list[str], path: Path, log: Path) -> list[str]:
     """The command of an engine child running ``args``, its result to ``path``; every engine
-    the driver starts gets ``--executor``'s backend."""
+    the driver starts gets ``--executor``'s backend and ``--tp``'s GPUs. The command is
+    written at the top of the child's ``log``: what each engine was asked to be (its GPUs,
+    its executor) is in its log, the dry run's too."""
     executor = ["--executor", EXECUTOR] if EXECUTOR else []
-    return [sys.executable, CHILD, *args, *executor, "--out", str(path)]
+    cmd = [sys.executable, CHILD, *args, *executor, "--tp", str(TP), "--out", str(path)]
+    with log.open("a") as f:
+        f.write(f"[elastic_proof] {shlex.join(cmd)}\n")
+    return cmd
 
 
 def child(out: kit.Out, name: str, args: list[str], env: dict, timeout: float) -> dict:
     path = out.dir / f".{name}.json"
     path.unlink(missing_ok=True)
     started = time.monotonic()
-    rc = kit.run(engine_cmd(args, path), env, out.child_log(name), timeout)
+    log = out.child_log(name)
+    rc = kit.run(engine_cmd(args, path, log), env, log, timeout)
     return _collect(out, name, path, rc, started)
 
 
@@ -141,16 +173,23 @@ def children(out: kit.Out, jobs: dict[str, list[str]], env: dict, timeout: float
     their loads start at one moment; then ``after_go(alive, deadline, signal)`` runs, if
     given (``alive(name)``: that child runs; ``signal(name, sig)`` sends ``sig`` to the
     child's process group, its engine core included). The go and ready files are removed
-    once the children are done."""
+    once the children are done. With VLLM_PORT set (run.sh: one base per GPU set), each
+    child searches for its ports from a base of its own, 100 apart: vLLM takes the first
+    free port from VLLM_PORT up, so engines started together can find the same one free
+    and race for it (EADDRINUSE: why run.sh gives each lane a base of its own; --tp's mp
+    engines each open a torch.distributed port)."""
     started = time.monotonic()
     if go is not None:                      # a go or ready file of an earlier run
         for stale in [go, *go.parent.glob(f"{go.name}.ready-*")]:
             stale.unlink(missing_ok=True)
     procs = {}
-    for name, args in jobs.items():
+    for k, (name, args) in enumerate(jobs.items()):
         path = out.dir / f".{name}.json"
         path.unlink(missing_ok=True)
-        procs[name] = (kit.start(engine_cmd(args, path), env, out.child_log(name)), path)
+        own = dict(env, VLLM_PORT=str(int(env["VLLM_PORT"]) + 100 * k)) if env.get(
+            "VLLM_PORT", "").isdigit() else env
+        log = out.child_log(name)
+        procs[name] = (kit.start(engine_cmd(args, path, log), own, log), path)
     def signal(name: str, sig: int) -> None:
         proc = procs[name][0]
         if proc.poll() is None:
@@ -215,7 +254,8 @@ def proof_a(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
             f"budget {share:.0f}s")
     # Side by side on one GPU: each engine's KV is fixed (30,720 tokens), arrivals are held
     # and the policy is step-driven, so the schedule does not depend on timing; each engine
-    # checks only its own 0.3 share of the GPU at start-up.
+    # checks only its own 0.3 share of the GPU at start-up. With --tp N, side by side on the
+    # same N GPUs, 0.3 of each (the 30,720 tokens' KV is split over them by the child).
     found = children(out, {f"a-{m}": ["identity", "--mode", m, "--gpu-memory-utilization", "0.3"]
                            for m in modes}, env, min(share, budget.left() - 10, 200))
     runs = {m: found[f"a-{m}"] for m in modes}
@@ -271,8 +311,9 @@ def with_taker(out: kit.Out, name: str, args: list[str], env: dict, share: float
     for f in (progress, go, taken, path):
         f.unlink(missing_ok=True)
     started = time.monotonic()
+    log = out.child_log(name)
     proc = kit.start(engine_cmd([*args, "--progress", str(progress), "--go", str(go),
-                                 "--delay", str(delay)], path), env, out.child_log(name))
+                                 "--delay", str(delay)], path, log), env, log)
     deadline = started + share
     taker = None
     rc = 124
@@ -282,7 +323,8 @@ def with_taker(out: kit.Out, name: str, args: list[str], env: dict, share: float
                             max(1, deadline - time.monotonic() - 30))
         if peak and proc.poll() is None:
             cmd = ([sys.executable, CHILD, "taker"] if DRY else [sys.executable, "-c", TAKER])
-            taker = kit.start([*cmd, str(progress), str(taken)], env, out.child_log(f"{name}-taker"))
+            taker = kit.start([*cmd, str(progress), str(taken), str(TP)], env,
+                              out.child_log(f"{name}-taker"))
             try:
                 taker.wait(timeout=max(1, min(90, deadline - time.monotonic() - 15)))
             except Exception:  # noqa: BLE001 - out of time
@@ -303,27 +345,39 @@ def with_taker(out: kit.Out, name: str, args: list[str], env: dict, share: float
     return result, take
 
 
-def judge_b(out: kit.Out, result: dict, take: dict, delay: float) -> None:
+def judge_b(out: kit.Out, result: dict, take: dict, delay: float, gpus: int = 1) -> None:
+    """(b)'s verdict on the engine's ``result`` and the taker's ``take``, the engine on
+    ``gpus`` GPUs. The workers' mapped bytes are one worker's (vLLM's scheduler sizes the
+    granules by one worker's KV; a tensor-parallel worker holds its share of every
+    granule), so each GPU must see what was released come back and the taker take it
+    there: one GPU that kept its memory fails (b), whatever the others' sum. The taker's
+    per-GPU entries are ``devices``; a result without them (a one-GPU run's of before,
+    the dry run's stand-in) is its one GPU. The summary's freed and allocated bytes are
+    the least over the GPUs (for one GPU, its own), each GPU's beside them with more."""
     released = result.get("released") or {}
     b1, b2 = result.get("burst1") or {}, result.get("burst2") or {}
     floor = result.get("min_bytes") or GiB
     fell = (released.get("mapped_bytes") or 1 << 62) <= floor and \
         (released.get("seconds_after_burst") or 1e9) <= delay + 10
-    came_back = (take.get("free_after_release", 0) - take.get("free_at_peak", 0))
-    took = take.get("allocated", 0)
+    devices = take["devices"] if "devices" in take else [take]
+    came_back = [d.get("free_after_release", 0) - d.get("free_at_peak", 0) for d in devices]
+    took = [d.get("allocated", 0) for d in devices]
     want = max(0, (b1.get("peak_mapped_bytes") or 0) - (released.get("mapped_bytes") or 0))
-    ok = (result.get("rc") == 0 and fell and want >= 4 * GiB and came_back >= 0.9 * want
-          and took >= 0.85 * want
+    ok = (result.get("rc") == 0 and fell and want >= 4 * GiB and len(devices) == gpus
+          and min(came_back, default=0) >= 0.9 * want and min(took, default=0) >= 0.85 * want
           and (b2.get("peak_mapped_bytes") or 0) >= floor + 4 * GiB
           and not result.get("error"))
+    summary = {"peak_bytes": b1.get("peak_mapped_bytes"),
+               "min_bytes": floor, "mapped_after_bytes": released.get("mapped_bytes"),
+               "seconds_to_min": released.get("seconds_after_burst"),
+               "delay_s": delay, "freed_seen_by_other_process_bytes": min(came_back, default=0),
+               "other_process_allocated_bytes": min(took, default=0),
+               "regrow_peak_bytes": b2.get("peak_mapped_bytes")}
+    if gpus > 1 or len(devices) > 1:
+        summary.update(gpus=gpus, gpus_measured=len(devices), freed_seen_per_gpu=came_back,
+                       allocated_per_gpu=took)
     out.record("b", passed=ok, engine={k: v for k, v in result.items() if k not in (
-                   "stock", "elastic-auto")}, taker=take,
-               summary={"peak_bytes": b1.get("peak_mapped_bytes"),
-                        "min_bytes": floor, "mapped_after_bytes": released.get("mapped_bytes"),
-                        "seconds_to_min": released.get("seconds_after_burst"),
-                        "delay_s": delay, "freed_seen_by_other_process_bytes": came_back,
-                        "other_process_allocated_bytes": took,
-                        "regrow_peak_bytes": b2.get("peak_mapped_bytes")})
+                   "stock", "elastic-auto")}, taker=take, summary=summary)
 
 
 def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
@@ -331,7 +385,7 @@ def proof_b(out: kit.Out, budget: kit.Budget, env: dict, share: float) -> None:
     out.log(f"(b) release after a burst, another process takes it, regrow; budget {share:.0f}s")
     delay = 12.0
     result, take = with_taker(out, "b-engine", ["burst"], env, share, delay)
-    judge_b(out, result, take, delay)
+    judge_b(out, result, take, delay, TP)
 
 
 D_TARGET = 0.99            # (d): elastic / stock output tok/s, mean of the measurement windows
@@ -446,7 +500,7 @@ def proof_d(out: kit.Out, budget: kit.Budget, env: dict, share: float, load: str
         delay = 12.0
         elastic, take = with_taker(out, "d-elastic", [*job, "--modes", "elastic-auto",
                                                       "--release"], env, left, delay)
-        judge_b(out, elastic, take, delay)
+        judge_b(out, elastic, take, delay, TP)
     else:
         elastic = child(out, "d-elastic", [*job, "--modes", "elastic-auto"], env, left)
     stock = child(out, "d-stock", [*job, "--modes", "stock"], env,
@@ -845,7 +899,7 @@ def also_d(out: kit.Out, budget: kit.Budget, env: dict, job: list, stock_run: di
 
 def main() -> int:
     global CHILD, DRY, WANTED, D_PROFILE, D_TOGETHER, D_TURNS, D_CPUS, D_INTERLEAVE, \
-        D_INTERLEAVE_WARMUP, EXECUTOR
+        D_INTERLEAVE_WARMUP, EXECUTOR, TP
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"),
                     help="results folder (default: $OUT, else ./gpu-out)")
@@ -915,7 +969,11 @@ def main() -> int:
                          "the worker's input preparation and launches on the engine core's "
                          "thread, after the scheduler (a CPU-bound step pays for both); mp "
                          "runs the worker in a process of its own, beside the scheduler "
-                         "(default: vLLM's choice, uni for one GPU)")
+                         "(default: vLLM's choice, uni for one GPU; mp with --tp above 1)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="every engine's tensor_parallel_size: N GPUs each, the first N "
+                         "visible (CUDA_VISIBLE_DEVICES), through the mp executor; (b)'s "
+                         "taker measures and takes memory on each (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run the orchestration with a CPU stand-in child (fake_child.py): "
                          "checks budgets and files, proves nothing (default: off)")
@@ -927,7 +985,17 @@ def main() -> int:
               f"a2, b and/or d", file=sys.stderr)
         return 2
     A_MODES[:] = [m for m in args.a_modes.split(",") if m]
-    EXECUTOR = args.executor
+    EXECUTOR, TP = args.executor, args.tp
+    if TP < 1:
+        print(f"elastic_proof: --tp wants a number of GPUs per engine, 1 or more, got {TP}",
+              file=sys.stderr)
+        return 2
+    if TP > 1 and EXECUTOR == "uni":
+        print(f"elastic_proof: --tp {TP} needs the mp executor (uni runs one worker, on one "
+              f"GPU): leave --executor out or give mp", file=sys.stderr)
+        return 2
+    if TP > 1:
+        EXECUTOR = "mp"          # vLLM's own choice for one host too, said to every engine
     D_ALSO[:] = [m for m in args.d_also.split(",") if m]
     D_PROFILE = "full" if args.d_profile else "phases" if args.d_phases else ""
     D_TOGETHER = args.d_together
@@ -993,9 +1061,10 @@ def main() -> int:
     env = kit.engine_env(cache)
     wanted = WANTED = set(args.only.split(","))
     out.results["executor"] = EXECUTOR or "default"
+    out.results["tp"] = TP
     out.log(f"elastic proof: budget {args.budget:.0f}s, sub-proofs {sorted(wanted)}, "
             f"model {os.environ.get('PROXIMA_PROOF_MODEL', kit.MODEL)}, executor "
-            f"{EXECUTOR or 'default'}")
+            f"{EXECUTOR or 'default'}, tp {TP}")
     plan = {"a": (proof_a, 170), "b": (proof_b, 200),
             "d": (lambda *a: proof_d(*a, load=args.d_load), 440)}
     runs = [n for n in order if n != "a2" and not (n == "b" and "d" in wanted)]

@@ -35,6 +35,10 @@
 #   elastic-proof  issue 13 driver A (tools/gpu/elastic_proof.py): (a) identity through
 #                forced cycles, (b) release after a burst / another process takes it / regrow,
 #                (d) steady-load throughput; ~6 min; files elastic_proof.{json,log,-logs.tgz}
+#   elastic-proof-tp2  issue 38: elastic-proof with tensor_parallel_size=2 on the lane's two
+#                GPUs (mp executor; (b)'s taker takes the memory back on each GPU), e.g.
+#                "0,1:elastic-proof-tp2"; files in $OUT/elastic-proof-tp2/ (apart from
+#                elastic-proof's, same names); EP_ONLY as for elastic-proof
 #   two-engines  issue 13 driver B (tools/gpu/two_engines.py): (c) two engines on one GPU,
 #                alternating bursts, elastic vs a static 0.45/0.45 split; ~7 min (the driver
 #                itself takes --engines N for N servers, bursts in turn: run it directly)
@@ -165,6 +169,8 @@ task() {
     online-pressure) online online-pressure $KV_30K "pressure:${REPEAT_online_pressure:-3}" ;;
     elastic-proof) timed elastic-proof "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py ${EP_ONLY:+--only "$EP_ONLY"} \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ;;
+    elastic-proof-tp2) timed elastic-proof-tp2 "$(( $(left) - 5 ))" python3 tools/gpu/elastic_proof.py --tp 2 \
+                     ${EP_ONLY:+--only "$EP_ONLY"} --out "$OUT/elastic-proof-tp2" --budget "$(( $(left) - 25 ))" ;;
     two-engines)   timed two-engines "$(( $(left) - 5 ))" python3 tools/gpu/two_engines.py \
                      --out "$OUT" --budget "$(( $(left) - 25 ))" ${COMPACTOR:+--compactor "$COMPACTOR"} ${TE_ARGS:-} ;;
     gpu-tests)   timed gpu-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
