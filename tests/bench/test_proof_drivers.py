@@ -1439,3 +1439,30 @@ def test_run_sh_packs_every_file_under_out_folders_too_into_one_tgz(tmp_path):
                    capture_output=True, text=True, timeout=60)
     assert (few / "s17" / "two_engines.json").read_text() == "{}"
     assert not (few / "results-pack.tgz").exists()
+
+
+def test_gpu_clocks_summarises_each_gpu_under_load_with_the_reasons_its_clocks_were_held():
+    """run.sh's clock samples (tools/gpu/gpu_clocks.py): per GPU, only samples above 200 W
+    count; the reasons' bits are named and counted, idle is not; a GPU never under load
+    says so; a sample without the reasons' field (an older driver) still counts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_clocks", REPO / "tools/gpu/gpu_clocks.py")
+    clocks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(clocks)
+    rows = [
+        "2026/12/06 17:10:00.000, 0, 345, 2619, 70.1, 700.00, 31, 0x0000000000000001",
+        "2026/12/06 17:10:02.000, 0, 1980, 2619, 650.5, 700.00, 55, 0x0000000000000000",
+        "2026/12/06 17:10:04.000, 0, 1500, 2619, 699.5, 700.00, 71, 0x0000000000000004",
+        "2026/12/06 17:10:06.000, 0, 1620, 2619, 690.0, 700.00, 69, 0x0000000000000024",
+        "2026/12/06 17:10:06.000, 1, 345, 2619, 69.0, 700.00, 30, 0x0000000000000001",
+        "2026/12/06 17:10:08.000, 0, 1700, 2619, 500.0, 700.00, 60",
+        "not a sample",
+    ]
+    lines = clocks.summary(rows)
+    assert lines == [
+        "GPU 0 under load (4 of 5 samples above 200 W): SM clock mean 1700 MHz, power mean "
+        "635 W of a 700 W limit, temperature max 71 C, clocks held down: sw-power-cap in 2, "
+        "sw-thermal in 1",
+        "GPU 1: 1 samples, none under load (power above 200 W)"]
+    assert clocks.summary([]) == []

@@ -226,6 +226,20 @@ print('serve imports ok')" 2>&1 | tail -n 3)
   return 0
 }
 
+# What the GPUs ran at while the lanes ran: every 2 s into $OUT/gpu-clocks.csv, one line per
+# GPU into the call's log at the end (tools/gpu/gpu_clocks.py says why).
+clocks_start() {
+  local fields; fields=$(python3 -c "import sys; sys.path.insert(0, 'tools/gpu'); import gpu_clocks; print(gpu_clocks.FIELDS)")
+  nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits -c 1 > /dev/null 2>&1 \
+    || fields=${fields%,*}   # a driver that does not know the reasons' field: the rest
+  nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits -l 2 > "$OUT/gpu-clocks.csv" 2> /dev/null &
+  CLOCKS=$!
+}
+clocks_stop() {
+  kill "$CLOCKS" 2> /dev/null; wait "$CLOCKS" 2> /dev/null
+  python3 tools/gpu/gpu_clocks.py "$OUT/gpu-clocks.csv" 2>&1 | tee -a "$LOG"
+}
+
 pack_out() {   # every file under $OUT, folders too (session 30 lost 4 files of a folder)
   local n; n=$(find "$OUT" -type f | wc -l)
   [ "$n" -le 8 ] && return 0
@@ -238,7 +252,7 @@ pack_out() {   # every file under $OUT, folders too (session 30 lost 4 files of 
 facts "$@" 2>&1 | tee "$LOG"
 case "$STEP" in
   c[0-9]*|run)
-    check_install && lanes "$@" ;;
+    check_install && { clocks_start; lanes "$@"; clocks_stop; } ;;
   pack) ;;   # only pack_out below: after several OUT=$OUT/sub runs in one call
   *) echo "run.sh: unknown step '$STEP' (c1, c2, ... for the call that brings that volume, run, or pack)" \
        | tee -a "$LOG"; exit 64 ;;
