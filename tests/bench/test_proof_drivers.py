@@ -1466,3 +1466,37 @@ def test_gpu_clocks_summarises_each_gpu_under_load_with_the_reasons_its_clocks_w
         "sw-thermal in 1",
         "GPU 1: 1 samples, none under load (power above 200 W)"]
     assert clocks.summary([]) == []
+
+
+def test_driver_b_user_path_elastic_options_reach_every_elastic_server_and_do_not_pool(
+        tmp_path, monkeypatch):
+    """--user-path --elastic-options K=V,...: serve's --elastic-options of every elastic
+    server get them after the driver's stats_file (to measure, e.g., what the 5 % reserve
+    costs); a bad item or the driver's own key is refused in one line; without --user-path
+    it is refused; a run with them is another load to --pool (older runs, without the
+    setting, still pool with runs that give none)."""
+    te = _two_engines(monkeypatch)
+    args = te.parse(["--user-path", "--elastic-options", "gpu_free_low=0.02,band=0.1"])
+    assert te.resolve(args, ["static", "elastic"])[0] is None
+    cmd = te.server_cmd(8300, False, args, tmp_path / ".e.json")
+    assert cmd[cmd.index("--elastic-options") + 1] == (
+        f"stats_file={tmp_path / '.e.json'},gpu_free_low=0.02,band=0.1")
+    plain = te.parse(["--user-path"])
+    assert te.resolve(plain, ["static", "elastic"])[0] is None
+    assert te.server_cmd(8300, False, plain, tmp_path / ".e.json")[-1] == (
+        f"stats_file={tmp_path / '.e.json'}")
+    for bad, said in ((["--user-path", "--elastic-options", "gpu_free_low"], "'gpu_free_low'"),
+                      (["--user-path", "--elastic-options", "stats_file=x"], "stats_file"),
+                      (["--elastic-options", "band=0.1"], "--user-path")):
+        why = te.resolve(te.parse(bad), ["static", "elastic"])[0]
+        assert why and said in why
+    runs = []
+    for name, extra in (("plain", []), ("reserve", ["--elastic-options", "gpu_free_low=0.02"])):
+        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
+                   "--user-path", "--dry-run", *extra)
+        assert done.returncode in (0, 1), done.stderr
+        runs.append(tmp_path / name / "two_engines.json")
+    done = run("two_engines.py", tmp_path / "pool", "--pool", str(runs[0]), "--pool",
+               str(runs[1]))
+    assert done.returncode != 0
+    assert "elastic_options gpu_free_low=0.02 there, None before" in done.stdout + done.stderr

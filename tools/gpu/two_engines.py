@@ -188,8 +188,9 @@ def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = F
         return cmd
     if args.user_path:    # as the docs tell a user: `proxima serve MODEL --elastic`, no sizing
         cap = getattr(args, "user_kv_max_gib", None)   # --max-gib given: a capped engine
+        extra = f",{args.elastic_options}" if getattr(args, "elastic_options", None) else ""
         return [sys.executable, "-m", "proxima.cli", "serve", args.model] + cmd[5:] + [
-            "--elastic", "--elastic-options", f"stats_file={stats_file}"] + (
+            "--elastic", "--elastic-options", f"stats_file={stats_file}{extra}"] + (
                 ["--kv-max", f"{int(cap * GiB)}"] if cap else [])
     options = {"policy": "auto", "min_bytes": MIN_GIB * GiB, "max_bytes": int(args.max_gib * GiB),
                "release_delay_s": args.delay, "granule_bytes": args.granule_mib << 20,
@@ -642,7 +643,8 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
 # elastic engine, a single engine of another size: not runs to pool); the rest (budget, order,
 # ports) may differ
 LOAD_SETTINGS = ("engines", "requests", "prompt", "output", "shapes", "contexts", "tail",
-                 "enforce_eager", "model", "user_kv_max_gib", "single_util", "single_kv_gib")
+                 "enforce_eager", "model", "user_kv_max_gib", "single_util", "single_kv_gib",
+                 "elastic_options")
 
 
 def full_burst(burst: dict, output: int | None = None) -> bool:
@@ -901,6 +903,11 @@ def parse(argv=None):
                          "the product's release delay; --delay and --granule-mib then do not "
                          "apply, --max-gib only where given (default: off: vLLM's api_server "
                          "with Proxima's connector and those options)")
+    ap.add_argument("--elastic-options", default=None, metavar="K=V,...",
+                    help="with --user-path: more of serve's --elastic-options for every "
+                         "elastic server, e.g. gpu_free_low=0.02 (the share of the GPU a grow "
+                         "leaves free; 0.05 by default) to measure what the reserve costs "
+                         "(default: none, the product's defaults)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -976,6 +983,15 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
         return f"--static-kv-gib wants 0 (profile) or more GiB, got {args.static_kv_gib}", notes
     base = args.engine_gib
     args.user_kv_max_gib = args.max_gib if args.user_path else None
+    if args.elastic_options:
+        if not args.user_path:
+            return ("--elastic-options is for --user-path's servers (without it, give "
+                    "PROXIMA_PROOF_ELASTIC_OPTIONS as JSON)"), notes
+        bad = [item for item in args.elastic_options.split(",")
+               if "=" not in item or item.split("=", 1)[0].strip() in ("", "stats_file")]
+        if bad:
+            return (f"--elastic-options wants K=V items separated by commas (stats_file is "
+                    f"the driver's), got {bad[0]!r}"), notes
     if args.max_gib is None:
         args.max_gib = 72.0 if n == 2 else float(math.floor(
             args.gpu_gib - n * base - (n - 1) * MIN_GIB - 4))
@@ -1015,7 +1031,9 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                      "sizes itself (its 'elastic sizing:' log line); --delay and "
                      "--granule-mib do not apply" + (
                          f"; --max-gib {args.user_kv_max_gib:g} caps each (serve's --kv-max)"
-                         if args.user_kv_max_gib else ", nor --max-gib (not given)"))
+                         if args.user_kv_max_gib else ", nor --max-gib (not given)")
+                     + (f"; --elastic-options {args.elastic_options}"
+                        if args.elastic_options else ""))
     elif any(x in order for x in ("elastic", "compacted")):
         peak = n * base + (n - 1) * MIN_GIB + args.max_gib
         notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
