@@ -1047,6 +1047,22 @@ def test_driver_b_user_path_starts_proxima_serve_elastic_with_no_sizing_flag(tmp
     assert all(t >= -5 for b in bursts for k in "AB" for t, _, _ in b[f"events_{k}"])
 
 
+def _user_path_runs_do_not_pool(tmp_path, extras: dict, said: str) -> list:
+    """A dry --user-path run per ``extras`` (name -> more arguments), in that order; --pool of
+    the first two is refused, saying ``said``. The runs' json files."""
+    runs = []
+    for name, extra in extras.items():
+        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
+                   "--user-path", "--dry-run", *extra)
+        assert done.returncode in (0, 1), done.stderr
+        runs.append(tmp_path / name / "two_engines.json")
+    done = run("two_engines.py", tmp_path / "pool", "--pool", str(runs[0]), "--pool",
+               str(runs[1]))
+    assert done.returncode != 0
+    assert said in done.stdout + done.stderr
+    return runs
+
+
 def test_driver_b_user_path_max_gib_caps_each_engine_and_does_not_pool_with_uncapped(
         tmp_path, monkeypatch):
     """--user-path --max-gib G: each `proxima serve --elastic` gets --kv-max G GiB (a capped
@@ -1062,16 +1078,8 @@ def test_driver_b_user_path_max_gib_caps_each_engine_and_does_not_pool_with_unca
     free = te.parse(["--user-path", "--requests", "8"])
     assert te.resolve(free, ["static", "elastic"])[0] is None
     assert "--kv-max" not in te.server_cmd(8300, False, free, tmp_path / ".e.json")
-    runs = []
-    for name, cap in (("free", []), ("capped", ["--max-gib", "17"])):
-        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
-                   "--user-path", "--dry-run", *cap)
-        assert done.returncode in (0, 1), done.stderr
-        runs.append(tmp_path / name / "two_engines.json")
-    done = run("two_engines.py", tmp_path / "pool", "--pool", str(runs[0]), "--pool",
-               str(runs[1]))
-    assert done.returncode != 0
-    assert "user_kv_max_gib 17.0 there, None before" in done.stdout + done.stderr
+    runs = _user_path_runs_do_not_pool(tmp_path, {"free": [], "capped": ["--max-gib", "17"]},
+                                       "user_kv_max_gib 17.0 there, None before")
     # nor does a single engine of another KV size pool with the profiled one
     for name, kv in (("s0", "0"), ("s17", "17")):
         done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
@@ -1490,13 +1498,6 @@ def test_driver_b_user_path_elastic_options_reach_every_elastic_server_and_do_no
                       (["--elastic-options", "band=0.1"], "--user-path")):
         why = te.resolve(te.parse(bad), ["static", "elastic"])[0]
         assert why and said in why
-    runs = []
-    for name, extra in (("plain", []), ("reserve", ["--elastic-options", "gpu_free_low=0.02"])):
-        done = run("two_engines.py", tmp_path / name, "--budget", "120", "--requests", "8",
-                   "--user-path", "--dry-run", *extra)
-        assert done.returncode in (0, 1), done.stderr
-        runs.append(tmp_path / name / "two_engines.json")
-    done = run("two_engines.py", tmp_path / "pool", "--pool", str(runs[0]), "--pool",
-               str(runs[1]))
-    assert done.returncode != 0
-    assert "elastic_options gpu_free_low=0.02 there, None before" in done.stdout + done.stderr
+    _user_path_runs_do_not_pool(
+        tmp_path, {"plain": [], "reserve": ["--elastic-options", "gpu_free_low=0.02"]},
+        "elastic_options gpu_free_low=0.02 there, None before")
