@@ -1480,7 +1480,8 @@ def test_driver_b_user_path_elastic_options_reach_every_elastic_server_and_do_no
         tmp_path, monkeypatch):
     """--user-path --elastic-options K=V,...: serve's --elastic-options of every elastic
     server get them after the driver's stats_file (to measure, e.g., what the 5 % reserve
-    costs); a bad item or the driver's own key is refused in one line; without --user-path
+    costs); what serve would refuse (serve's own check) or the driver's own key is refused
+    in one line, before any server starts; without --user-path
     it is refused; a run with them is another load to --pool (older runs, without the
     setting, still pool with runs that give none)."""
     te = _two_engines(monkeypatch)
@@ -1493,8 +1494,12 @@ def test_driver_b_user_path_elastic_options_reach_every_elastic_server_and_do_no
     assert te.resolve(plain, ["static", "elastic"])[0] is None
     assert te.server_cmd(8300, False, plain, tmp_path / ".e.json")[-1] == (
         f"stats_file={tmp_path / '.e.json'}")
-    for bad, said in ((["--user-path", "--elastic-options", "gpu_free_low"], "'gpu_free_low'"),
-                      (["--user-path", "--elastic-options", "stats_file=x"], "stats_file"),
+    for bad, said in ((["--user-path", "--elastic-options", "gpu_free_low"],
+                       "--elastic-options: 'gpu_free_low' is not key=value"),
+                      (["--user-path", "--elastic-options", "gpu_free_low=2"],
+                       "--elastic-options: gpu_free_low: 2 is out of range"),
+                      (["--user-path", "--elastic-options", "stats_file=x"],
+                       "stats_file is the driver's"),
                       (["--elastic-options", "band=0.1"], "--user-path")):
         why = te.resolve(te.parse(bad), ["static", "elastic"])[0]
         assert why and said in why

@@ -987,11 +987,16 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
         if not args.user_path:
             return ("--elastic-options is for --user-path's servers (without it, give "
                     "PROXIMA_PROOF_ELASTIC_OPTIONS as JSON)"), notes
-        bad = [item for item in args.elastic_options.split(",")
-               if "=" not in item or item.split("=", 1)[0].strip() in ("", "stats_file")]
-        if bad:
-            return (f"--elastic-options wants K=V items separated by commas (stats_file is "
-                    f"the driver's), got {bad[0]!r}"), notes
+        # serve's own check, here: a bad value is refused before any GPU time is spent
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from proxima.config import ConfigError, elastic_options_text
+
+        try:
+            given = elastic_options_text(args.elastic_options, "--elastic-options")
+        except ConfigError as exc:
+            return str(exc), notes
+        if "stats_file" in given:
+            return "--elastic-options: stats_file is the driver's: leave it out", notes
     if args.max_gib is None:
         args.max_gib = 72.0 if n == 2 else float(math.floor(
             args.gpu_gib - n * base - (n - 1) * MIN_GIB - 4))
