@@ -1506,3 +1506,59 @@ def test_driver_b_user_path_elastic_options_reach_every_elastic_server_and_do_no
     _user_path_runs_do_not_pool(
         tmp_path, {"plain": [], "reserve": ["--elastic-options", "gpu_free_low=0.02"]},
         "elastic_options gpu_free_low=0.02 there, None before")
+
+
+def test_driver_b_endpoint_setup_is_one_proxima_serve_whose_idle_models_sleep(
+        tmp_path, monkeypatch):
+    """--only ...,endpoint: ONE `proxima serve --models FILE` with the engines as models A, B
+    of the same path, each sleep_after --sleep-after (the file is read by the product's own
+    loader: a mistake in it would cost a device call), bursts sent to the one port with
+    "model": A or B; it pools against static (ABBA) as elastic does."""
+    from proxima.serve import multi_config
+
+    te = _two_engines(monkeypatch)
+    args = te.parse(["--shapes", "4000:1024:96", "--sleep-after", "3"])
+    assert te.resolve(args, ["static", "endpoint"])[0] is None
+    stats = {k: tmp_path / f".endpoint-{k}-elastic.json" for k in "AB"}
+    out = sys.modules["proofkit"].Out(tmp_path / "o", "two_engines")
+    cmd = te.endpoint_cmd(out, args, stats)
+    assert cmd[1:5] == ["-m", "proxima.cli", "serve", "--host"]
+    plan = multi_config.load_models_file(cmd[cmd.index("--models") + 1])
+    assert [(m.name, m.path, m.sleep_after, m.port) for m in plan.models] == [
+        ("A", args.model, 3.0, 8310), ("B", args.model, 3.0, 8311)]
+    assert "--idle-release" in plan.models[0].elastic_args()      # the KV before the weights
+    assert plan.common[plan.common.index("--max-model-len") + 1] == "7024"
+    assert te.sleep_events(
+        "[x] model B: asleep in 2.31 s (idle 3 s; weights ~14.96 GiB in host memory)\n"
+        "model B: awake in 0.91 s (room 0.50 s, wake 0.41 s)\n") == [
+            ["B", "asleep", 2.31], ["B", "awake", 0.91]]
+    bad = run("two_engines.py", tmp_path / "bad", "--only", "endpoint", "--sleep-after",
+              "0.5")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--sleep-after wants seconds from 1 to 86400" in bad.stderr and "0.5" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    done = run("two_engines.py", tmp_path / "dry", "--budget", "120", "--requests", "8",
+               "--only", "static,endpoint", "--port", "0")
+    assert done.returncode in (0, 1), done.stderr
+    c = json.loads((tmp_path / "dry" / "two_engines.json").read_text())["subproofs"]["c"]
+    ep = c["endpoint"]
+    assert "--models" in ep["command"] and ep["sleep_after"] == 5.0
+    assert [(b["engine"], b["errors"], b["output_tokens"]) for b in ep["bursts"]] == [
+        ("A", 0, 8 * 512), ("B", 0, 8 * 512)]
+    assert c["summary"]["endpoint"]["to_static"] == round(
+        ep["aggregate_output_tokens_per_s"] / c["static"]["aggregate_output_tokens_per_s"], 3)
+    # pooled with static, ABBA, with no elastic run at all
+    s = {"bursts": [_te_burst(0, "A", 10.0), _te_burst(0, "B", 10.0)]}
+    e = {"bursts": [_te_burst(0, "A", 4.0), _te_burst(0, "B", 6.0)], "sleep_after": 5.0}
+    files = [_te_file(tmp_path / "1.json", {"static": s, "endpoint": e}),
+             _te_file(tmp_path / "2.json", {"endpoint": e, "static": s})]
+    pooled = run("two_engines.py", tmp_path / "p", *[x for f in files for x in ("--pool", f)])
+    assert pooled.returncode == 0, pooled.stderr
+    (w,) = json.loads((tmp_path / "p" / "two_engines-pooled.json").read_text())[
+        "subproofs"]["pooled"]["workloads"]
+    assert w["endpoint_ratio"] == 2.0 and w["ratio"] is None
+    assert [p["ratio"] for p in w["endpoint_pairs"]] == [2.0] * 4
+    assert "endpoint / static 2.0" in pooled.stdout
+    other = _te_file(tmp_path / "3.json", {"endpoint": {**e, "sleep_after": 9.0}, "static": s})
+    refused = run("two_engines.py", tmp_path / "q", "--pool", files[0], "--pool", other)
+    assert refused.returncode == 2 and "--sleep-after differ (5, 9)" in refused.stderr

@@ -15,6 +15,12 @@ times). Run twice, on the same schedule:
   after the other (a profile run is upset by another engine loading beside it);
 * single (``--only ...,single``): the upper bound of any sharing, ONE stock engine holding
   the GPU's whole KV (``--single-util`` 0.9), every engine's bursts sent to it in turn;
+* endpoint (``--only ...,endpoint``): ONE ``proxima serve --models FILE`` with the N engines
+  as models A, B, ... of the same path (each elastic, self-sized, ``sleep_after``
+  ``--sleep-after`` seconds): a model idle that long gives back its KV and then its weights
+  (host memory), so the busy one can grow into them; its next request wakes it (held, not
+  refused). Requests go to the one endpoint with "model": A, B, ...; each engine's counters
+  are read from its local port (``--port`` + 10 + i);
 * elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
   of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
@@ -131,9 +137,11 @@ def work_total(bursts) -> dict:
 # healthy after 155 s against 100-122 s warm, a stock start cut off after 75 s), the shortest
 # burst, a setup's stop.
 GPU_PLAN = {"start": 80.0, "start_each_more": 10.0, "elastic_more": 25.0, "cold_more": 50.0,
-            "burst": 15.0, "stop": 15.0}
+            "burst": 15.0, "stop": 15.0, "endpoint_more": 25.0}
 DRY_PLAN = {"start": 2.0, "start_each_more": 0.5, "elastic_more": 0.0, "cold_more": 0.0,
-            "burst": 1.0, "stop": 1.0}
+            "burst": 1.0, "stop": 1.0, "endpoint_more": 0.5}
+#: the setups --only takes
+SETUPS = ("static", "elastic", "compacted", "single", "endpoint")
 
 
 def compile_cache_root() -> Path:
@@ -204,6 +212,59 @@ def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = F
     return cmd + ["--gpu-memory-utilization", str(elastic_util(args.engines)),
                   "--kv-cache-memory-bytes", str(int(args.max_gib * GiB)),
                   "--kv-transfer-config", json.dumps(ktc)]
+
+
+def endpoint_ports(args) -> dict[str, int]:
+    """The endpoint setup's engines' local ports (their counters are read there)."""
+    return {k: args.port + 10 + i for i, k in enumerate(names(args.engines))}
+
+
+def endpoint_cmd(out: kit.Out, args, stats: dict) -> list[str]:
+    """The endpoint setup's one command: ``proxima serve --models FILE`` with the N engines
+    as models A, B, ... of ``--model``, each self-sized and elastic, ``sleep_after``
+    ``--sleep-after`` (the file is written into ``out``; the stand-in reads only the names)."""
+    common = ["--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--max-num-seqs",
+              str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)] + (
+                  ["--enforce-eager"] if args.enforce_eager else [])
+    extra = f",{args.elastic_options}" if args.elastic_options else ""
+    models = [{"name": k, "path": args.model, "port": port, "sleep_after": args.sleep_after,
+               "args": ["--elastic-options", f"stats_file={stats[k]}{extra}"]}
+              for k, port in endpoint_ports(args).items()]
+    spec = out.dir / ".endpoint-models.json"
+    spec.write_text(json.dumps({"args": common, "models": models}, indent=2) + "\n")
+    if args.dry_run:
+        return [sys.executable, str(Path(__file__).resolve().parent / "fake_multi.py"),
+                "--port", str(args.port), "--models", str(spec)]
+    return [sys.executable, "-m", "proxima.cli", "serve", "--host", "127.0.0.1", "--port",
+            str(args.port), "--models", str(spec)]
+
+
+#: the endpoint's log lines of its models' sleeps and wakes (proxima.serve.sleepwake)
+SLEEP_LINE = re.compile(r"model (\S+): (asleep|awake) in ([\d.]+) s")
+
+
+def sleep_events(text: str) -> list[list]:
+    """[model, "asleep"/"awake", seconds] for each sleep and wake the endpoint logged."""
+    return [[m.group(1), m.group(2), float(m.group(3))] for m in SLEEP_LINE.finditer(text)]
+
+
+def elastic_active(log: str, models=()) -> bool:
+    """Whether a server's log says it runs with elastic KV ("Proxima elastic KV"): the
+    endpoint's, for each of its ``models`` (its engines' lines come prefixed "[NAME] ")."""
+    lines = [line for line in log.splitlines() if "Proxima elastic KV" in line]
+    return all(any(f"[{m}] " in line for line in lines) for m in models) if models \
+        else bool(lines)
+
+
+def gpu_apps() -> int | None:
+    """How many compute processes nvidia-smi lists (None: no answer)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return len(done.stdout.split()) if done.returncode == 0 else None
 
 
 def triples(text: str, option: str, form: str, least: tuple[int, int, int],
@@ -438,12 +499,14 @@ def starts_together(static: bool, args) -> bool:
 
 def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, env) -> dict:
     """Start the N engines, run the schedule, stop them. Returns the setup's figures."""
-    single = name == "single"
+    single, endpoint = name == "single", name == "endpoint"
     ports = {k: args.port + i for i, k in enumerate(names(args.engines))}
     stats = {k: out.dir / f".{name}-{k}-elastic.json" for k in ports}
-    # the single setup starts A's server only and sends every engine's bursts to it
-    started = {"A": args.port} if single else ports
-    target = {k: args.port for k in ports} if single else ports
+    # the single setup starts A's server only and sends every engine's bursts to it; the
+    # endpoint setup starts one process (the endpoint) that starts every engine
+    started = {"A": args.port} if single else {"all": args.port} if endpoint else ports
+    target = {k: args.port for k in ports} if single or endpoint else ports
+    counters = endpoint_ports(args) if endpoint else target    # where /metrics is read
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
@@ -453,7 +516,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
 
         def launch(key: str, port: int) -> None:
             engine_env = dict(env)
-            if not static:
+            if endpoint:        # it sets the switches for its engines, vLLM their ports
+                cmd = endpoint_cmd(out, args, stats)
+                result.update(command=" ".join(cmd), sleep_after=args.sleep_after)
+            elif not static:
                 engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
                                   VLLM_PORT=str(21000 + 100 * (port - args.port)))
                 if name == "compacted":         # issue 14: KV compaction on as well
@@ -464,8 +530,9 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 engine_env.update(VLLM_PORT=str(23000 + 100 * (port - args.port)))
             t0[key] = time.monotonic()
             out.log(f"  {name}: starting server {key} on port {port}")
-            procs[key] = kit.start(server_cmd(port, static, args, stats[key], single), engine_env,
-                                   out.child_log(f"{name}-{key}"))
+            if not endpoint:
+                cmd = server_cmd(port, static, args, stats[key], single)
+            procs[key] = kit.start(cmd, engine_env, out.child_log(f"{name}-{key}"))
 
         def await_healthy(key: str, port: int) -> None:
             up = kit.wait_for(lambda: healthy(port) or procs[key].poll() is not None,
@@ -477,7 +544,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             out.log(f"  {name}: server {key} healthy after {result[f'start_{key}_s']}s")
             if not static and not args.dry_run:
                 log = out.child_log(f"{name}-{key}").read_text(errors="replace")
-                result[f"elastic_{key}_active"] = "Proxima elastic KV" in log
+                result[f"elastic_{key}_active"] = elastic_active(log, ports if endpoint else ())
                 if not result[f"elastic_{key}_active"]:
                     raise RuntimeError(f"server {key} runs without elastic KV memory (no "
                                        f"'Proxima elastic KV' line in its log: is Proxima's "
@@ -506,7 +573,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = target[key]
-            before = metrics(port, SCRAPED)
+            before = metrics(counters[key], SCRAPED)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
             prompt, output, n = shape or (args.prompt, args.output, args.requests or 0)
@@ -519,9 +586,14 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     output=tail_tokens), left + args.burst_timeout))
             sampler = Sampler(stats)
             t_burst = time.monotonic()   # the engines' policy clock is the same monotonic one
-            burst = asyncio.run(run_burst(port, args.model, requests, left))
+            burst = asyncio.run(run_burst(port, key if endpoint else args.model, requests,
+                                          left))
             burst["mapped_during"] = sampler.stop()
-            after = metrics(port, SCRAPED)
+            after = metrics(counters[key], SCRAPED)
+            if endpoint:        # the models' sleeps and wakes the endpoint logged meanwhile
+                seen = sleep_events(out.child_log(f"{name}-all").read_text(errors="replace"))
+                burst["sleep_events"] = seen[len(result.setdefault("sleep_events", [])):]
+                result["sleep_events"] = seen
             n_burst = len(BURST_METRICS)
             burst["work"] = burst_work(before[n_burst:], after[n_burst:], burst["wall_s"])
             before, after = before[:n_burst], after[:n_burst]
@@ -594,9 +666,11 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     os.killpg(proc.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
-        for key in list(procs):
-            kit.stop(procs[key], timeout=20)
+        for key in list(procs):     # the endpoint stops its engines one after the other
+            kit.stop(procs[key], timeout=60 if endpoint else 20)
         time.sleep(0.2 if args.dry_run else 3)   # the engine cores' GPU memory comes back
+        if endpoint and not args.dry_run:       # its engines are in groups of their own
+            kit.wait_for(lambda: gpu_apps() in (0, None), 60, every=2.0)
 
 
 def percentiles(values: list[float]) -> dict:
@@ -669,7 +743,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
     p50/p99 over every request of those bursts; each elastic run against each static run; each
     setup's runs against each other (its spread); per run, its bursts not run in full (one
     still running at its timeout, or with fewer than ``output`` tokens an answer)."""
-    setups = ("static", "elastic", "single", "compacted")
+    setups = ("static", "elastic", "single", "compacted", "endpoint")
     per = {n: [(label, {(b["round"], b["engine"]): b for b in c[n]["bursts"]
                         if full_burst(b, output)},
                 c[n]) for label, c in runs if isinstance(c.get(n), dict) and c[n].get("bursts")]
@@ -689,7 +763,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
     def label(b):
         return b.get("shape") or b.get("contexts") or "all"
 
-    both = keys_of("static") & keys_of("elastic")
+    both = keys_of("static") & (keys_of("elastic") | keys_of("endpoint"))
     out = {"runs": {n: [{"run": lab, "full_bursts": len(f),
                          "not_full": [i + 1 for i, b in enumerate(r["bursts"])
                                       if not full_burst(b, output)],
@@ -697,7 +771,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
                         for lab, f, r in per[n]] for n in setups if per[n]},
            "workloads": []}
     if not both:
-        out["why"] = "no burst that static and elastic both ran in full"
+        out["why"] = "no burst that static and elastic (or endpoint) both ran in full"
         return out
     workloads = sorted({label(b) for _, f, _ in per["static"] for k, b in f.items() if k in both},
                        key=str)
@@ -717,14 +791,26 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
                 row[n]["work"] = work
         row["ratio"] = ratio(row.get("elastic", {}).get("tok_s"), row["static"]["tok_s"])
         if "single" in row:
-            row["elastic_to_single"] = ratio(row["elastic"]["tok_s"], row["single"]["tok_s"])
-        runs_of = {n: [(lab, f) for lab, f, _ in per[n]] for n in ("static", "elastic")}
+            row["elastic_to_single"] = ratio(row.get("elastic", {}).get("tok_s"),
+                                             row["single"]["tok_s"])
+        runs_of = {n: [(lab, f) for lab, f, _ in per[n]] for n in ("static", "elastic",
+                                                                    "endpoint")}
         row["pairs"] = kit.run_pairs(("elastic", runs_of["elastic"]),
                                      ("static", runs_of["static"]), rate,
                                      lambda k, b: label(b) == w)
         row["spread"] = {n: kit.run_spread(runs_of[n], rate,
                                            lambda k, b: k in both and label(b) == w)
-                         for n in ("static", "elastic")}
+                         for n in ("static", "elastic", "endpoint") if runs_of[n]}
+        if "endpoint" in row:       # the one endpoint whose idle models sleep
+            row["endpoint_ratio"] = ratio(row["endpoint"]["tok_s"], row["static"]["tok_s"])
+            row["endpoint_to_elastic"] = ratio(row["endpoint"]["tok_s"],
+                                               row.get("elastic", {}).get("tok_s"))
+            if "single" in row:
+                row["endpoint_to_single"] = ratio(row["endpoint"]["tok_s"],
+                                                  row["single"]["tok_s"])
+            row["endpoint_pairs"] = kit.run_pairs(("endpoint", runs_of["endpoint"]),
+                                                  ("static", runs_of["static"]), rate,
+                                                  lambda k, b: label(b) == w)
         out["workloads"].append(row)
     return out
 
@@ -746,6 +832,13 @@ def pool_main(args) -> int:
                   f"the others'; pool runs of one load", file=sys.stderr)
             return 2
         runs.append((path, c))
+    sleeps = {(c.get("endpoint") or {}).get("sleep_after") for _, c in runs
+              if isinstance(c.get("endpoint"), dict)}
+    if len(sleeps) > 1:
+        print(f"two_engines: --pool: the endpoint runs' --sleep-after differ "
+              f"({', '.join(sorted(f'{x:g}' for x in sleeps if x is not None))}): pool runs "
+              f"of one", file=sys.stderr)
+        return 2
     out = kit.Out(Path(args.out), "two_engines-pooled")
     out.results["settings"] = {"pool": args.pool, **mine}
     summary = pool(runs, mine.get("output"))
@@ -759,9 +852,14 @@ def pool_main(args) -> int:
                 f"{[p['ratio'] for p in row['pairs']]}; static's spread "
                 f"{[x['ratio'] for x in row['spread']['static']]}"
                 + (f"; elastic / single {row['elastic_to_single']}" if "single" in row else "")
+                + (f"; endpoint / static {row['endpoint_ratio']} ({row['endpoint']['tok_s']} "
+                   f"tok/s, pairs {[p['ratio'] for p in row['endpoint_pairs']]}), / elastic "
+                   f"{row['endpoint_to_elastic']}, / single {row.get('endpoint_to_single')}"
+                   if "endpoint" in row else "")
                 + "".join(f"; {n} {row[n]['work']['ms_per_step']} ms and "
                           f"{row[n]['work']['tokens_per_step']} tokens a step"
-                          for n in ("static", "elastic", "single") if "work" in row.get(n, {})))
+                          for n in ("static", "elastic", "single", "endpoint")
+                          if "work" in row.get(n, {})))
     if not summary["workloads"]:
         out.log(f"nothing pooled: {summary.get('why')}")
     out.results["summary_lines"] = [json.dumps(summary)]
@@ -862,7 +960,9 @@ def parse(argv=None):
                     help="setups to run, in this order: static, elastic, compacted (elastic "
                          "with KV compaction, issue 14), single (the upper bound of any "
                          "sharing: ONE stock engine with the GPU's whole KV, --single-util, "
-                         "every engine's bursts sent to it in turn) (default: %(default)s)")
+                         "every engine's bursts sent to it in turn), endpoint (one "
+                         "`proxima serve --models` with the engines as models that sleep "
+                         "when idle, --sleep-after) (default: %(default)s)")
     ap.add_argument("--single-util", type=float, default=0.9,
                     help="the single setup's gpu_memory_utilization (default: %(default)s)")
     ap.add_argument("--single-kv-gib", type=float, default=0.0,
@@ -908,6 +1008,10 @@ def parse(argv=None):
                          "elastic server, e.g. gpu_free_low=0.02 (the share of the GPU a grow "
                          "leaves free; 0.05 by default) to measure what the reserve costs "
                          "(default: none, the product's defaults)")
+    ap.add_argument("--sleep-after", type=float, default=5.0,
+                    help="the endpoint setup: each model's sleep_after, seconds idle before it "
+                         "gives back its KV and its weights (at least 1) (default: "
+                         "%(default)s)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -983,10 +1087,13 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
         return f"--static-kv-gib wants 0 (profile) or more GiB, got {args.static_kv_gib}", notes
     base = args.engine_gib
     args.user_kv_max_gib = args.max_gib if args.user_path else None
+    if "endpoint" in order and not 1 <= args.sleep_after <= 86400:
+        return (f"--sleep-after wants seconds from 1 to 86400 (the endpoint's sleep_after), "
+                f"got {args.sleep_after:g}"), notes
     if args.elastic_options:
-        if not args.user_path:
-            return ("--elastic-options is for --user-path's servers (without it, give "
-                    "PROXIMA_PROOF_ELASTIC_OPTIONS as JSON)"), notes
+        if not args.user_path and "endpoint" not in order:
+            return ("--elastic-options is for --user-path's servers and the endpoint's "
+                    "models (without them, give PROXIMA_PROOF_ELASTIC_OPTIONS as JSON)"), notes
         # serve's own check, here: a bad value is refused before any GPU time is spent
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         from proxima.config import ConfigError, elastic_options_text
@@ -1039,7 +1146,14 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                          if args.user_kv_max_gib else ", nor --max-gib (not given)")
                      + (f"; --elastic-options {args.elastic_options}"
                         if args.elastic_options else ""))
-    elif any(x in order for x in ("elastic", "compacted")):
+    if "endpoint" in order:
+        notes.append(f"endpoint: one `proxima serve --models FILE`, models "
+                     f"{', '.join(names(n))} of {Path(args.model).name}, no sizing flag, "
+                     f"sleep_after {args.sleep_after:g} s each (engines' counters on ports "
+                     f"{args.port + 10}-{args.port + 9 + n})"
+                     + (f"; --elastic-options {args.elastic_options}"
+                        if args.elastic_options else ""))
+    if not args.user_path and any(x in order for x in ("elastic", "compacted")):
         peak = n * base + (n - 1) * MIN_GIB + args.max_gib
         notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
                      f"the other {n - 1} at {MIN_GIB} GiB: {n} x {base} + {n - 1} x {MIN_GIB} "
@@ -1061,6 +1175,8 @@ def setup_seconds(name: str, args, cold: bool = False) -> tuple[float, str]:
         + (c["cold_more"] if cold else 0.0)
     if name == "single":
         start, n, together = one, 1, True
+    elif name == "endpoint":    # its own checks, then its engines side by side
+        start, together = one + c["start_each_more"] * (n - 2) + c["endpoint_more"], True
     else:
         start = one + c["start_each_more"] * (n - 2) if together else one * n
     bursts = args.engines * args.rounds
@@ -1101,10 +1217,10 @@ def main() -> int:
     if args.pool:
         return pool_main(args)
     order = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(order) - {"static", "elastic", "compacted", "single"})
+    unknown = sorted(set(order) - set(SETUPS))
     if unknown:
-        print(f"two_engines: unknown setup(s) {', '.join(unknown)} in --only: give static, "
-              f"elastic, compacted and/or single", file=sys.stderr)
+        print(f"two_engines: unknown setup(s) {', '.join(unknown)} in --only: give "
+              f"{', '.join(SETUPS[:-1])} and/or {SETUPS[-1]}", file=sys.stderr)
         return 2
     error, notes = resolve(args, order)
     if error:
@@ -1211,6 +1327,21 @@ def main() -> int:
             "static_to_single": round(s["aggregate_output_tokens_per_s"]
                                       / one["aggregate_output_tokens_per_s"], 3)
             if s and s.get("aggregate_output_tokens_per_s") else None}
+    ep = results.get("endpoint")
+    if ep and ep.get("aggregate_output_tokens_per_s"):
+        # one endpoint whose idle models sleep: what their weights' memory adds
+        def to(other):
+            r = results.get(other) or {}
+            return round(ep["aggregate_output_tokens_per_s"] / r["aggregate_output_tokens_per_s"],
+                         3) if r.get("aggregate_output_tokens_per_s") else None
+        events = ep.get("sleep_events") or []
+        summary["endpoint"] = {
+            "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
+            "preemptions": ep["preemptions"], "ttft_p50_s": ep["ttft_p50_s"],
+            "ttft_p99_s": ep["ttft_p99_s"], "sleep_after_s": ep.get("sleep_after"),
+            "to_static": to("static"), "to_elastic": to("elastic"), "to_single": to("single"),
+            "sleeps": sum(1 for ev in events if ev[1] == "asleep"),
+            "wake_s": [ev[2] for ev in events if ev[1] == "awake"]}
     if s and e and args.contexts and len(args.contexts) > 1:
         summary["per_workload"] = per_workload(s, e, args.contexts)
     if s and e and args.shapes:
