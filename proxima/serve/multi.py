@@ -456,14 +456,15 @@ def run(argv: list[str]) -> int:
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
     from proxima.serve import autosize
-    from proxima.serve.sleepwake import gpu_room
+    from proxima.serve.sleepwake import gpu_demand, gpu_room
 
-    room = gpu_room(autosize.gpu_facts(facts)[2])
+    uuid = autosize.gpu_facts(facts)[2]
+    room = gpu_room(uuid)
     together, why = start_side_by_side(plan, facts)
     log.info("the engines start %s (%s)", "side by side" if together else "one after another",
              why)
     return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan), side_by_side=together,
-                             sleep_options={"make_room": room,
+                             sleep_options={"make_room": room, "demand": gpu_demand(uuid),
                                             "capacity": plan_residency(plan, facts, engines)}))
 
 

@@ -82,6 +82,7 @@ class Backend:
     wakes: int = 0
     wake_failures: int = 0
     last_wake_s: float | None = None
+    woke_at: float = float("-inf")   # monotonic: when its last wake ended
 
     @property
     def ready(self) -> bool:

@@ -19,6 +19,15 @@ A wake that fails or times out answers the held requests 503 in OpenAI's error s
 log line per sleep and per wake, with the seconds it took. An engine that restarts
 starts awake.
 
+For another engine's demand (``demand``: the GPU's ledger): a model that may sleep, has
+been idle for ``DEMAND_IDLE_S`` (or its ``sleep_after``, if shorter) and was not woken in
+the last ``WAKE_HOLD_S``, is put to sleep before its ``sleep_after`` when another engine on
+the GPU posts unmet demand (it wants memory the GPU cannot give: a busy model's KV, a wake's
+weights), its KV given back at once ("model X sleeps for the GPU's other engines: Y GiB
+wanted"). One at a time, the least recently used first. Its next request wakes it as
+usual. The hold keeps a model that has requests now and then from being slept and woken
+over and over while another is busy.
+
 More models than fit at once (``capacity``: what the GPU has for the models, with each
 backend's ``awake_bytes`` / ``asleep_bytes`` from :mod:`proxima.serve.residency`): before
 a wake, and before an engine starts or restarts (:meth:`SleepWake.admit`, the supervisor's
@@ -48,6 +57,8 @@ WAKE_TIMEOUT_S = 120.0          # room + wake, at most
 SLEEP_TIMEOUT_S = 5.0
 SLEEP_RETRY_S = 10.0            # after a sleep the engine refused (a request came, ...)
 RETRY_AFTER_S = "10"
+DEMAND_IDLE_S = 10.0            # idle this long, a sleeper may sleep for another's demand
+WAKE_HOLD_S = 60.0              # ... but not within this long of its last wake
 
 
 class WakeFailed(Exception):
@@ -55,6 +66,8 @@ class WakeFailed(Exception):
 
 
 RoomFn = Callable[[str, int, float], Awaitable[None]]
+#: the GPU's engines' unmet demand: (the engine's port, bytes wanted) for each that wants
+DemandFn = Callable[[], list[tuple[int, int]]]
 
 
 class SleepWake:
@@ -63,9 +76,13 @@ class SleepWake:
     def __init__(self, router, *, make_room: RoomFn | None = None,
                  wake_timeout: float = WAKE_TIMEOUT_S, sleep_timeout: float = SLEEP_TIMEOUT_S,
                  retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, demand: DemandFn | None = None,
+                 demand_idle_s: float = DEMAND_IDLE_S, wake_hold_s: float = WAKE_HOLD_S):
         self.router = router
         self.make_room = make_room
+        self.demand = demand
+        self.demand_idle_s = demand_idle_s
+        self.wake_hold_s = wake_hold_s
         self.capacity = capacity            # bytes the models may hold (None: not counted)
         self._room = asyncio.Lock()         # one wake or start makes room at a time
         self.wake_timeout = wake_timeout
@@ -145,6 +162,46 @@ class SleepWake:
             await asyncio.sleep(self.tick_s)
             for backend in self.tick(time.monotonic()):
                 self._start_sleep(backend)
+            wanted = await self._for_demand(time.monotonic())
+            if wanted is not None:
+                self._start_sleep(wanted, release=True)
+
+    async def _for_demand(self, now: float):
+        """:meth:`for_demand`, the ledger read off the event loop (None when no model could
+        sleep for it: the ledger is then not read)."""
+        if self.demand is None or self._sleeps or not self._demand_candidates(now):
+            return None
+        try:
+            wanted = await asyncio.to_thread(self.demand)
+        except Exception as exc:  # noqa: BLE001 - an unreadable ledger: no demand seen
+            log.debug("the GPU's ledger could not be read (%s)", exc)
+            return None
+        return self.for_demand(now, wanted)
+
+    def _demand_candidates(self, now: float) -> list:
+        return [b for b in self.router.backends.values()
+                if b.sleep_after and b.ready and b.pid is not None
+                and b.sleep_state == AWAKE and b.in_flight == 0 and b.name not in self._sleeps
+                and now - b.last_request >= min(b.sleep_after, self.demand_idle_s)
+                and now >= b.sleep_retry_at and now - b.woke_at >= self.wake_hold_s]
+
+    def for_demand(self, now: float, wanted: list[tuple[int, int]]):
+        """The model to put to sleep now for the other engines' unmet demand ``wanted``
+        ((port, bytes) of each engine on the GPU that wants; see the module's doc), or
+        None. Logs why."""
+        if self._sleeps:
+            return None             # one at a time: a sleep in flight is freeing memory
+
+        def others(backend) -> int:
+            port = _port(backend.url)
+            return sum(b for p, b in wanted if b > 0 and p != port)
+
+        chosen = residency.victim([b for b in self._demand_candidates(now) if others(b) > 0],
+                                  lambda b: b.last_request)
+        if chosen is not None:
+            log.info("model %s sleeps for the GPU's other engines: %.2f GiB wanted (idle "
+                     "%.0f s)", chosen.name, others(chosen) / 2**30, now - chosen.last_request)
+        return chosen
 
     def tick(self, now: float) -> list:
         """The models due to sleep now. A model's idle time counts from its last request,
@@ -237,7 +294,8 @@ class SleepWake:
             raise
         backend.sleep_state = AWAKE
         backend.wakes += 1
-        backend.last_wake_s = time.monotonic() - began
+        backend.woke_at = time.monotonic()
+        backend.last_wake_s = backend.woke_at - began
         backend.last_request = time.monotonic()
         log.info("model %s: awake in %.2f s (room %.2f s, wake %.2f s)", backend.name,
                  backend.last_wake_s, room_s, backend.last_wake_s - room_s)
@@ -383,6 +441,12 @@ class SleepWake:
             return answer.status, payload if isinstance(payload, dict) else {}
 
 
+def _port(url: str) -> int | None:
+    """The port of an engine's ``http://host:PORT`` (None: none said)."""
+    tail = url.rstrip("/").rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def _why(answer: dict) -> str:
     error = answer.get("error")
     if isinstance(error, dict):
@@ -393,6 +457,20 @@ def _why(answer: dict) -> str:
 def unavailable_message(backend, why: str) -> str:
     """What the held requests are told (503, OpenAI's error shape) when the wake failed."""
     return f"The model `{backend.name}` is asleep and could not be woken now: {why}. Retry later."
+
+
+def gpu_demand(uuid: str | None, ledger_dir: str | None = None) -> DemandFn | None:
+    """The unmet demand on the GPU ``uuid``'s ledger: (port, bytes) of each live engine that
+    wants memory the GPU cannot give now. None without a GPU uuid."""
+    if not uuid:
+        return None
+    from proxima.memory.ledger import ledger_path, live_records
+
+    path = ledger_path(uuid, ledger_dir)
+
+    def demand() -> list[tuple[int, int]]:
+        return [(r.port, r.unmet) for r in live_records(path) if r.unmet > 0]
+    return demand
 
 
 def gpu_room(uuid: str | None, ledger_dir: str | None = None,

@@ -249,3 +249,75 @@ def test_a_wakes_room_is_asked_of_the_other_engines_through_the_gpus_ledger(tmp_
     with pytest.raises(WakeFailed, match="did not give back the 3.00 GiB its weights need"):
         asyncio.run(stuck("alpha", 8 * GiB, 0.5))
     assert live_records(path) == ()
+
+
+def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
+    """Before its sleep_after: a model that may sleep, idle DEMAND_IDLE_S and not woken
+    within WAKE_HOLD_S, is chosen when another engine on the GPU wants memory it cannot
+    get; never for its own demand, never with a request in flight, one at a time, the
+    least recently used first."""
+    from types import SimpleNamespace
+
+    from proxima.serve.router import READY, Backend
+    from proxima.serve.sleepwake import DEMAND_IDLE_S, WAKE_HOLD_S, SleepWake
+
+    GiB = 2**30
+    a = Backend(name="a", url="http://127.0.0.1:8101", sleep_after=600, state=READY, pid=11)
+    b = Backend(name="b", url="http://127.0.0.1:8102", sleep_after=None, state=READY, pid=12)
+    c = Backend(name="c", url="http://127.0.0.1:8103", sleep_after=600, state=READY, pid=13)
+    sw = SleepWake(SimpleNamespace(backends={"a": a, "b": b, "c": c}), demand=lambda: [])
+    start = max(a.last_request, c.last_request)
+    c.last_request = start + 5                        # used more recently than a
+    busy = [(8102, 5 * GiB)]
+    assert sw.for_demand(start + DEMAND_IDLE_S - 0.1, busy) is None      # not idle enough
+    assert sw.for_demand(start + DEMAND_IDLE_S, busy) is a               # b may never sleep
+    assert sw.for_demand(start + DEMAND_IDLE_S, []) is None              # nobody wants
+    assert sw.for_demand(start + DEMAND_IDLE_S, [(8101, 5 * GiB)]) is None   # a's own
+    assert sw.for_demand(start + 99, [(8101, 5 * GiB)]) is c             # a's, for c
+    assert sw.tick(start + 99) == []                                     # sleep_after 600
+    end = sw.begin(a)
+    assert sw.for_demand(start + 99, busy) is c                          # a is serving
+    end()
+    a.last_request = t = start + 100                  # its request ended (after its wake)
+    a.woke_at, c.woke_at = t - 1, t - WAKE_HOLD_S
+    assert sw.for_demand(t + DEMAND_IDLE_S, busy) is c                   # a woke just now
+    c.sleep_state = "asleep"
+    assert sw.for_demand(t + WAKE_HOLD_S - 1.1, busy) is None
+    assert sw.for_demand(t + WAKE_HOLD_S - 1, busy) is a
+    sw._sleeps["a"] = None                                               # a falling asleep
+    assert sw.for_demand(t + WAKE_HOLD_S, busy) is None
+    # a short sleep_after is its own bound on the idle time
+    d = Backend(name="d", url="http://127.0.0.1:8104", sleep_after=2, state=READY, pid=14)
+    sw = SleepWake(SimpleNamespace(backends={"d": d}), demand=lambda: [])
+    assert sw.for_demand(d.last_request + 2, [(0, GiB)]) is d      # a wake's room (port 0)
+
+
+def test_a_model_sleeps_for_the_demand_another_engine_posts_in_the_gpus_ledger(
+        endpoint, logged, tmp_path):
+    """The real endpoint and the GPU's real ledger file: an engine posts unmet demand (as a
+    busy elastic engine whose grow the GPU cannot back does); the idle model that may sleep
+    is put to sleep long before its sleep_after, its KV given back at once; its next request
+    wakes it and is answered, and within the hold it is not slept again for the same demand."""
+    from proxima.memory.ledger import Ledger, ledger_path
+    from proxima.serve.sleepwake import gpu_demand
+
+    GiB = 2**30
+    ep = endpoint({"alpha": [], "beta": []}, sleep_after={"alpha": 600},
+                  sleep_options={"demand": gpu_demand("GPU-demand", str(tmp_path)),
+                                 "demand_idle_s": 0.3, "wake_hold_s": 30.0})
+    assert complete(ep, "alpha").status_code == 200
+    beta_port = int(ep.engines["beta"].backend.url.rsplit(":", 1)[1])
+    busy = Ledger(ledger_path("GPU-demand", tmp_path), model="beta", port=beta_port)
+    busy.post(mapped=40 * GiB, minimum=GiB, unmet=6 * GiB)
+    wait_for(lambda: asleep(ep, "alpha"), "alpha asleep for beta's demand")
+    assert any("model alpha sleeps for the GPU's other engines: 6.00 GiB wanted" in r
+               for r in logged)
+    assert kv(ep, "alpha")["sleeping"] is True
+    assert complete(ep, "alpha").status_code == 200              # woken, answered
+    assert ep.engines["alpha"].backend.sleep_state == "awake"
+    import time
+
+    time.sleep(1.0)                                              # the demand is still there
+    assert ep.engines["alpha"].backend.sleep_state == "awake"   # held: woken just now
+    assert sum("sleeps for the GPU's other engines" in r for r in logged) == 1
+    busy.close()
