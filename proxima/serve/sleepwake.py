@@ -263,9 +263,9 @@ class SleepWake:
             backend.sleep_state = ASLEEP
             backend.weights_bytes = int(answer.get("weights_bytes") or 0)
             backend.sleeps += 1
-            log.info("model %s: asleep in %.2f s (idle %g s; weights ~%.2f GiB in host "
-                     "memory)", backend.name, time.monotonic() - began, backend.sleep_after,
-                     backend.weights_bytes / 2**30)
+            log.info("model %s: asleep in %.2f s (idle %.0f s; weights ~%.2f GiB in host "
+                     "memory)", backend.name, time.monotonic() - began,
+                     max(0.0, began - backend.last_request), backend.weights_bytes / 2**30)
         except Exception as exc:  # noqa: BLE001 - no answer: asleep or not, unknown
             # counted asleep: the next request's wake is harmless on an awake engine (it
             # answers 200 at once), and a dead one is restarted (awake) by the supervisor
