@@ -9,6 +9,8 @@ options and the engine's elastic options.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from typing import Callable
@@ -145,7 +147,15 @@ def apply(vargs, argv: list[str], elastic: dict, facts: dict,
         vargs.gpu_memory_utilization = plan.utilization
     elastic.setdefault("min_bytes", plan.kv_min)
     if elastic.get("max_bytes") is None:
-        elastic["max_bytes"] = plan.kv_max
+        # no --kv-max: what the GPU's other engines leave is kept at run time from the
+        # ledger (proxima.memory.sharing), so the fixed maximum is the pool's; the room at
+        # start-up would keep an engine started beside another below what that one holds
+        # after it stopped or slept (H100, s32: the second of two models stayed at 42 GiB
+        # while the first slept, the first had grown to 53)
+        follows = bool(uuid) and gpus == 1
+        elastic["max_bytes"] = plan.reservation if follows else plan.kv_max
+        if follows and plan.others:
+            plan = dataclasses.replace(plan, follows=True)
     served = getattr(vargs, "served_model_name", None)
     elastic.setdefault("ledger_model", (served[0] if served else vargs.model)[:200])
     if getattr(vargs, "port", None) and getattr(vargs, "uds", None) is None:

@@ -22,7 +22,9 @@ and keeping at least ``min_j`` (their ledger records, :mod:`proxima.memory.ledge
 
 At run time the same bound on the maximum is kept by each engine from the ledger
 (:class:`proxima.memory.sharing.SharedPolicyStep`), so an engine sized alone makes room for
-one started later. An engine started while another holds memory: when the GPU's free memory is known and
+one started later; without ``--kv-max`` the engine is given the reservation as its fixed
+maximum (``kv_max`` is then only what the others leave now), so one started beside others
+grows into what they give up when they stop or sleep. An engine started while another holds memory: when the GPU's free memory is known and
 below ``W + kv_min``, :attr:`Sizing.ask_bytes` is the difference; the others' memory above
 their minimums (``mapped_j - min_j``) is what they could give back when asked through the
 ledger (posted as unmet demand); more than that is refused before anything starts.
@@ -202,13 +204,15 @@ class Sizing:
     others: int = 0         # how many other engines share the GPU
     others_claim: int = 0   # their non-KV memory and minimums
     ask_bytes: int = 0      # what the others must give back before this engine can start
+    follows: bool = False   # kv_max is only what the others leave now (no --kv-max given)
 
     def line(self) -> str:
         others = (f", {self.others} other engine(s) on it keep {_gib(self.others_claim)}"
                   if self.others else "")
         return (f"elastic sizing: GPU {_gib(self.gpu_total)}, this model ~{_gib(self.nonkv)} "
                 f"besides KV{others}: KV reserved {_gib(self.reservation)} (virtual), "
-                f"--kv-min {_gib(self.kv_min)}, --kv-max {_gib(self.kv_max)}, "
+                f"--kv-min {_gib(self.kv_min)}, --kv-max {_gib(self.kv_max)}"
+                f"{' now (it follows what the others leave)' if self.follows else ''}, "
                 f"--gpu-memory-utilization {self.utilization:g} (vLLM's start-up check only)")
 
 

@@ -181,9 +181,18 @@ def test_the_second_engine_counts_the_first_from_the_gpus_ledger(tmp_path, monke
     try:
         vargs = vllm_options(model_dir(tmp_path, QWEN_05B, "qwen"), max_model_len=32768,
                              max_num_seqs=1024)
-        s = autosize.apply(vargs, [vargs.model], {}, gpu())
+        elastic = {}
+        s = autosize.apply(vargs, [vargs.model], elastic, gpu())
         assert s.others == 1 and s.others_claim == 24 * GiB
         assert s.kv_max == T - s.nonkv - 24 * GiB          # the first's min and weights kept
+        assert "--kv-max" in s.line() and "now (it follows what the others leave)" in s.line()
+        # ... now: the fixed maximum is the pool's, and what the first engine holds bounds
+        # it at run time from the ledger (so it may grow once the first stops or sleeps)
+        assert elastic["max_bytes"] == s.reservation == T - s.nonkv > s.kv_max
+        given = {"max_bytes": "30GiB"}
+        s = autosize.apply(vllm_options(vargs.model, max_model_len=32768, max_num_seqs=1024),
+                           [vargs.model, "--kv-max", "30GiB"], given, gpu())
+        assert given["max_bytes"] == "30GiB" and "follows" not in s.line()
     finally:
         first.close()
     assert live_records(ledger_path("GPU-test")) == ()
