@@ -536,7 +536,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
 
         def await_healthy(key: str, port: int) -> None:
             up = kit.wait_for(lambda: healthy(port) or procs[key].poll() is not None,
-                              budget.cap(240, reserve=60), every=1.0)
+                              budget.cap(420 if endpoint else 240, reserve=60), every=1.0)
             if not up or not healthy(port):
                 raise RuntimeError(f"server {key} ({name}) did not become healthy: "
                                    f"{kit.tail(out.child_log(f'{name}-{key}'), 8)}")
