@@ -347,3 +347,48 @@ def test_a_short_engine_retries_when_the_driver_says_memory_is_free_not_after_it
             break
     assert not b.policy.stats.short and b.mapped == 11    # 6 + the 5 that had failed
     assert i * STEP_S <= b.shared.gpu_every_s + 2 * STEP_S   # not the 5-10 s backoff
+
+
+def test_an_engine_started_beside_another_grows_into_what_that_one_gives_up_when_it_sleeps(
+        tmp_path):
+    """H100, s32: of two models behind one endpoint, the one sized second kept the room its
+    sizing saw (the first's weights and minimum kept) as a fixed maximum, and stayed there
+    while the first slept. With the pool as its fixed maximum (serve's sizing since
+    f90c3ff) the ledger's run-time bound is the only one: it grows once the first's record
+    stops counting its weights, and only then."""
+    path = tmp_path / "proxima-ledger-0.json"
+
+    def pair(max_granules=None):
+        now = [0.0]
+        gpu = Gpu(capacity=32)
+
+        def engine(name, nonkv, **options):
+            e = Engine.__new__(Engine)
+            e.ch = ElasticChannel(32 * G, G)
+            e.pool = Pool(e.ch, 1)
+            e.demand = [0]
+            e.policy = GrowShrinkPolicy(e.pool, e.ch, B, PolicyOptions(
+                release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0, **options),
+                clock=lambda: now[0], forecast=lambda: e.demand[0])
+            e.gpu = gpu
+            gpu.deliver(e.ch)
+            e.shared = SharedPolicyStep(e.policy, Ledger(path, name=name, nonkv=nonkv * B),
+                                        gpu_memory=gpu.free_total)
+            return e
+
+        first = engine("first", nonkv=6)
+        second = engine("second", nonkv=6, **({"max_bytes": max_granules * B}
+                                              if max_granules else {}))
+        second.demand[0] = 30 * G                # a burst that wants more than there is
+        run([first, second], now, 40)
+        beside = second.mapped
+        first.shared.ledger.nonkv = 1 * B       # first sleeps: its weights leave the GPU
+        first.shared.ledger.repost()
+        run([first, second], now, 40)
+        first.shared.ledger.close()
+        second.shared.ledger.close()
+        return beside, second.mapped
+
+    room = 32 - 6 - (6 + 1)                      # beside first's weights and null granule
+    assert pair() == (room, room + 5)
+    assert pair(max_granules=room) == (room, room)   # the start-up room as a fixed maximum
