@@ -137,6 +137,24 @@ def test_a_killed_engines_demand_is_not_served(tmp_path):
     assert a.policy.stats.yields == 1
 
 
+def sized_engine(name, path, gpu, now, nonkv, mapped, **options):
+    """An engine of 32 one-granule blocks whose ledger record says its non-KV memory
+    (``nonkv`` granules), as proxima serve's sizing gives it: the ledger bounds its
+    maximum at run time."""
+    e = Engine.__new__(Engine)
+    e.ch = ElasticChannel(32 * G, G)
+    e.pool = Pool(e.ch, mapped)
+    e.demand = [0]
+    e.policy = GrowShrinkPolicy(e.pool, e.ch, B, PolicyOptions(
+        release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0, **options),
+        clock=lambda: now[0], forecast=lambda: e.demand[0])
+    e.gpu = gpu
+    gpu.deliver(e.ch)
+    e.shared = SharedPolicyStep(e.policy, Ledger(path, name=name, nonkv=nonkv * B),
+                                gpu_memory=gpu.free_total)
+    return e
+
+
 def test_an_engine_started_first_makes_room_for_one_started_later(tmp_path):
     """Engines whose records say their non-KV memory (proxima serve's sizing): the first,
     alone, may grow to the whole GPU; once a second registers, the first's maximum is the
@@ -147,18 +165,7 @@ def test_an_engine_started_first_makes_room_for_one_started_later(tmp_path):
     path = tmp_path / "proxima-ledger-0.json"
 
     def engine(name, nonkv, mapped, **options):
-        e = Engine.__new__(Engine)
-        e.ch = ElasticChannel(32 * G, G)
-        e.pool = Pool(e.ch, mapped)
-        e.demand = [0]
-        e.policy = GrowShrinkPolicy(e.pool, e.ch, B, PolicyOptions(
-            release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0, **options),
-            clock=lambda: now[0], forecast=lambda: e.demand[0])
-        e.gpu = gpu
-        gpu.deliver(e.ch)
-        e.shared = SharedPolicyStep(e.policy, Ledger(path, name=name, nonkv=nonkv * B),
-                                    gpu_memory=gpu.free_total)
-        return e
+        return sized_engine(name, path, gpu, now, nonkv, mapped, **options)
 
     a = engine("a", nonkv=4, mapped=1)
     a.demand[0] = 26 * G                         # a burst: a grows to what the GPU leaves it
@@ -362,23 +369,9 @@ def test_an_engine_started_beside_another_grows_into_what_that_one_gives_up_when
         now = [0.0]
         gpu = Gpu(capacity=32)
 
-        def engine(name, nonkv, **options):
-            e = Engine.__new__(Engine)
-            e.ch = ElasticChannel(32 * G, G)
-            e.pool = Pool(e.ch, 1)
-            e.demand = [0]
-            e.policy = GrowShrinkPolicy(e.pool, e.ch, B, PolicyOptions(
-                release_delay_s=1.0, cache_hold_s=60.0, retry_s=5.0, **options),
-                clock=lambda: now[0], forecast=lambda: e.demand[0])
-            e.gpu = gpu
-            gpu.deliver(e.ch)
-            e.shared = SharedPolicyStep(e.policy, Ledger(path, name=name, nonkv=nonkv * B),
-                                        gpu_memory=gpu.free_total)
-            return e
-
-        first = engine("first", nonkv=6)
-        second = engine("second", nonkv=6, **({"max_bytes": max_granules * B}
-                                              if max_granules else {}))
+        first = sized_engine("first", path, gpu, now, nonkv=6, mapped=1)
+        second = sized_engine("second", path, gpu, now, nonkv=6, mapped=1, **(
+            {"max_bytes": max_granules * B} if max_granules else {}))
         second.demand[0] = 30 * G                # a burst that wants more than there is
         run([first, second], now, 40)
         beside = second.mapped
