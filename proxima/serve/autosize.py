@@ -10,7 +10,6 @@ options and the engine's elastic options.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from typing import Callable

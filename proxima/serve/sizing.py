@@ -24,10 +24,11 @@ At run time the same bound on the maximum is kept by each engine from the ledger
 (:class:`proxima.memory.sharing.SharedPolicyStep`), so an engine sized alone makes room for
 one started later; without ``--kv-max`` the engine is given the reservation as its fixed
 maximum (``kv_max`` is then only what the others leave now), so one started beside others
-grows into what they give up when they stop or sleep. An engine started while another holds memory: when the GPU's free memory is known and
-below ``W + kv_min``, :attr:`Sizing.ask_bytes` is the difference; the others' memory above
-their minimums (``mapped_j - min_j``) is what they could give back when asked through the
-ledger (posted as unmet demand); more than that is refused before anything starts.
+grows into what they give up when they stop or sleep. An engine started while another
+holds memory: when the GPU's free memory is known and below ``W + kv_min``,
+:attr:`Sizing.ask_bytes` is the difference; the others' memory above their minimums
+(``mapped_j - min_j``) is what they could give back when asked through the ledger (posted
+as unmet demand); more than that is refused before anything starts.
 """
 
 from __future__ import annotations
