@@ -179,10 +179,8 @@ class SleepWake:
         return self.for_demand(now, wanted)
 
     def _demand_candidates(self, now: float) -> list:
-        return [b for b in self.router.backends.values()
-                if b.sleep_after and b.ready and b.pid is not None
-                and b.sleep_state == AWAKE and b.in_flight == 0 and b.name not in self._sleeps
-                and now - b.last_request >= min(b.sleep_after, self.demand_idle_s)
+        return [b for b in self._candidates(None, {})
+                if now - b.last_request >= min(b.sleep_after, self.demand_idle_s)
                 and now >= b.sleep_retry_at and now - b.woke_at >= self.wake_hold_s]
 
     def for_demand(self, now: float, wanted: list[tuple[int, int]]):
