@@ -173,6 +173,14 @@ def elastic_util(n: int) -> float:
     return round(min(0.3, 0.9 / n), 4)
 
 
+def vllm_options(args) -> list[str]:
+    """The vLLM options every engine of every setup gets (dummy weights, the kit's tokenizer,
+    the batch and length bounds)."""
+    return ["--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--max-num-seqs",
+            str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)] + (
+                ["--enforce-eager"] if args.enforce_eager else [])
+
+
 def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = False) -> list[str]:
     if args.dry_run:
         return [sys.executable, str(Path(__file__).resolve().parent / "fake_server.py"),
@@ -180,10 +188,7 @@ def server_cmd(port: int, static: bool, args, stats_file: Path, single: bool = F
                     "--stats-file", str(stats_file), "--min-bytes", str(MIN_GIB * GiB),
                     "--max-bytes", str(int(args.max_gib * GiB)), "--delay", str(args.delay)])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-           "--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--port", str(port),
-           "--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", str(args.max_model_len)] + (
-               ["--enforce-eager"] if args.enforce_eager else [])
+           "--port", str(port), "--host", "127.0.0.1"] + vllm_options(args)
     if single:           # the upper bound: one stock engine with the GPU's whole KV
         cmd += ["--gpu-memory-utilization", str(args.single_util)]
         if args.single_kv_gib:
@@ -223,15 +228,12 @@ def endpoint_cmd(out: kit.Out, args, stats: dict) -> list[str]:
     """The endpoint setup's one command: ``proxima serve --models FILE`` with the N engines
     as models A, B, ... of ``--model``, each self-sized and elastic, ``sleep_after``
     ``--sleep-after`` (the file is written into ``out``; the stand-in reads only the names)."""
-    common = ["--load-format", "dummy", "--tokenizer", kit.TOKENIZER, "--max-num-seqs",
-              str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)] + (
-                  ["--enforce-eager"] if args.enforce_eager else [])
     extra = f",{args.elastic_options}" if args.elastic_options else ""
     models = [{"name": k, "path": args.model, "port": port, "sleep_after": args.sleep_after,
                "args": ["--elastic-options", f"stats_file={stats[k]}{extra}"]}
               for k, port in endpoint_ports(args).items()]
     spec = out.dir / ".endpoint-models.json"
-    spec.write_text(json.dumps({"args": common, "models": models}, indent=2) + "\n")
+    spec.write_text(json.dumps({"args": vllm_options(args), "models": models}, indent=2) + "\n")
     if args.dry_run:
         return [sys.executable, str(Path(__file__).resolve().parent / "fake_multi.py"),
                 "--port", str(args.port), "--models", str(spec)]
