@@ -321,3 +321,36 @@ def test_a_model_sleeps_for_the_demand_another_engine_posts_in_the_gpus_ledger(
     assert ep.engines["alpha"].backend.sleep_state == "awake"   # held: woken just now
     assert sum("sleeps for the GPU's other engines" in r for r in logged) == 1
     busy.close()
+
+
+def test_two_endpoints_on_one_gpu_sleep_for_each_others_demand(endpoint, logged, tmp_path):
+    """Two engines as two separate ``proxima serve --model 'NAME=PATH --sleep-after S'``
+    (one model each, as two users start them): they meet only in the GPU's ledger file. The
+    busy one's unmet demand puts the other's idle model to sleep; the busy one never sleeps
+    for its own demand; the sleeper's next request, sent to its own endpoint, wakes it."""
+    from proxima.memory.ledger import Ledger, ledger_path
+    from proxima.serve.sleepwake import gpu_demand
+
+    GiB = 2**30
+    options = {"demand_idle_s": 0.3, "wake_hold_s": 30.0}
+    one = endpoint({"alpha": []}, sleep_after={"alpha": 600}, sleep_options={
+        "demand": gpu_demand("GPU-two", str(tmp_path)), **options})
+    two = endpoint({"beta": []}, sleep_after={"beta": 600}, sleep_options={
+        "demand": gpu_demand("GPU-two", str(tmp_path)), **options})
+    assert complete(one, "alpha").status_code == 200
+    assert complete(two, "beta").status_code == 200
+    beta_port = int(two.engines["beta"].backend.url.rsplit(":", 1)[1])
+    busy = Ledger(ledger_path("GPU-two", tmp_path), model="beta", port=beta_port)
+    busy.post(mapped=40 * GiB, minimum=GiB, unmet=6 * GiB)
+    wait_for(lambda: asleep(one, "alpha"), "alpha asleep for the other endpoint's demand")
+    import time
+
+    time.sleep(1.0)             # beta's demand is its own: beta stays awake
+    assert two.engines["beta"].backend.sleep_state != "asleep"
+    assert complete(two, "beta").status_code == 200
+    assert complete(one, "alpha").status_code == 200                 # woken, answered
+    assert one.engines["alpha"].backend.sleep_state == "awake"
+    slept = [r for r in logged if "sleeps for the GPU's other engines" in r]
+    assert len(slept) == 1 and slept[0].startswith(
+        "model alpha sleeps for the GPU's other engines: 6.00 GiB wanted (idle ")
+    busy.close()
