@@ -1562,3 +1562,44 @@ def test_driver_b_endpoint_setup_is_one_proxima_serve_whose_idle_models_sleep(
     other = _te_file(tmp_path / "3.json", {"endpoint": {**e, "sleep_after": 9.0}, "static": s})
     refused = run("two_engines.py", tmp_path / "q", "--pool", files[0], "--pool", other)
     assert refused.returncode == 2 and "--sleep-after differ (5, 9)" in refused.stderr
+
+
+def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, monkeypatch):
+    """--endpoints separate: one `proxima serve --models FILE` of ONE model per engine, on
+    --port + i (the models files read by the product's loader), bursts sent to each
+    engine's own endpoint; such runs pool with static but not with one-endpoint runs."""
+    from proxima.serve import multi_config
+
+    te = _two_engines(monkeypatch)
+    args = te.parse(["--shapes", "4000:1024:96", "--sleep-after", "600", "--endpoints",
+                     "separate"])
+    error, notes = te.resolve(args, ["static", "endpoint"])
+    assert error is None
+    assert any("2 separate `proxima serve --models FILE` of one model each" in n
+               for n in notes)
+    stats = {k: tmp_path / f".endpoint-{k}-elastic.json" for k in "AB"}
+    out = sys.modules["proofkit"].Out(tmp_path / "o", "two_engines")
+    for i, key in enumerate("AB"):
+        cmd = te.endpoint_cmd(out, args, stats, key, args.port + i)
+        assert cmd[cmd.index("--port") + 1] == str(args.port + i)
+        plan = multi_config.load_models_file(cmd[cmd.index("--models") + 1])
+        assert [(m.name, m.sleep_after, m.port) for m in plan.models] == [
+            (key, 600.0, args.port + 10 + i)]
+    assert te.setup_seconds("endpoint", args)[1].count("one after the other") == 1
+    done = run("two_engines.py", tmp_path / "dry", "--budget", "150", "--requests", "8",
+               "--only", "endpoint", "--endpoints", "separate", "--port", "0")
+    assert done.returncode in (0, 1), done.stderr
+    c = json.loads((tmp_path / "dry" / "two_engines.json").read_text())["subproofs"]["c"]
+    ep = c["endpoint"]
+    assert ep["endpoints"] == "separate" and ep["start"] == "sequential"
+    assert f"--port {done.port} " in ep["command_A"] and \
+        f"--port {done.port + 1} " in ep["command_B"]
+    assert [(b["engine"], b["errors"], b["output_tokens"]) for b in ep["bursts"]] == [
+        ("A", 0, 8 * 512), ("B", 0, 8 * 512)]
+    s = {"bursts": [_te_burst(0, "A", 10.0), _te_burst(0, "B", 10.0)]}
+    e = {"bursts": [_te_burst(0, "A", 4.0), _te_burst(0, "B", 6.0)], "sleep_after": 5.0}
+    one = _te_file(tmp_path / "1.json", {"static": s, "endpoint": e})
+    apart = _te_file(tmp_path / "2.json", {"endpoint": {**e, "endpoints": "separate"},
+                                           "static": s})
+    refused = run("two_engines.py", tmp_path / "q", "--pool", one, "--pool", apart)
+    assert refused.returncode == 2 and "--endpoints differ (one, separate)" in refused.stderr

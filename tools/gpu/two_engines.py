@@ -20,7 +20,10 @@ times). Run twice, on the same schedule:
   ``--sleep-after`` seconds): a model idle that long gives back its KV and then its weights
   (host memory), so the busy one can grow into them; its next request wakes it (held, not
   refused). Requests go to the one endpoint with "model": A, B, ...; each engine's counters
-  are read from its local port (``--port`` + 10 + i);
+  are read from its local port (``--port`` + 10 + i). With ``--endpoints separate``: N
+  ``proxima serve --models FILE`` of ONE model each, on ports ``--port`` .. ``--port``+N-1,
+  started one after the other (two users' separate servers: they meet only in the GPU's
+  ledger, through which each sleeps for the other's demand);
 * elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
   of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
@@ -224,21 +227,24 @@ def endpoint_ports(args) -> dict[str, int]:
     return {k: args.port + 10 + i for i, k in enumerate(names(args.engines))}
 
 
-def endpoint_cmd(out: kit.Out, args, stats: dict) -> list[str]:
+def endpoint_cmd(out: kit.Out, args, stats: dict, only: str | None = None,
+                 port: int | None = None) -> list[str]:
     """The endpoint setup's one command: ``proxima serve --models FILE`` with the N engines
     as models A, B, ... of ``--model``, each self-sized and elastic, ``sleep_after``
-    ``--sleep-after`` (the file is written into ``out``; the stand-in reads only the names)."""
+    ``--sleep-after`` (the file is written into ``out``; the stand-in reads only the names).
+    ``only``: the endpoint of that one model (``--endpoints separate``) on ``port``."""
     extra = f",{args.elastic_options}" if args.elastic_options else ""
     models = [{"name": k, "path": args.model, "port": port, "sleep_after": args.sleep_after,
                "args": ["--elastic-options", f"stats_file={stats[k]}{extra}"]}
-              for k, port in endpoint_ports(args).items()]
-    spec = out.dir / ".endpoint-models.json"
+              for k, port in endpoint_ports(args).items() if only in (None, k)]
+    port = args.port if port is None else port
+    spec = out.dir / (f".endpoint-{only}-models.json" if only else ".endpoint-models.json")
     spec.write_text(json.dumps({"args": vllm_options(args), "models": models}, indent=2) + "\n")
     if args.dry_run:
         return [sys.executable, str(Path(__file__).resolve().parent / "fake_multi.py"),
-                "--port", str(args.port), "--models", str(spec)]
+                "--port", str(port), "--models", str(spec)]
     return [sys.executable, "-m", "proxima.cli", "serve", "--host", "127.0.0.1", "--port",
-            str(args.port), "--models", str(spec)]
+            str(port), "--models", str(spec)]
 
 
 #: the endpoint's log lines of its models' sleeps and wakes (proxima.serve.sleepwake)
@@ -505,22 +511,26 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
     ports = {k: args.port + i for i, k in enumerate(names(args.engines))}
     stats = {k: out.dir / f".{name}-{k}-elastic.json" for k in ports}
     # the single setup starts A's server only and sends every engine's bursts to it; the
-    # endpoint setup starts one process (the endpoint) that starts every engine
-    started = {"A": args.port} if single else {"all": args.port} if endpoint else ports
-    target = {k: args.port for k in ports} if single or endpoint else ports
+    # endpoint setup starts one process (the endpoint) that starts every engine, or with
+    # --endpoints separate one endpoint per engine
+    separate = endpoint and args.endpoints == "separate"
+    started = {"A": args.port} if single else {"all": args.port} if endpoint and not separate \
+        else ports
+    target = {k: args.port for k in ports} if single or endpoint and not separate else ports
     counters = endpoint_ports(args) if endpoint else target    # where /metrics is read
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
-        together = starts_together(static, args)
+        together = starts_together(static, args) and not separate
         result["start"] = "parallel" if together else "sequential"
         t0 = {}
 
         def launch(key: str, port: int) -> None:
             engine_env = dict(env)
             if endpoint:        # it sets the switches for its engines, vLLM their ports
-                cmd = endpoint_cmd(out, args, stats)
-                result.update(command=" ".join(cmd), sleep_after=args.sleep_after)
+                cmd = endpoint_cmd(out, args, stats, key if separate else None, port)
+                result.update({f"command_{key}" if separate else "command": " ".join(cmd)},
+                              sleep_after=args.sleep_after, endpoints=args.endpoints)
             elif not static:
                 engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
                                   VLLM_PORT=str(21000 + 100 * (port - args.port)))
@@ -546,7 +556,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             out.log(f"  {name}: server {key} healthy after {result[f'start_{key}_s']}s")
             if not static and not args.dry_run:
                 log = out.child_log(f"{name}-{key}").read_text(errors="replace")
-                result[f"elastic_{key}_active"] = elastic_active(log, ports if endpoint else ())
+                result[f"elastic_{key}_active"] = elastic_active(
+                    log, (key,) if separate else ports if endpoint else ())
                 if not result[f"elastic_{key}_active"]:
                     raise RuntimeError(f"server {key} runs without elastic KV memory (no "
                                        f"'Proxima elastic KV' line in its log: is Proxima's "
@@ -592,10 +603,15 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                                           left))
             burst["mapped_during"] = sampler.stop()
             after = metrics(counters[key], SCRAPED)
-            if endpoint:        # the models' sleeps and wakes the endpoint logged meanwhile
-                seen = sleep_events(out.child_log(f"{name}-all").read_text(errors="replace"))
-                burst["sleep_events"] = seen[len(result.setdefault("sleep_events", [])):]
-                result["sleep_events"] = seen
+            if endpoint:        # the models' sleeps and wakes the endpoints logged meanwhile
+                burst["sleep_events"] = []
+                for k in started:
+                    seen = sleep_events(out.child_log(f"{name}-{k}").read_text(errors="replace"))
+                    had = result.setdefault("sleep_events_by", {}).get(k, [])
+                    burst["sleep_events"] += seen[len(had):]
+                    result["sleep_events_by"][k] = seen
+                result["sleep_events"] = [ev for k in started
+                                          for ev in result["sleep_events_by"][k]]
             n_burst = len(BURST_METRICS)
             burst["work"] = burst_work(before[n_burst:], after[n_burst:], burst["wall_s"])
             before, after = before[:n_burst], after[:n_burst]
@@ -841,6 +857,12 @@ def pool_main(args) -> int:
               f"({', '.join(sorted(f'{x:g}' for x in sleeps if x is not None))}): pool runs "
               f"of one", file=sys.stderr)
         return 2
+    layouts = {(c.get("endpoint") or {}).get("endpoints", "one") for _, c in runs
+               if isinstance(c.get("endpoint"), dict)}
+    if len(layouts) > 1:
+        print(f"two_engines: --pool: the endpoint runs' --endpoints differ "
+              f"({', '.join(sorted(layouts))}): pool runs of one", file=sys.stderr)
+        return 2
     out = kit.Out(Path(args.out), "two_engines-pooled")
     out.results["settings"] = {"pool": args.pool, **mine}
     summary = pool(runs, mine.get("output"))
@@ -1014,6 +1036,10 @@ def parse(argv=None):
                     help="the endpoint setup: each model's sleep_after, seconds idle before it "
                          "gives back its KV and its weights (at least 1) (default: "
                          "%(default)s)")
+    ap.add_argument("--endpoints", choices=("one", "separate"), default="one",
+                    help="the endpoint setup: one `proxima serve --models` of every engine, or "
+                         "a separate one-model `proxima serve` per engine (on --port + i, "
+                         "meeting only in the GPU's ledger) (default: %(default)s)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -1148,7 +1174,14 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                          if args.user_kv_max_gib else ", nor --max-gib (not given)")
                      + (f"; --elastic-options {args.elastic_options}"
                         if args.elastic_options else ""))
-    if "endpoint" in order:
+    if "endpoint" in order and args.endpoints == "separate":
+        notes.append(f"endpoint: {n} separate `proxima serve --models FILE` of one model each "
+                     f"({', '.join(names(n))} of {Path(args.model).name}) on ports "
+                     f"{args.port}-{args.port + n - 1}, one after the other, no sizing flag, "
+                     f"sleep_after {args.sleep_after:g} s each"
+                     + (f"; --elastic-options {args.elastic_options}"
+                        if args.elastic_options else ""))
+    elif "endpoint" in order:
         notes.append(f"endpoint: one `proxima serve --models FILE`, models "
                      f"{', '.join(names(n))} of {Path(args.model).name}, no sizing flag, "
                      f"sleep_after {args.sleep_after:g} s each (engines' counters on ports "
@@ -1177,6 +1210,8 @@ def setup_seconds(name: str, args, cold: bool = False) -> tuple[float, str]:
         + (c["cold_more"] if cold else 0.0)
     if name == "single":
         start, n, together = one, 1, True
+    elif name == "endpoint" and args.endpoints == "separate":   # each its own, in a row
+        start, together = (one + c["endpoint_more"]) * n, False
     elif name == "endpoint":    # its own checks, then its engines side by side
         start, together = one + c["start_each_more"] * (n - 2) + c["endpoint_more"], True
     else:
@@ -1341,6 +1376,7 @@ def main() -> int:
             "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
             "preemptions": ep["preemptions"], "ttft_p50_s": ep["ttft_p50_s"],
             "ttft_p99_s": ep["ttft_p99_s"], "sleep_after_s": ep.get("sleep_after"),
+            "endpoints": ep.get("endpoints", "one"),
             "to_static": to("static"), "to_elastic": to("elastic"), "to_single": to("single"),
             "sleeps": sum(1 for ev in events if ev[1] == "asleep"),
             "wake_s": [ev[2] for ev in events if ev[1] == "awake"]}
