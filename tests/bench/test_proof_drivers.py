@@ -1585,13 +1585,15 @@ def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, 
         plan = multi_config.load_models_file(cmd[cmd.index("--models") + 1])
         assert [(m.name, m.sleep_after, m.port) for m in plan.models] == [
             (key, 600.0, args.port + 10 + i)]
-    assert te.setup_seconds("endpoint", args)[1].count("one after the other") == 1
+    assert "2 side by side" in te.setup_seconds("endpoint", args)[1]
+    args.start = "sequential"
+    assert "2 one after the other" in te.setup_seconds("endpoint", args)[1]
     done = run("two_engines.py", tmp_path / "dry", "--budget", "150", "--requests", "8",
                "--only", "endpoint", "--endpoints", "separate", "--port", "0")
     assert done.returncode in (0, 1), done.stderr
     c = json.loads((tmp_path / "dry" / "two_engines.json").read_text())["subproofs"]["c"]
     ep = c["endpoint"]
-    assert ep["endpoints"] == "separate" and ep["start"] == "sequential"
+    assert ep["endpoints"] == "separate" and ep["start"] == "parallel"
     assert f"--port {done.port} " in ep["command_A"] and \
         f"--port {done.port + 1} " in ep["command_B"]
     assert [(b["engine"], b["errors"], b["output_tokens"]) for b in ep["bursts"]] == [

@@ -22,8 +22,9 @@ times). Run twice, on the same schedule:
   refused). Requests go to the one endpoint with "model": A, B, ...; each engine's counters
   are read from its local port (``--port`` + 10 + i). With ``--endpoints separate``: N
   ``proxima serve --models FILE`` of ONE model each, on ports ``--port`` .. ``--port``+N-1,
-  started one after the other (two users' separate servers: they meet only in the GPU's
-  ledger, through which each sleeps for the other's demand);
+  started as ``--start`` says, side by side unless given (two users' separate servers, as
+  the user path's elastic servers: they meet only in the GPU's ledger, through which each
+  sleeps for the other's demand);
 * elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
   of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
@@ -521,7 +522,7 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
     procs = {}
     result: dict = {"setup": name, "bursts": []}
     try:
-        together = starts_together(static, args) and not separate
+        together = starts_together(static, args)
         result["start"] = "parallel" if together else "sequential"
         t0 = {}
 
@@ -1177,7 +1178,9 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
     if "endpoint" in order and args.endpoints == "separate":
         notes.append(f"endpoint: {n} separate `proxima serve --models FILE` of one model each "
                      f"({', '.join(names(n))} of {Path(args.model).name}) on ports "
-                     f"{args.port}-{args.port + n - 1}, one after the other, no sizing flag, "
+                     f"{args.port}-{args.port + n - 1}, "
+                     f"{'side by side' if args.start == 'parallel' else 'one after the other'}"
+                     f", no sizing flag, "
                      f"sleep_after {args.sleep_after:g} s each"
                      + (f"; --elastic-options {args.elastic_options}"
                         if args.elastic_options else ""))
@@ -1210,8 +1213,9 @@ def setup_seconds(name: str, args, cold: bool = False) -> tuple[float, str]:
         + (c["cold_more"] if cold else 0.0)
     if name == "single":
         start, n, together = one, 1, True
-    elif name == "endpoint" and args.endpoints == "separate":   # each its own, in a row
-        start, together = (one + c["endpoint_more"]) * n, False
+    elif name == "endpoint" and args.endpoints == "separate":   # each its own
+        start = one + c["endpoint_more"] + c["start_each_more"] * (n - 2) if together \
+            else (one + c["endpoint_more"]) * n
     elif name == "endpoint":    # its own checks, then its engines side by side
         start, together = one + c["start_each_more"] * (n - 2) + c["endpoint_more"], True
     else:
