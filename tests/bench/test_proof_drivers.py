@@ -1594,6 +1594,7 @@ def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, 
     c = json.loads((tmp_path / "dry" / "two_engines.json").read_text())["subproofs"]["c"]
     ep = c["endpoint"]
     assert ep["endpoints"] == "separate" and ep["start"] == "parallel"
+    assert ep["vllm_port_A"] != ep["vllm_port_B"]       # started side by side: no collision
     assert f"--port {done.port} " in ep["command_A"] and \
         f"--port {done.port + 1} " in ep["command_B"]
     assert [(b["engine"], b["errors"], b["output_tokens"]) for b in ep["bursts"]] == [

@@ -530,6 +530,10 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
             engine_env = dict(env)
             if endpoint:        # it sets the switches for its engines, vLLM their ports
                 cmd = endpoint_cmd(out, args, stats, key if separate else None, port)
+                if separate:    # each endpoint's engine its own torch.distributed base:
+                    # side by side, two from one VLLM_PORT collide (EADDRINUSE on the H100)
+                    engine_env["VLLM_PORT"] = str(25000 + 100 * (port - args.port))
+                    result[f"vllm_port_{key}"] = int(engine_env["VLLM_PORT"])
                 result.update({f"command_{key}" if separate else "command": " ".join(cmd)},
                               sleep_after=args.sleep_after, endpoints=args.endpoints)
             elif not static:
