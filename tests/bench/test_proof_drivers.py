@@ -1606,3 +1606,8 @@ def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, 
                                            "static": s})
     refused = run("two_engines.py", tmp_path / "q", "--pool", one, "--pool", apart)
     assert refused.returncode == 2 and "--endpoints differ (one, separate)" in refused.stderr
+    # the sleeps and wakes summed over both endpoints' logs (and a run that kept one list)
+    by = {"A": [["B", "asleep", 2.3]], "B": [["A", "asleep", 2.1], ["A", "awake", 0.9]]}
+    assert te.endpoint_events({"sleep_events_by": by}) == by["A"] + by["B"]
+    assert te.endpoint_events({"sleep_events": by["B"]}) == by["B"]
+    assert te.endpoint_events({"sleep_events_by": {"A": [], "B": []}}) == []

@@ -499,6 +499,13 @@ class Sampler:
                 for k, v in self.seen.items() if v}
 
 
+def endpoint_events(ep: dict) -> list[list]:
+    """The endpoint setup's sleeps and wakes, every endpoint's log's (--endpoints separate:
+    one log per engine) in one list; runs before 2026-12-07 kept that list as sleep_events."""
+    return [ev for seen in (ep.get("sleep_events_by") or {}).values() for ev in seen] \
+        or ep.get("sleep_events") or []
+
+
 def starts_together(static: bool, args) -> bool:
     """Side by side when each engine's KV is fixed (elastic: its maximum; static: the bytes
     --static-util gives, --static-kv-gib): no start-up profiling for another to upset.
@@ -515,9 +522,12 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
     # endpoint setup starts one process (the endpoint) that starts every engine, or with
     # --endpoints separate one endpoint per engine
     separate = endpoint and args.endpoints == "separate"
-    started = {"A": args.port} if single else {"all": args.port} if endpoint and not separate \
-        else ports
-    target = {k: args.port for k in ports} if single or endpoint and not separate else ports
+    layout = "single" if single else "separate" if separate else "one" if endpoint \
+        else "servers"
+    one_port = {k: args.port for k in ports}
+    started, target = {          # the processes started; where each engine's bursts go
+        "single": ({"A": args.port}, one_port), "one": ({"all": args.port}, one_port),
+        "separate": (ports, ports), "servers": (ports, ports)}[layout]
     counters = endpoint_ports(args) if endpoint else target    # where /metrics is read
     procs = {}
     result: dict = {"setup": name, "bursts": []}
@@ -615,8 +625,6 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     had = result.setdefault("sleep_events_by", {}).get(k, [])
                     burst["sleep_events"] += seen[len(had):]
                     result["sleep_events_by"][k] = seen
-                result["sleep_events"] = [ev for k in started
-                                          for ev in result["sleep_events_by"][k]]
             n_burst = len(BURST_METRICS)
             burst["work"] = burst_work(before[n_burst:], after[n_burst:], burst["wall_s"])
             before, after = before[:n_burst], after[:n_burst]
@@ -1379,7 +1387,7 @@ def main() -> int:
             r = results.get(other) or {}
             return round(ep["aggregate_output_tokens_per_s"] / r["aggregate_output_tokens_per_s"],
                          3) if r.get("aggregate_output_tokens_per_s") else None
-        events = ep.get("sleep_events") or []
+        events = endpoint_events(ep)
         summary["endpoint"] = {
             "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
             "preemptions": ep["preemptions"], "ttft_p50_s": ep["ttft_p50_s"],
