@@ -104,6 +104,8 @@ config.json, plus activations and --kv-min) are refused before any starts (with
 --model (default: never): after that long without a request the model's weights go to
 host memory (its KV given back first: it implies --idle-release, at most SECONDS); its
 next request wakes it (a slower first token; 503 with Retry-After if the wake fails).
+`proxima serve MODEL [options] --sleep-after SECONDS` is the endpoint of that one model, named
+as vllm serve names it (MODEL, or the one --served-model-name).
 With models that may sleep, more models than fit at once are served: only those that never
 sleep plus the largest that may must fit; the least recently used idle one sleeps to make
 room for a model that starts or wakes.
@@ -137,15 +139,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from proxima.serve import multi_config, serve_flags
 
-    if multi_config.wants_multi(argv):
+    endpoint = None if multi_config.wants_multi(argv) else multi_config.one_model_endpoint(argv)
+    if endpoint is not None or multi_config.wants_multi(argv):
         from proxima.serve import multi
 
-        return multi.run(argv)
+        return multi.run(argv if endpoint is None else endpoint)
     log = logs.setup()
 
     from proxima.serve import autosize
 
-    serve_flags.refuse_sleep_after(argv)
     argv, compaction = serve_flags.take_compaction(argv)
     argv, gpu_bytes = autosize.take_gpu_bytes(argv)
     argv, elastic = take_elastic_options(argv)

@@ -54,8 +54,9 @@ from proxima.errors import UserError
 from proxima.ioutil import KeyTwice, object_keys_once, shown
 from proxima.serve.serve_flags import ELASTIC_FLAGS, flag_value
 
-#: a model's name: what clients put in "model" (Hugging Face style ids allowed)
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+#: a model's name: what clients put in "model" (Hugging Face style ids allowed, and a model
+#: directory's absolute path, which is what ``vllm serve PATH`` serves)
+NAME_RE = re.compile(r"^[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,127}$")
 TOP_KEYS = ("host", "port", "compaction", "args", "models", "gpu_memory_bytes")
 MODEL_KEYS = ("name", "path", "args", "kv_min", "kv_max", "port", "idle_release",
               "sleep_after")
@@ -128,6 +129,58 @@ def wants_multi(argv: list[str]) -> bool:
             if words and "=" in words[0]:
                 return True
     return False
+
+
+def one_model_endpoint(argv: list[str]) -> list[str] | None:
+    """``proxima serve MODEL [options] --sleep-after S`` -> the command line of the endpoint
+    of that one model (``--model 'NAME=MODEL --sleep-after S [options]'``), or None without
+    ``--sleep-after``. A model that sleeps needs the endpoint's router in front of its engine
+    to hold its next request and wake it. NAME is what ``vllm serve`` would serve: the one
+    ``--served-model-name``, else MODEL. The endpoint's options (``--host``, ``--port``,
+    ``--compaction``, ``--gpu-memory-bytes``) stay the endpoint's; the others are the model's,
+    checked as they are inside ``--model``."""
+    if not any(t.partition("=")[0].replace("_", "-") == "--sleep-after" for t in argv):
+        return None
+    model = argv[0] if argv and not argv[0].startswith("-") else None
+    endpoint, own, names = [], [], []
+    i = 1 if model else 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        if norm in ("--model", "--served-model-name"):
+            value, i = flag_value(argv, i, inline if eq else None, f"{norm} needs a value")
+            if norm == "--served-model-name":
+                names.append(value)
+                while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                    i += 1                  # vLLM takes several names after one flag
+                    names.append(argv[i])
+            elif model is not None:
+                raise UserError(f"the model was given twice ({model!r} and --model {value!r}): "
+                                f"give it once")
+            else:
+                model = value
+        elif norm in ENDPOINT_FLAGS and norm != "--models":
+            endpoint.append(token)
+            if ENDPOINT_FLAGS[norm] and not eq:
+                value, i = flag_value(argv, i, None, f"{norm} needs a value")
+                endpoint.append(value)
+        else:
+            own.append(token)
+        i += 1
+    if model is None:
+        raise UserError("--sleep-after needs the model: proxima serve MODEL --sleep-after "
+                        "SECONDS (or several models: --model 'NAME=PATH --sleep-after SECONDS')")
+    if len(names) > 1:
+        raise UserError(f"--served-model-name with --sleep-after takes one name, got "
+                        f"{len(names)} ({' '.join(names)}): the endpoint routes one name to "
+                        f"the model")
+    name = names[0] if names else model
+    if not NAME_RE.match(name):
+        raise UserError(f"--sleep-after: the model would be served as {name!r}, not a name "
+                        f"the endpoint routes (letters, digits and . _ - : / @ +, at most 128, "
+                        f"starting with a letter, a digit or /): give --served-model-name NAME")
+    return ["--model", shlex.join([f"{name}={model}", *own]), *endpoint]
 
 
 def _written(value) -> str:
@@ -241,7 +294,7 @@ def parse_model_option(value: str) -> ModelSpec:
 def _check_name_path(spec: ModelSpec, where: str) -> None:
     if not NAME_RE.match(spec.name or ""):
         raise UserError(f"{where}: model name {spec.name!r} is not a valid name: use letters, "
-                        f"digits and . _ - : / @ + (at most 128, starting with a letter or digit)")
+                        f"digits and . _ - : / @ + (at most 128, starting with a letter, a digit or /)")
     if not spec.path:
         raise UserError(f"{where}: model {spec.name!r} has no path: give NAME=PATH (a model "
                         f"directory with config.json, or a Hugging Face id)")
@@ -428,6 +481,9 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
         if not token.startswith("-") and not common:
             raise UserError(f"{token!r}: with several models give each as --model NAME=PATH "
                             f"(or in --models FILE), not as a positional MODEL")
+        if token.partition("=")[0].replace("_", "-") == "--sleep-after":
+            raise UserError("--sleep-after is per model: give it inside --model 'NAME=PATH "
+                            "--sleep-after SECONDS' (or sleep_after in the models file)")
         if token.partition("=")[0].replace("_", "-") in ("--served-model-name", "--uds"):
             raise UserError(f"{token.partition('=')[0]} cannot be given with several models: "
                             f"{RESERVED[token.partition('=')[0].replace('_', '-')]}")

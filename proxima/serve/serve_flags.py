@@ -69,7 +69,6 @@ def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tup
 #: Proxima's own serve options (taken out of the command line): flag -> takes a value
 ELASTIC_FLAGS = {"--elastic": False, "--kv-min": True, "--kv-max": True,
                  "--elastic-options": True, "--idle-release": True, "--sleep-mode": False}
-SLEEP_AFTER_FLAG = "--sleep-after"
 
 
 def take_elastic_options(argv: list[str]) -> tuple[list[str], dict | None]:
@@ -152,15 +151,3 @@ def check_bare_sleep_mode(argv: list[str], elastic: dict, where: str = "") -> No
                         f"back the elastic KV, and its wake is not coordinated with the GPU's "
                         f"other engines: give --idle-release S --sleep-mode instead (several "
                         f"models: --sleep-after S inside --model), or drop --enable-sleep-mode")
-
-
-def refuse_sleep_after(argv: list[str]) -> None:
-    """``--sleep-after`` is per model of the several-models serve (its router puts an idle
-    model to sleep and wakes it): one line where it is given to one engine alone."""
-    for token in argv:
-        if token.partition("=")[0] == SLEEP_AFTER_FLAG:
-            raise UserError(f"{SLEEP_AFTER_FLAG} is an option of one model behind proxima "
-                            f"serve's endpoint (its router sleeps and wakes the model): give "
-                            f"it inside --model 'NAME=PATH {SLEEP_AFTER_FLAG} SECONDS', or for "
-                            f"one engine alone use --elastic --idle-release S --sleep-mode and "
-                            f"POST /proxima/sleep, /proxima/wake_up")

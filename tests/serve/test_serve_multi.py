@@ -143,6 +143,20 @@ def test_routes_each_request_to_its_models_engine(endpoint):
     assert ep.get("/engines/beta/proxima/kv").json()["engine"] == "beta"
 
 
+def test_a_model_named_by_its_path_or_a_hub_id_is_routed_by_that_name(endpoint):
+    """``proxima serve /models/llama --sleep-after S`` serves the model under its path, as
+    vllm serve does; a Hugging Face id has a / too."""
+    ep = endpoint({"/models/llama": [], "org/model": []})
+    for name in ("/models/llama", "org/model"):
+        answer = ep.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["engine"] == name, answer.text
+    assert ep.get("/engines//models/llama/proxima/kv").json()["engine"] == "/models/llama"
+    assert ep.get("/engines/org/model/proxima/kv").json()["engine"] == "org/model"
+    assert [m["id"] for m in ep.get("/v1/models").json()["data"]] == ["/models/llama",
+                                                                      "org/model"]
+    assert ep.post("/v1/completions", {"model": "/models", "prompt": "x"}).status_code == 404
+
+
 def test_a_stream_is_passed_on_chunk_by_chunk(endpoint, tmp_path):
     gate = tmp_path / "gate"
     ep = endpoint({"alpha": ["--gate", str(gate)], "beta": []})

@@ -8,7 +8,7 @@ import pytest
 
 from proxima import config
 from proxima.errors import UserError
-from proxima.serve import multi, serve_flags, validate
+from proxima.serve import multi, multi_config, serve_flags, validate
 from proxima.serve.multi_config import check_plan, parse_command_line
 
 from .conftest import assert_one_line_error, free_port, run_proxima
@@ -86,10 +86,48 @@ def test_sleep_mode_needs_the_idle_release_and_policy_auto():
         config.elastic_options({"sleep_mode": True, "idle_release_s": 5, "policy": "fixed"})
 
 
-def test_sleep_after_for_one_engine_alone_is_refused_before_anything_starts():
-    done = run_proxima("serve", TINY, "--elastic", "--sleep-after", "60", timeout=60)
-    assert_one_line_error(done, "--sleep-after is an option of one model behind proxima "
-                                "serve's endpoint", "--model 'NAME=PATH --sleep-after SECONDS'")
+def test_one_model_with_sleep_after_is_the_endpoint_of_that_model(monkeypatch):
+    """``proxima serve MODEL --sleep-after S``: the endpoint of one model, served under the
+    name vllm serve gives it (the path, or the one --served-model-name); --host/--port stay
+    the endpoint's, every other option goes to the engine."""
+    port = free_port()
+    argv = multi_config.one_model_endpoint(
+        [TINY, "--port", str(port), "--max-model-len", "512", "--sleep-after", "90"])
+    monkeypatch.setattr(validate, "validate_environment", lambda *a: "0.26.0")
+    plan, _, _, engines = multi.prepare(argv)
+    (engine,) = engines
+    assert plan.port == port and engine.backend.name == TINY and engine.backend.sleep_after == 90
+    command = engine.command
+    assert command[command.index("--served-model-name") + 1] == TINY
+    assert command[command.index("--max-model-len") + 1] == "512"
+    assert command[-3:] == ["--idle-release", "90", "--sleep-mode"]
+    assert "--sleep-after" not in command              # the engine itself never sleeps alone
+    named = multi_config.one_model_endpoint(
+        ["--model", TINY, "--served-model-name=chat", "--sleep-after=600", "--host", "::1"])
+    assert named == ["--model", f"chat={TINY} --sleep-after=600", "--host", "::1"]
+    assert multi_config.one_model_endpoint([TINY, "--elastic"]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--elastic", "--sleep-after", "60"], "--sleep-after needs the model: proxima serve MODEL"),
+    ([TINY, "--served-model-name", "a", "b", "--sleep-after", "60"],
+     "--served-model-name with --sleep-after takes one name, got 2 (a b)"),
+    (["./m", "--sleep-after", "60"], "would be served as './m', not a name"),
+    ([TINY, "--model", TINY, "--sleep-after", "60"], "the model was given twice"),
+])
+def test_one_model_with_sleep_after_refuses_bad_input_in_one_line(argv, message):
+    with pytest.raises(UserError) as caught:
+        multi_config.one_model_endpoint(argv)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_one_model_with_sleep_after_is_checked_by_the_command_as_an_endpoint_model():
+    done = run_proxima("serve", TINY, "--elastic", "--sleep-after", "10", "--idle-release", "20",
+                       "--port", str(free_port()), timeout=60)
+    assert_one_line_error(done, "--sleep-after 10 is below its --idle-release 20")
+    # beside several models it is per model: one line, not an option for every engine
+    done = run_proxima("serve", "--model", f"a={TINY}", "--sleep-after", "10", timeout=60)
+    assert_one_line_error(done, "--sleep-after is per model: give it inside --model")
 
 
 def test_sleep_after_below_the_idle_release_is_refused_by_the_command(tmp_path):
