@@ -139,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from proxima.serve import multi_config, serve_flags
 
-    endpoint = None if multi_config.wants_multi(argv) else multi_config.one_model_endpoint(argv)
-    if endpoint is not None or multi_config.wants_multi(argv):
+    endpoint = argv if multi_config.wants_multi(argv) else multi_config.one_model_endpoint(argv)
+    if endpoint is not None:
         from proxima.serve import multi
 
-        return multi.run(argv if endpoint is None else endpoint)
+        return multi.run(endpoint)
     log = logs.setup()
 
     from proxima.serve import autosize

@@ -160,7 +160,7 @@ def one_model_endpoint(argv: list[str]) -> list[str] | None:
                                 f"give it once")
             else:
                 model = value
-        elif norm in ENDPOINT_FLAGS and norm != "--models":
+        elif norm in ENDPOINT_FLAGS:        # --models: wants_multi() took it
             endpoint.append(token)
             if ENDPOINT_FLAGS[norm] and not eq:
                 value, i = flag_value(argv, i, None, f"{norm} needs a value")
