@@ -1354,6 +1354,12 @@ def main() -> int:
                 for row in idle_mapped(r)]
 
     s, e = results.get("static"), results.get("elastic")
+    unfinished = [n for n in order
+                  if not (results.get(n) or {}).get("aggregate_output_tokens_per_s")]
+    errored = [n for n in order if (results.get(n) or {}).get("errors")]
+    # the verdict is elastic against static (>= 1.3x): a run of other setups has none, and
+    # fails only where a setup did not finish or had errors
+    judged = bool(unfinished or errored) or {"static", "elastic"} <= set(order)
     passed = False
     if s and e and s.get("aggregate_output_tokens_per_s") and e.get("aggregate_output_tokens_per_s"):
         ratio = e["aggregate_output_tokens_per_s"] / s["aggregate_output_tokens_per_s"]
@@ -1365,14 +1371,7 @@ def main() -> int:
                    "prefix_hit_rate": [s.get("prefix_hit_rate"), e.get("prefix_hit_rate")],
                    "ttft_p50_s": [s["ttft_p50_s"], e["ttft_p50_s"]],
                    "ttft_p99_s": [s["ttft_p99_s"], e["ttft_p99_s"]]}
-    unfinished = [n for n in order
-                  if not (results.get(n) or {}).get("aggregate_output_tokens_per_s")]
-    errored = [n for n in order if (results.get(n) or {}).get("errors")]
-    # the verdict is elastic against static (>= 1.3x): a run of other setups has none, and
-    # fails only where a setup did not finish or had errors
-    judged = bool(unfinished or errored) or {"static", "elastic"} <= set(order)
-    if not (s and e and s.get("aggregate_output_tokens_per_s")
-            and e.get("aggregate_output_tokens_per_s")):
+    else:
         summary = {"why": f"a setup did not finish: {', '.join(unfinished)} (see "
                           f"two_engines.json)" if unfinished else
                    f"errors in {', '.join(errored)}" if errored else
