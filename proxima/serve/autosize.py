@@ -17,6 +17,7 @@ from typing import Callable
 from proxima.config import parse_size
 from proxima.errors import UserError
 from proxima.serve import sizing
+from proxima.serve.vllm_args import option_name
 
 log = logging.getLogger("proxima.serve")
 
@@ -223,7 +224,7 @@ def _option(argv: list[str], name: str) -> str | None:
     found = None
     for i, token in enumerate(argv):
         flag, eq, inline = token.partition("=")
-        if flag.startswith("--") and "--" + flag[2:].replace("_", "-") == name:
+        if option_name(flag) == name:
             found = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
     return found
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from proxima.errors import UserError
 from proxima.serve import multi_config
 from proxima.serve.multi_config import ENGINE_HOST, engine_command, engine_env, free_port
+from proxima.serve.vllm_args import option_name
 from proxima.serve.router import (FAILED, READY, RESTARTING, STARTING, STOPPED, Backend,
                                   Router)
 
@@ -330,7 +331,7 @@ def api_keys(plan: multi_config.MultiPlan, environ=os.environ) -> set[str]:
     for argv in [plan.common, *(spec.args for spec in plan.models)]:
         for i, token in enumerate(argv):
             flag, eq, inline = token.partition("=")
-            if flag.replace("_", "-") == "--api-key":
+            if option_name(flag) == "--api-key":
                 if eq:
                     keys.add(inline)
                 elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):

@@ -53,6 +53,7 @@ from pathlib import Path
 from proxima.errors import UserError
 from proxima.ioutil import KeyTwice, object_keys_once, shown
 from proxima.serve.serve_flags import ELASTIC_FLAGS, flag_value
+from proxima.serve.vllm_args import given, option_name
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed, and a model
 #: directory's absolute path, which is what ``vllm serve PATH`` serves)
@@ -139,7 +140,7 @@ def one_model_endpoint(argv: list[str]) -> list[str] | None:
     ``--served-model-name``, else MODEL. The endpoint's options (``--host``, ``--port``,
     ``--compaction``, ``--gpu-memory-bytes``) stay the endpoint's; the others are the model's,
     checked as they are inside ``--model``."""
-    if not any(t.partition("=")[0].replace("_", "-") == "--sleep-after" for t in argv):
+    if not given(argv, "--sleep-after"):
         return None
     model = argv[0] if argv and not argv[0].startswith("-") else None
     endpoint, own, names = [], [], []
@@ -147,7 +148,7 @@ def one_model_endpoint(argv: list[str]) -> list[str] | None:
     while i < len(argv):
         token = argv[i]
         flag, eq, inline = token.partition("=")
-        norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        norm = option_name(token)
         if norm in ("--model", "--served-model-name"):
             value, i = flag_value(argv, i, inline if eq else None, f"{norm} needs a value")
             if norm == "--served-model-name":
@@ -207,7 +208,7 @@ def _split_model_args(args: list[str], spec: ModelSpec, where: str) -> None:
     while i < len(args):
         token = args[i]
         flag, eq, inline = token.partition("=")
-        norm = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        norm = option_name(token)
         if norm in RESERVED:
             raise UserError(f"{where}: {norm} cannot be given for one model: {RESERVED[norm]}")
         if norm in MODEL_FLAGS:
@@ -399,7 +400,7 @@ def load_models_file(path: str) -> MultiPlan:
     if "args" in data:
         plan.common = _args(data["args"], f"{where}: args")
         for token in plan.common:
-            norm = "--" + token.partition("=")[0][2:].replace("_", "-")
+            norm = option_name(token)
             if norm in RESERVED or norm in MODEL_FLAGS or norm == "--sleep-mode":
                 raise UserError(f"{where}: args: {norm} cannot be given for every model here "
                                 f"(per model: the [[models]] table; the endpoint: host/port)")
@@ -481,12 +482,12 @@ def parse_command_line(argv: list[str]) -> MultiPlan:
         if not token.startswith("-") and not common:
             raise UserError(f"{token!r}: with several models give each as --model NAME=PATH "
                             f"(or in --models FILE), not as a positional MODEL")
-        if token.partition("=")[0].replace("_", "-") == "--sleep-after":
+        name = option_name(token)
+        if name == "--sleep-after":
             raise UserError("--sleep-after is per model: give it inside --model 'NAME=PATH "
                             "--sleep-after SECONDS' (or sleep_after in the models file)")
-        if token.partition("=")[0].replace("_", "-") in ("--served-model-name", "--uds"):
-            raise UserError(f"{token.partition('=')[0]} cannot be given with several models: "
-                            f"{RESERVED[token.partition('=')[0].replace('_', '-')]}")
+        if name in ("--served-model-name", "--uds"):
+            raise UserError(f"{flag} cannot be given with several models: {RESERVED[name]}")
         common.append(token)
         i += 1
     if len(files) > 1:

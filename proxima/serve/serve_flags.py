@@ -146,7 +146,9 @@ def check_bare_sleep_mode(argv: list[str], elastic: dict, where: str = "") -> No
     (the connector refuses it otherwise, but only once the engine starts): one line now."""
     if elastic.get("sleep_mode"):
         return
-    if any(t.partition("=")[0].replace("_", "-") == "--enable-sleep-mode" for t in argv):
+    from proxima.serve.vllm_args import given
+
+    if given(argv, "--enable-sleep-mode"):
         raise UserError(f"{where}--enable-sleep-mode with --elastic: vLLM's sleep would not give "
                         f"back the elastic KV, and its wake is not coordinated with the GPU's "
                         f"other engines: give --idle-release S --sleep-mode instead (several "

@@ -20,6 +20,7 @@ from proxima.vllm import activation
 from proxima.vllm.activation import installed_version
 from proxima.errors import UserError
 from proxima.serve.preflight import INSTALL_HINT
+from proxima.serve.vllm_args import option_name
 
 ALLOCATOR_ENV = activation.ENV
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a
@@ -182,8 +183,8 @@ def scan(argv: list[str]) -> Scanned:
         if token == "--":
             break
         if token.startswith("--"):
-            name, has_value, value = token.partition("=")
-            name = "--" + name[2:].replace("_", "-")
+            _, has_value, value = token.partition("=")
+            name = option_name(token)
             if name in _SCANNED:
                 if not has_value:
                     if i + 1 >= len(argv):

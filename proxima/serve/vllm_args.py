@@ -32,14 +32,16 @@ def one_line(exc: BaseException) -> str:
     return text.removeprefix("Error: ")
 
 
+def option_name(token: str) -> str:
+    """The option a command-line word names, as vLLM spells it: ``--a_b=1`` -> ``--a-b``
+    (argparse takes both spellings); a word that is no long option comes back as it is."""
+    flag = token.partition("=")[0]
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
 def given(argv: list[str], option: str) -> bool:
     """Whether ``option`` (``--dash-form``) is on the command line, in any vLLM spelling."""
-    for token in argv:
-        if token.startswith("--"):
-            name = "--" + token[2:].partition("=")[0].replace("_", "-")
-            if name == option:
-                return True
-    return False
+    return option in map(option_name, argv)
 
 
 def card_stack() -> bool:

@@ -206,6 +206,20 @@ def test_the_endpoint_knows_every_api_key_the_engines_take():
     assert multi.api_keys(parse_command_line(["--model", f"a={TINY}"]), {}) == set()
 
 
+def test_every_option_the_endpoint_reads_is_read_in_either_spelling():
+    """vLLM's parser takes ``--a_b`` for ``--a-b``; so does what the endpoint reads itself."""
+    plan = parse_command_line(["--model", f"a={TINY} --api_key=k2", "--model", f"b={TINY}",
+                               "--api_key", "k1"])
+    assert multi.api_keys(plan, {}) == {"k1", "k2"}
+    for flag, said in (("--sleep_after", "--sleep-after is per model"),
+                       ("--served_model_name", "--served_model_name cannot be given with "
+                                               "several models")):
+        with pytest.raises(UserError, match=said):
+            parse_command_line(["--model", f"a={TINY}", "--model", f"b={TINY}", flag, "5"])
+    with pytest.raises(UserError, match="--served-model-name cannot be given for one model"):
+        parse_command_line(["--model", f"a={TINY} --served_model_name=x"])
+
+
 def _free() -> int:
     import socket
 

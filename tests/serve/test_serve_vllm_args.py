@@ -97,3 +97,15 @@ def test_elastic_on_one_gpu_advises_the_mp_executor_unless_one_was_chosen(serve_
     assert (hint is not None) == advised
     if advised:
         assert "--distributed-executor-backend mp" in hint and "\n" not in hint
+
+
+@pytest.mark.parametrize("token, name", [
+    ("--gpu_memory_utilization=0.5", "--gpu-memory-utilization"),
+    ("--max-model-len", "--max-model-len"),
+    ("-tp", "-tp"),
+    ("/models/some_model", "/models/some_model"),
+])
+def test_an_option_is_named_as_vllm_spells_it(token, name):
+    assert vllm_args.option_name(token) == name
+    assert vllm_args.given(["x", token], "--gpu-memory-utilization") is (
+        name == "--gpu-memory-utilization")
