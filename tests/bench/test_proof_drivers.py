@@ -1609,6 +1609,24 @@ def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, 
                                            "static": s})
     refused = run("two_engines.py", tmp_path / "q", "--pool", one, "--pool", apart)
     assert refused.returncode == 2 and "--endpoints differ (one, separate)" in refused.stderr
+    # --endpoint-direct: the bursts go to each engine's own port (the models file's), a
+    # 1-token request through the router first; such runs do not pool with routed ones
+    direct = run("two_engines.py", tmp_path / "direct", "--budget", "150", "--requests", "8",
+                 "--only", "endpoint", "--endpoints", "separate", "--endpoint-direct",
+                 "--port", "0")
+    assert direct.returncode == 0, direct.stderr
+    assert "--endpoint-direct: each burst sent to the model's engine" in direct.stdout
+    ep = json.loads((tmp_path / "direct" / "two_engines.json").read_text())[
+        "subproofs"]["c"]["endpoint"]
+    assert ep["direct"] is True and [(b["engine"], b["errors"], b["output_tokens"])
+                                     for b in ep["bursts"]] == [("A", 0, 8 * 512),
+                                                                ("B", 0, 8 * 512)]
+    routed = _te_file(tmp_path / "3.json", {"endpoint": {**e, "endpoints": "separate"},
+                                            "static": s})
+    straight = _te_file(tmp_path / "4.json", {"endpoint": {**e, "endpoints": "separate",
+                                                           "direct": True}, "static": s})
+    refused = run("two_engines.py", tmp_path / "q2", "--pool", routed, "--pool", straight)
+    assert refused.returncode == 2 and "--endpoint-direct" in refused.stderr
     # the sleeps and wakes summed over both endpoints' logs (and a run that kept one list)
     by = {"A": [["B", "asleep", 2.3]], "B": [["A", "asleep", 2.1], ["A", "awake", 0.9]]}
     assert te.endpoint_events({"sleep_events_by": by}) == by["A"] + by["B"]

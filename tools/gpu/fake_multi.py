@@ -29,7 +29,7 @@ def main() -> int:
     plan = json.loads(Path(args.models).read_text())
     engines, taken = [], {args.port}
     for spec in plan["models"]:
-        port = multi.free_port(avoid=taken)
+        port = spec.get("port") or multi.free_port(avoid=taken)   # the file's, as serve
         taken.add(port)
         engines.append(multi.Engine(
             backend=Backend(name=spec["name"], url=f"http://127.0.0.1:{port}",

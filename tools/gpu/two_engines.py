@@ -24,7 +24,9 @@ times). Run twice, on the same schedule:
   ``proxima serve --models FILE`` of ONE model each, on ports ``--port`` .. ``--port``+N-1,
   started as ``--start`` says, side by side unless given (two users' separate servers, as
   the user path's elastic servers: they meet only in the GPU's ledger, through which each
-  sleeps for the other's demand);
+  sleeps for the other's demand). ``--endpoint-direct`` sends each burst to the engine's
+  own port instead, after one 1-token request through the router that wakes it: the same
+  engines without the router's hop;
 * elastic: N Proxima engines with elastic KV memory (PROXIMA_ALLOCATOR=1
   PROXIMA_ELASTIC=1), each allowed a maximum of ``--max-gib`` (72 GiB for two, more than half
   of the GPU; for more, what the GPU holds with every other engine at its minimum: the log
@@ -545,7 +547,8 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                     engine_env["VLLM_PORT"] = str(25000 + 100 * (port - args.port))
                     result[f"vllm_port_{key}"] = int(engine_env["VLLM_PORT"])
                 result.update({f"command_{key}" if separate else "command": " ".join(cmd)},
-                              sleep_after=args.sleep_after, endpoints=args.endpoints)
+                              sleep_after=args.sleep_after, endpoints=args.endpoints,
+                              direct=args.endpoint_direct)
             elif not static:
                 engine_env.update(PROXIMA_ALLOCATOR="1", PROXIMA_ELASTIC="1",
                                   VLLM_PORT=str(21000 + 100 * (port - args.port)))
@@ -601,6 +604,15 @@ def run_setup(out: kit.Out, budget: kit.Budget, name: str, static: bool, args, e
                 result["cut_short"] = f"only {budget.left():.0f}s left before burst {i + 1}"
                 break
             port = target[key]
+            if endpoint and args.endpoint_direct:
+                # the router holds this request while it wakes a sleeping model; the burst
+                # then goes to the engine's own port (the router's cost left out)
+                woken = asyncio.run(run_burst(port, key, burst_requests(
+                    1, seed=9000 + i, prompt=16, output=1), left))
+                if woken["errors"]:
+                    raise RuntimeError(f"the request to wake {key} through the router "
+                                       f"failed: {woken.get('first_errors')}")
+                port = counters[key]
             before = metrics(counters[key], SCRAPED)
             spec = args.contexts[r % len(args.contexts)] if args.contexts else None
             shape = args.shapes[r % len(args.shapes)] if args.shapes else None
@@ -876,6 +888,13 @@ def pool_main(args) -> int:
         print(f"two_engines: --pool: the endpoint runs' --endpoints differ "
               f"({', '.join(sorted(layouts))}): pool runs of one", file=sys.stderr)
         return 2
+    direct = {bool((c.get("endpoint") or {}).get("direct")) for _, c in runs
+              if isinstance(c.get("endpoint"), dict)}
+    if len(direct) > 1:
+        print("two_engines: --pool: some endpoint runs sent their bursts through the router "
+              "and some to the engines directly (--endpoint-direct): pool runs of one",
+              file=sys.stderr)
+        return 2
     out = kit.Out(Path(args.out), "two_engines-pooled")
     out.results["settings"] = {"pool": args.pool, **mine}
     summary = pool(runs, mine.get("output"))
@@ -1053,6 +1072,11 @@ def parse(argv=None):
                     help="the endpoint setup: one `proxima serve --models` of every engine, or "
                          "a separate one-model `proxima serve` per engine (on --port + i, "
                          "meeting only in the GPU's ledger) (default: %(default)s)")
+    ap.add_argument("--endpoint-direct", action="store_true",
+                    help="the endpoint setup: send each burst to the model's engine itself (its "
+                         "own port), not through the endpoint's router; one 1-token request "
+                         "through the router first wakes a sleeping model, outside the burst's "
+                         "clock. Tells the router's cost from the engine's (default: off)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without torch.compile and CUDA graphs (both setups "
                          "alike): each start takes seconds instead of a minute (default: off)")
@@ -1203,6 +1227,10 @@ def resolve(args, order: list[str]) -> tuple[str | None, list[str]]:
                      f"{args.port + 10}-{args.port + 9 + n})"
                      + (f"; --elastic-options {args.elastic_options}"
                         if args.elastic_options else ""))
+    if "endpoint" in order and args.endpoint_direct:
+        notes.append("endpoint: --endpoint-direct: each burst sent to the model's engine on "
+                     "its own port, after one 1-token request through the router (which wakes "
+                     "a sleeping model) outside the burst's clock")
     if not args.user_path and any(x in order for x in ("elastic", "compacted")):
         peak = n * base + (n - 1) * MIN_GIB + args.max_gib
         notes.append(f"memory plan: elastic, one engine busy at its {args.max_gib:.0f} GiB max, "
@@ -1401,7 +1429,7 @@ def main() -> int:
             "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
             "preemptions": ep["preemptions"], "ttft_p50_s": ep["ttft_p50_s"],
             "ttft_p99_s": ep["ttft_p99_s"], "sleep_after_s": ep.get("sleep_after"),
-            "endpoints": ep.get("endpoints", "one"),
+            "endpoints": ep.get("endpoints", "one"), "direct": ep.get("direct", False),
             "to_static": to("static"), "to_elastic": to("elastic"), "to_single": to("single"),
             "sleeps": sum(1 for ev in events if ev[1] == "asleep"),
             "wake_s": [ev[2] for ev in events if ev[1] == "awake"]}
