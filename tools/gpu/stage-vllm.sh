@@ -64,7 +64,9 @@ MIB=$((1024 * 1024))
 
 # what travels with every device call: tracked and untracked-not-ignored files
 tree_bytes() {
-  git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+  # a tracked file missing from the checkout (e.g. docs/results moved aside) weighs nothing:
+  # stat says so (xargs rc 123), and the others still count
+  (git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null || true) \
     | awk '{s += $1} END {print s + 0}'
 }
 TREE=$(tree_bytes)
