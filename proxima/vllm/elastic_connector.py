@@ -71,7 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.vllm import compaction_options, compaction_worker, elastic_v1
+from proxima.vllm import compaction_options, compaction_worker, elastic_v1, sleep_pin
 from proxima.vllm.elastic_control import ElasticController
 from proxima.vllm.status import percentiles
 from proxima.errors import UserError
@@ -221,6 +221,14 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 seen.add(key)
                 self._check_view(memory, name, view)
         self._memory = memory
+        if self.options.sleep_mode:
+            # a model that sleeps: its first sleep copies only (docs in sleep_pin)
+            try:
+                sleep_pin.pin_for_sleep()
+            except Exception as exc:  # noqa: BLE001 - its first sleep pins, as vLLM's does
+                logger.warning("Proxima: host memory for this engine's sleeps not pinned at "
+                               "start-up (%s: %s); its first sleep pins it (seconds)",
+                               type(exc).__name__, exc)
         if self.options.map_in_background:
             from proxima.memory.background import BackgroundOps
 

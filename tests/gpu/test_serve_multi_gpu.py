@@ -267,9 +267,9 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
         again_first, _, again = _stream_timed(url, body)
         assert again == before
         used_woken = _gpu_used_bytes()
-        # a second cycle: the first sleep pins the host memory the weights go to (10.58 s
-        # for 8B's on an H100 without vLLM, tools/gpu/pin_rate.py); torch keeps it, so the
-        # second should be the copy alone (0.30 s there)
+        # a second cycle: the host memory the weights go to was pinned while the engine
+        # started (proxima/vllm/sleep_pin.py; before, the first sleep pinned it: 7.64 s of
+        # 8B's in vLLM on an H100, s28), and torch keeps it: both sleeps copy only (0.33 s)
         wait_asleep()
         second_first, _, second = _stream_timed(url, body)
         assert second == before, "greedy output changed across the second sleep/wake cycle"
@@ -279,6 +279,8 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
                           text)
         engine_slept = re.findall(r"asleep in ([0-9.]+) s \(weights", text)
         weights_gib = re.findall(r"asleep in [0-9.]+ s \(weights, ~([0-9.]+) GiB", text)
+        pinned = re.findall(r"pinned ([0-9.]+) GiB of host memory for this engine's sleeps "
+                            r"in ([0-9.]+) s", text)
         assert len(slept) >= 2 and len(woke) >= 2, tail(log)
         figures = {
             "model": SLEEP_MODEL, "sleep_after_s": SLEEP_AFTER_S,
@@ -296,6 +298,8 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
             "gpu_used_bytes": {"awake": used_awake, "asleep": used_asleep, "woken": used_woken},
             "tokens": len(before), "outputs_identical": after == before,
             "weights_gib": float(weights_gib[0]) if weights_gib else None,
+            "pinned_at_start_gib": float(pinned[0][0]) if pinned else None,
+            "pinned_at_start_s": float(pinned[0][1]) if pinned else None,
         }
         print("\nsleep/wake:", json.dumps(figures))
         out = os.environ.get("PROXIMA_GPU_OUT") or os.environ.get("OUT")
@@ -303,6 +307,10 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / "sleep_wake.json").write_text(json.dumps(figures, indent=1) + "\n")
             (Path(out) / "sleep_wake.log").write_text(tail(log, 400) + "\n")
+        # the first sleep copies only: its host memory was pinned at start-up
+        assert pinned, f"no start-up pinning in the engine's log\n{tail(log)}"
+        assert figures["engine_sleep_s"] is not None and figures["engine_sleep_s"] < 3.0, \
+            figures
         if used_awake is not None and used_asleep is not None:
             # the weights left the GPU: at least half their bytes show as free
             assert weights_gib, tail(log)
