@@ -38,9 +38,10 @@ def weights_sizes(allocator) -> list[int]:
 def pin_for_sleep(allocator=None, pin: bool | None = None,
                   empty: Callable[[int], object] | None = None) -> tuple[int, float]:
     """Pin host memory for ``allocator``'s sleep (default: the allocator vLLM's sleep uses,
-    ``CuMemAllocator`` on CUDA) and leave it in torch's cache: (bytes, seconds). Nothing where host memory
-    cannot be pinned (``pin``: vLLM's ``PIN_MEMORY``) or there are no weights in the
-    allocator's pool. ``empty(size)``: the host tensor, as vLLM's sleep makes it."""
+    ``CuMemAllocator`` on CUDA) and leave it in torch's cache: (bytes, seconds). Nothing
+    where host memory cannot be pinned (``pin``: vLLM's ``PIN_MEMORY``) or there are no
+    weights in the allocator's pool. ``empty(size)``: the host tensor, as vLLM's sleep
+    makes it."""
     if allocator is None:
         from vllm.device_allocator import get_mem_allocator_instance
 

@@ -875,21 +875,20 @@ def pool_main(args) -> int:
                   f"the others'; pool runs of one load", file=sys.stderr)
             return 2
         runs.append((path, c))
-    sleeps = {(c.get("endpoint") or {}).get("sleep_after") for _, c in runs
-              if isinstance(c.get("endpoint"), dict)}
+    # endpoint runs pool only with their like: one --sleep-after, one layout, one path
+    endpoints = [c["endpoint"] for _, c in runs if isinstance(c.get("endpoint"), dict)]
+    sleeps = {ep.get("sleep_after") for ep in endpoints}
     if len(sleeps) > 1:
         print(f"two_engines: --pool: the endpoint runs' --sleep-after differ "
               f"({', '.join(sorted(f'{x:g}' for x in sleeps if x is not None))}): pool runs "
               f"of one", file=sys.stderr)
         return 2
-    layouts = {(c.get("endpoint") or {}).get("endpoints", "one") for _, c in runs
-               if isinstance(c.get("endpoint"), dict)}
+    layouts = {ep.get("endpoints", "one") for ep in endpoints}
     if len(layouts) > 1:
         print(f"two_engines: --pool: the endpoint runs' --endpoints differ "
               f"({', '.join(sorted(layouts))}): pool runs of one", file=sys.stderr)
         return 2
-    direct = {bool((c.get("endpoint") or {}).get("direct")) for _, c in runs
-              if isinstance(c.get("endpoint"), dict)}
+    direct = {bool(ep.get("direct")) for ep in endpoints}
     if len(direct) > 1:
         print("two_engines: --pool: some endpoint runs sent their bursts through the router "
               "and some to the engines directly (--endpoint-direct): pool runs of one",
