@@ -59,9 +59,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_listening(url: str, timeout: float = 60) -> None:
+def wait_listening(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
+    """Until ``url``/health answers; stops at once if ``proc`` (the server's process) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"{url}: its process exited ({proc.returncode}) before it listened")
         try:
             httpx.get(url + "/health", timeout=1)
             return

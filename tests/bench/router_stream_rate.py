@@ -20,12 +20,13 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.bench.router_compare import free_port, wait_listening
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = ("data: " + json.dumps({
@@ -89,26 +90,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
-    import urllib.request
-
-    for _ in range(300):
-        if proc.poll() is not None:
-            raise SystemExit(f"router_stream_rate: the {what} exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"router_stream_rate: the {what} did not answer /health in 30 s")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=400, help="concurrent streams (default: %(default)s)")
@@ -134,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                                 "--engine", str(e_port), "--tokens", str(args.tokens),
                                 "--step-ms", str(args.step_ms)], cwd=REPO, env=env)
         procs.append(eng)
-        wait_http(f"http://127.0.0.1:{e_port}", eng, "stand-in engine")
+        wait_listening(f"http://127.0.0.1:{e_port}", 30, eng)
         router = subprocess.Popen([sys.executable, "-m", "proxima.serve.router", "--backend",
                                    f"A=http://127.0.0.1:{e_port}", "--port", str(r_port)],
                                   cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         procs.append(router)
-        wait_http(f"http://127.0.0.1:{r_port}", router, "router")
+        wait_listening(f"http://127.0.0.1:{r_port}", 30, router)
         order = [t for r in range(args.rounds)
                  for t in (("direct", "router") if r % 2 == 0 else ("router", "direct"))]
         runs = []
