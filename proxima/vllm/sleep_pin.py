@@ -35,34 +35,32 @@ def weights_sizes(allocator) -> list[int]:
             if data.tag == WEIGHTS_TAG]
 
 
-def pin_for_sleep(allocator=None, pin: bool | None = None,
-                  empty: Callable[[int], object] | None = None) -> tuple[int, float]:
-    """Pin host memory for ``allocator``'s sleep (default: the allocator vLLM's sleep uses,
-    ``CuMemAllocator`` on CUDA) and leave it in torch's cache: (bytes, seconds). Nothing
-    where host memory cannot be pinned (``pin``: vLLM's ``PIN_MEMORY``) or there are no
-    weights in the allocator's pool. ``empty(size)``: the host tensor, as vLLM's sleep
-    makes it."""
-    if allocator is None:
-        from vllm.device_allocator import get_mem_allocator_instance
-
-        allocator = get_mem_allocator_instance()       # the one vLLM's sleep uses
-    if pin is None:
-        from vllm.utils.torch_utils import PIN_MEMORY
-
-        pin = PIN_MEMORY
-    sizes = weights_sizes(allocator)
-    if not pin or not sizes:
-        return 0, 0.0
-    if empty is None:
-        import torch
-
-        def empty(size: int):
-            return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
-
+def pin_sizes(sizes: list[int], empty: Callable[[int], object]) -> float:
+    """Take ``empty(size)`` for each size, all held at once as the sleep holds them, then
+    free them (into torch's host cache): the seconds it took."""
     began = time.monotonic()
-    held = [empty(size) for size in sizes]      # all at once, as the sleep holds them
+    held = [empty(size) for size in sizes]
     del held
-    seconds = time.monotonic() - began
+    return time.monotonic() - began
+
+
+def _pinned(size: int):
+    import torch
+
+    return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+def pin_for_sleep() -> tuple[int, float]:
+    """Pin host memory for the sleep of vLLM's sleep-mode allocator (``CuMemAllocator`` on
+    CUDA) and leave it in torch's cache: (bytes, seconds). Nothing where host memory cannot
+    be pinned (vLLM's ``PIN_MEMORY``) or the allocator's pool holds no weights."""
+    from vllm.device_allocator import get_mem_allocator_instance
+    from vllm.utils.torch_utils import PIN_MEMORY
+
+    sizes = weights_sizes(get_mem_allocator_instance())   # the allocator vLLM's sleep uses
+    if not PIN_MEMORY or not sizes:
+        return 0, 0.0
+    seconds = pin_sizes(sizes, _pinned)
     log.info("Proxima: pinned %.2f GiB of host memory for this engine's sleeps in %.2f s "
              "(%d weight allocations): a sleep copies into it", sum(sizes) / 2**30, seconds,
              len(sizes))
