@@ -17,7 +17,7 @@ from typing import Callable
 from proxima.config import parse_size
 from proxima.errors import UserError
 from proxima.serve import sizing
-from proxima.serve.vllm_args import option_name
+from proxima.serve.argv import flag_value, given, option_name
 
 log = logging.getLogger("proxima.serve")
 
@@ -27,8 +27,6 @@ ASK_TIMEOUT_S = 60.0        # how long a starting engine waits for the others to
 
 def take_gpu_bytes(argv: list[str]) -> tuple[list[str], int | None]:
     """``argv`` without ``--gpu-memory-bytes SIZE``, and the size (None: not given)."""
-    from proxima.serve.serve_flags import flag_value
-
     rest, value, i = [], None, 0
     while i < len(argv):
         flag, eq, inline = argv[i].partition("=")
@@ -115,8 +113,6 @@ def apply(vargs, argv: list[str], elastic: dict, facts: dict,
     engine's elastic options) ``min_bytes``/``max_bytes`` where not given and what the
     ledger says of this engine (``demo``: the embedded demo's own sizes are kept). Returns
     the sizing (None: the GPU's size is not known)."""
-    from proxima.serve.vllm_args import given
-
     gpus = (getattr(vargs, "tensor_parallel_size", 1) or 1) * \
         (getattr(vargs, "pipeline_parallel_size", 1) or 1)
     total, free, uuid = gpu_facts(facts)

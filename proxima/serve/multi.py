@@ -36,11 +36,11 @@ import time
 from dataclasses import dataclass, field
 
 from proxima.errors import UserError
+from proxima.serve.argv import option_name
 from proxima.serve import multi_config
 from proxima.serve.multi_config import ENGINE_HOST, engine_command, engine_env, free_port
 from proxima.serve.router import (FAILED, READY, RESTARTING, STARTING, STOPPED, Backend,
                                   Router)
-from proxima.serve.vllm_args import option_name
 
 log = logging.getLogger("proxima.serve")
 

@@ -52,8 +52,8 @@ from pathlib import Path
 
 from proxima.errors import UserError
 from proxima.ioutil import KeyTwice, object_keys_once, shown
-from proxima.serve.serve_flags import ELASTIC_FLAGS, flag_value
-from proxima.serve.vllm_args import given, option_name
+from proxima.serve.argv import flag_value, given, option_name
+from proxima.serve.serve_flags import ELASTIC_FLAGS
 
 #: a model's name: what clients put in "model" (Hugging Face style ids allowed, and a model
 #: directory's absolute path, which is what ``vllm serve PATH`` serves)

@@ -14,6 +14,7 @@ import argparse
 import os
 
 from proxima.errors import UserError
+from proxima.serve.argv import flag_value, given
 
 
 def take_compaction(argv: list[str]) -> tuple[list[str], bool]:
@@ -54,16 +55,6 @@ def default_executor(args: argparse.Namespace, argv: list[str]) -> str | None:
     args.distributed_executor_backend = "mp"
     return ("--elastic on one GPU: vLLM's mp executor (--distributed-executor-backend mp, the "
             "default with --elastic; give --distributed-executor-backend uni for vLLM's own)")
-
-
-def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tuple[str, int]:
-    """The value of the flag at ``argv[i]``: ``inline`` (written ``--flag=VALUE``) or the
-    next token, and the index of the last token it took; UserError ``missing`` if none."""
-    if inline is not None:
-        return inline, i
-    if i + 1 < len(argv):
-        return argv[i + 1], i + 1
-    raise UserError(missing)
 
 
 #: Proxima's own serve options (taken out of the command line): flag -> takes a value
@@ -146,8 +137,6 @@ def check_bare_sleep_mode(argv: list[str], elastic: dict, where: str = "") -> No
     (the connector refuses it otherwise, but only once the engine starts): one line now."""
     if elastic.get("sleep_mode"):
         return
-    from proxima.serve.vllm_args import given
-
     if given(argv, "--enable-sleep-mode"):
         raise UserError(f"{where}--enable-sleep-mode with --elastic: vLLM's sleep would not give "
                         f"back the elastic KV, and its wake is not coordinated with the GPU's "

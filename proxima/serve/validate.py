@@ -19,8 +19,8 @@ from pathlib import Path
 from proxima.vllm import activation
 from proxima.vllm.activation import installed_version
 from proxima.errors import UserError
+from proxima.serve.argv import option_name
 from proxima.serve.preflight import INSTALL_HINT
-from proxima.serve.vllm_args import option_name
 
 ALLOCATOR_ENV = activation.ENV
 # Powers of two that vLLM's CUDA attention backends accept (FlashAttention and Triton need a

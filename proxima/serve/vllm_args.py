@@ -14,6 +14,7 @@ import logging
 from typing import Iterable
 
 from proxima.errors import UserError
+from proxima.serve.argv import given
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
 
 log = logging.getLogger("proxima.serve")
@@ -30,18 +31,6 @@ DEMO_V0_NUM_GPU_BLOCKS = 16384
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text.removeprefix("Error: ")
-
-
-def option_name(token: str) -> str:
-    """The option a command-line word names, as vLLM spells it: ``--a_b=1`` -> ``--a-b``
-    (argparse takes both spellings); a word that is no long option comes back as it is."""
-    flag = token.partition("=")[0]
-    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
-
-
-def given(argv: list[str], option: str) -> bool:
-    """Whether ``option`` (``--dash-form``) is on the command line, in any vLLM spelling."""
-    return option in map(option_name, argv)
 
 
 def card_stack() -> bool:

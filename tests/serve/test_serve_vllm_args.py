@@ -7,7 +7,7 @@ import pytest
 
 from proxima.errors import UserError
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
-from proxima.serve import vllm_args
+from proxima.serve import argv, vllm_args
 
 from .conftest import v1_only
 
@@ -106,6 +106,6 @@ def test_elastic_on_one_gpu_advises_the_mp_executor_unless_one_was_chosen(serve_
     ("/models/some_model", "/models/some_model"),
 ])
 def test_an_option_is_named_as_vllm_spells_it(token, name):
-    assert vllm_args.option_name(token) == name
-    assert vllm_args.given(["x", token], "--gpu-memory-utilization") is (
+    assert argv.option_name(token) == name
+    assert argv.given(["x", token], "--gpu-memory-utilization") is (
         name == "--gpu-memory-utilization")
