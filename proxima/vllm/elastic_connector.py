@@ -71,7 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from proxima.config import parse_size
-from proxima.vllm import compaction_options, compaction_worker, elastic_v1, sleep_pin
+from proxima.vllm import compaction_options, compaction_worker, elastic_v1, sleep_memory
 from proxima.vllm.elastic_control import ElasticController
 from proxima.vllm.status import percentiles
 from proxima.errors import UserError
@@ -222,13 +222,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self._check_view(memory, name, view)
         self._memory = memory
         if self.options.sleep_mode:
-            # a model that sleeps: its first sleep copies only (docs in sleep_pin)
+            # a model that sleeps: its first sleep copies only, and its wake finds torch's
+            # cache where it was (docs in sleep_memory)
             try:
-                sleep_pin.pin_for_sleep()
-            except Exception as exc:  # noqa: BLE001 - its first sleep pins, as vLLM's does
-                logger.warning("Proxima: host memory for this engine's sleeps not pinned at "
-                               "start-up (%s: %s); its first sleep pins it (seconds)",
-                               type(exc).__name__, exc)
+                sleep_memory.keep_cache_across_sleep()
+                sleep_memory.pin_for_sleep()
+            except Exception as exc:  # noqa: BLE001 - vLLM's sleep as it is
+                logger.warning("Proxima: this engine's sleeps are vLLM's own (%s: %s): the "
+                               "first pins host memory (seconds), and each empties torch's "
+                               "GPU cache", type(exc).__name__, exc)
         if self.options.map_in_background:
             from proxima.memory.background import BackgroundOps
 

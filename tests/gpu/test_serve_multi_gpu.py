@@ -268,7 +268,7 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
         assert again == before
         used_woken = _gpu_used_bytes()
         # a second cycle: the host memory the weights go to was pinned while the engine
-        # started (proxima/vllm/sleep_pin.py; before, the first sleep pinned it: 7.64 s of
+        # started (proxima/vllm/sleep_memory.py; before, the first sleep pinned it: 7.64 s of
         # 8B's in vLLM on an H100, s28), and torch keeps it: both sleeps copy only (0.33 s)
         wait_asleep()
         second_first, _, second = _stream_timed(url, body)
@@ -309,6 +309,8 @@ def test_an_idle_model_sleeps_and_its_next_request_wakes_it(tmp_path):
             (Path(out) / "sleep_wake.log").write_text(tail(log, 400) + "\n")
         # the first sleep copies only: its host memory was pinned at start-up
         assert pinned, f"no start-up pinning in the engine's log\n{tail(log)}"
+        # and its sleeps leave torch's GPU cache to the wake (proxima/vllm/sleep_memory.py)
+        assert "sleeps keep torch's GPU cache" in text, tail(log)
         assert figures["engine_sleep_s"] is not None and figures["engine_sleep_s"] < 3.0, \
             figures
         if used_awake is not None and used_asleep is not None:
