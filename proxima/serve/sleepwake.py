@@ -58,8 +58,9 @@ SLEEP_TIMEOUT_S = 5.0
 SLEEP_RETRY_S = 10.0            # after a sleep the engine refused (a request came, ...)
 RETRY_AFTER_S = "10"
 # idle this long, a sleeper may sleep for another's demand: about two wakes (0.4-0.9 s on an
-# H100 once the sleep's host memory is pinned at start-up, proxima.vllm.sleep_memory); each
-# second longer is a second the busy engine runs short of memory
+# H100); each second longer is a second the busy engine runs short of memory. Decode-heavy
+# bursts between two 8B engines on an H100: 1.420x a static split and 0.947 of one engine
+# holding the GPU with 2 s, 1.313x and 0.877 with 10 s (docs/benchmarks.md)
 DEMAND_IDLE_S = 2.0
 WAKE_HOLD_S = 60.0              # ... but not within this long of its last wake
 
