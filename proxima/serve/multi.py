@@ -457,10 +457,12 @@ def run(argv: list[str]) -> int:
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
     from proxima.serve import autosize
+    from proxima.memory.policy_options import PolicyOptions
     from proxima.serve.sleepwake import gpu_demand, gpu_room
 
-    uuid = autosize.gpu_facts(facts)[2]
-    room = gpu_room(uuid)
+    total, _, uuid = autosize.gpu_facts(facts)
+    # a wake leaves free what an engine's KV map leaves: the forward's activations' room
+    room = gpu_room(uuid, keep_free=int(PolicyOptions.gpu_free_low * total) if total else 0)
     together, why = start_side_by_side(plan, facts)
     log.info("the engines start %s (%s)", "side by side" if together else "one after another",
              why)

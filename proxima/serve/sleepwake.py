@@ -476,10 +476,12 @@ def gpu_demand(uuid: str | None, ledger_dir: str | None = None) -> DemandFn | No
 
 
 def gpu_room(uuid: str | None, ledger_dir: str | None = None,
-             free: Callable[[], int | None] | None = None) -> RoomFn | None:
-    """The wake's room on the GPU ``uuid``: what of ``need`` bytes is not free now (NVML, or
-    ``free()``) is asked of the other engines through the GPU's ledger, waiting until it is
-    (bounded). None without a GPU uuid (nothing to ask)."""
+             free: Callable[[], int | None] | None = None, keep_free: int = 0) -> RoomFn | None:
+    """The wake's room on the GPU ``uuid``: what of ``need`` bytes, plus ``keep_free`` left
+    free after the wake (what an engine's KV map leaves free for the forward's activations,
+    ``gpu_free_low`` of the GPU), is not free now (NVML, or ``free()``) is asked of the other
+    engines through the GPU's ledger, waiting until it is (bounded). None without a GPU uuid
+    (nothing to ask)."""
     if not uuid:
         return None
     from proxima.errors import UserError
@@ -489,9 +491,9 @@ def gpu_room(uuid: str | None, ledger_dir: str | None = None,
 
     async def room(name: str, need: int, timeout: float) -> None:
         now = await asyncio.to_thread(free)
-        if now is None or now >= need:
+        if now is None or now >= need + keep_free:
             return
-        short = need - now
+        short = need + keep_free - now
         log.info("model %s: asking the GPU's other engines for %.2f GiB to wake it", name,
                  short / 2**30)
         try:
@@ -499,6 +501,7 @@ def gpu_room(uuid: str | None, ledger_dir: str | None = None,
                                     ledger_dir=ledger_dir, timeout=timeout)
         except UserError:
             raise WakeFailed(f"the GPU's other engines did not give back the "
-                             f"{short / 2**30:.2f} GiB its weights need within "
+                             f"{short / 2**30:.2f} GiB its weights need (with "
+                             f"{keep_free / 2**30:.2f} GiB left free) within "
                              f"{timeout:g} s") from None
     return room

@@ -251,6 +251,32 @@ def test_a_wakes_room_is_asked_of_the_other_engines_through_the_gpus_ledger(tmp_
     assert live_records(path) == ()
 
 
+def test_a_wake_leaves_the_gpus_free_margin_free(tmp_path):
+    """The weights' bytes plus keep_free (an engine's KV map leaves that much free for the
+    forward's activations): a wake that would take the GPU below it asks the others for the
+    difference first."""
+    import asyncio
+
+    from proxima.memory.ledger import ledger_path, live_records
+    from proxima.serve.sleepwake import WakeFailed, gpu_room
+
+    GiB = 2**30
+    path = ledger_path("GPU-margin", tmp_path)
+    asyncio.run(gpu_room("GPU-margin", str(tmp_path), free=lambda: 9 * GiB,
+                         keep_free=1 * GiB)("alpha", 8 * GiB, 5.0))   # 8 + 1: nothing asked
+    assert live_records(path) == ()
+    seen = []
+
+    def free():
+        seen.append([(r.name, r.unmet) for r in live_records(path)])
+        return 8 * GiB                  # the weights' bytes free, the margin not
+    with pytest.raises(WakeFailed, match=r"1.00 GiB its weights need \(with 1.00 GiB left free\)"):
+        asyncio.run(gpu_room("GPU-margin", str(tmp_path), free=free,
+                             keep_free=1 * GiB)("alpha", 8 * GiB, 0.5))
+    assert ("starting", 1 * GiB) in [entry for read in seen for entry in read]
+    assert live_records(path) == ()
+
+
 def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
     """Before its sleep_after: a model that may sleep, idle DEMAND_IDLE_S and not woken
     within WAKE_HOLD_S, is chosen when another engine on the GPU wants memory it cannot
