@@ -18,13 +18,14 @@ first sleep. While another engine's burst runs on the GPU the copy itself is slo
 for the same weights, s37): the GPU is shared in time between the two processes.
 
 **torch's GPU cache kept across the sleep** (:func:`keep_cache_across_sleep`). The sleep ends
-with ``empty_cache()`` (``torch.cuda``'s; vLLM 0.33: ``torch.accelerator``'s), which gives the GPU the blocks torch keeps for the
-forward's activations. A woken engine then allocates them again at its first forward, from
-whatever the GPU's other engines left: on an H100 (s37) the other engine had grown into
-that memory and the woken one died of CUDA out-of-memory at its first batch (94 MiB short).
-The GPU's ledger already counts those blocks as held while asleep (all the engine holds
-besides KV, less the weights), and the wake makes room for the weights only; so the sleep
-keeps torch's cache, and the wake finds it where it was.
+with ``empty_cache()`` (``torch.cuda``'s; vLLM 0.33: ``torch.accelerator``'s), which gives the
+GPU the blocks torch keeps for the forward's activations. A woken engine then allocates them
+again at its first forward, from whatever the GPU's other engines left: on an H100 (s37) the
+other engine had grown into that memory and the woken one died of CUDA out-of-memory at its
+first batch (94 MiB short). The GPU's ledger already counts those blocks as held while
+asleep (all the engine holds besides KV, less the weights), and the wake makes room for the
+weights (and the GPU's free margin) only; so the sleep keeps torch's cache, and the wake
+finds it where it was.
 """
 
 from __future__ import annotations
@@ -77,22 +78,28 @@ def pin_for_sleep() -> tuple[int, float]:
     return sum(sizes), seconds
 
 
-def keep_cache_across_sleep(allocator=None) -> None:
-    """Let ``allocator``'s sleep (default: the allocator vLLM's sleep uses) leave torch's GPU
-    cache as it is: ``empty_cache()`` (``torch.cuda``'s, ``torch.accelerator``'s) does nothing
-    while the sleep runs (see the module's doc). Once per allocator."""
-    if allocator is None:
-        from vllm.device_allocator import get_mem_allocator_instance
+def keep_cache_across_sleep() -> None:
+    """Let the sleep of vLLM's sleep-mode allocator (``CuMemAllocator`` on CUDA) leave
+    torch's GPU cache as it is (:func:`keeping_cache`; see the module's doc)."""
+    from vllm.device_allocator import get_mem_allocator_instance
 
-        allocator = get_mem_allocator_instance()
-    sleep = allocator.sleep
+    allocator = get_mem_allocator_instance()           # the one vLLM's sleep uses
+    if not getattr(allocator.sleep, "proxima_keeps_cache", False):
+        allocator.sleep = keeping_cache(allocator.sleep)
+        log.info("Proxima: this engine's sleeps keep torch's GPU cache (its activations' "
+                 "blocks), so that a wake finds them")
+
+
+def keeping_cache(sleep: Callable) -> Callable:
+    """``sleep`` with ``empty_cache()`` (``torch.cuda``'s; vLLM 0.33 calls
+    ``torch.accelerator``'s) doing nothing while it runs, given back after it, even when it
+    fails. A sleep already so wrapped comes back as it is."""
     if getattr(sleep, "proxima_keeps_cache", False):
-        return
+        return sleep
 
     def sleep_keeping_cache(*args, **kwargs):
         import torch
 
-        # vLLM 0.26 calls torch.cuda.empty_cache(), 0.33 torch.accelerator.empty_cache()
         modules = [m for m in (torch.cuda, getattr(torch, "accelerator", None))
                    if m is not None and hasattr(m, "empty_cache")]
         saved = [(m, m.empty_cache) for m in modules]
@@ -105,9 +112,7 @@ def keep_cache_across_sleep(allocator=None) -> None:
                 module.empty_cache = empty_cache
 
     sleep_keeping_cache.proxima_keeps_cache = True
-    allocator.sleep = sleep_keeping_cache
-    log.info("Proxima: this engine's sleeps keep torch's GPU cache (its activations' blocks), "
-             "so that a wake finds them")
+    return sleep_keeping_cache
 
 
 def _keep_cache() -> None:

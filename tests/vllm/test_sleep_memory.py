@@ -51,14 +51,16 @@ def test_one_host_tensor_per_weights_allocation_all_held_at_once_then_freed():
     assert all(ref() is None for _, ref in made)   # and given back to the cache
 
 
-def test_nothing_is_pinned_where_vllms_sleep_allocator_is_absent():
-    """Without CUDA vLLM has no sleep-mode allocator: pin_for_sleep raises (the connector
-    logs it and the first sleep pins, as before) and takes no host memory."""
+def test_nothing_is_pinned_or_wrapped_where_vllms_sleep_allocator_is_absent():
+    """Without CUDA vLLM has no sleep-mode allocator: pin_for_sleep and
+    keep_cache_across_sleep raise (the connector logs it: vLLM's sleep as it is) and take
+    no host memory."""
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: tests/gpu/test_serve_multi_gpu.py checks the pinning")
-    with pytest.raises(RuntimeError, match="[Ss]leep mode allocator is not available"):
-        sleep_memory.pin_for_sleep()
+    for set_up in (sleep_memory.pin_for_sleep, sleep_memory.keep_cache_across_sleep):
+        with pytest.raises(RuntimeError, match="[Ss]leep mode allocator is not available"):
+            set_up()
 
 
 @pytest.mark.parametrize("allocations", [(("kv_cache", 1 << 20),), ()])
@@ -108,15 +110,12 @@ def test_the_sleep_keeps_torchs_gpu_cache_and_nothing_else_does(monkeypatch):
     torch = pytest.importorskip("torch")
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    allocator = SleepingAllocator()
-    sleep_memory.keep_cache_across_sleep(allocator)
-    assert allocator.sleep(offload_tags=("weights",)) == ("weights",)
+    sleep = sleep_memory.keeping_cache(SleepingAllocator().sleep)
+    assert sleep(offload_tags=("weights",)) == ("weights",)
     assert emptied == []                        # the sleep left the cache as it was
     torch.cuda.empty_cache()
     assert emptied == [1]                       # and empty_cache is torch's again after it
-    wrapped = allocator.sleep
-    sleep_memory.keep_cache_across_sleep(allocator)
-    assert allocator.sleep is wrapped           # once per allocator
+    assert sleep_memory.keeping_cache(sleep) is sleep     # wrapped once
 
 
 def test_the_accelerator_spelling_is_kept_too(monkeypatch):
@@ -130,9 +129,7 @@ def test_the_accelerator_spelling_is_kept_too(monkeypatch):
         def sleep(self, offload_tags=None):
             torch.accelerator.empty_cache()
 
-    allocator = Allocator033()
-    sleep_memory.keep_cache_across_sleep(allocator)
-    allocator.sleep()
+    sleep_memory.keeping_cache(Allocator033().sleep)()
     assert emptied == []
     torch.accelerator.empty_cache()
     assert emptied == [1]
@@ -142,9 +139,8 @@ def test_a_failed_sleep_gives_empty_cache_back(monkeypatch):
     torch = pytest.importorskip("torch")
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    allocator = SleepingAllocator(fail=True)
-    sleep_memory.keep_cache_across_sleep(allocator)
+    sleep = sleep_memory.keeping_cache(SleepingAllocator(fail=True).sleep)
     with pytest.raises(RuntimeError, match="the copy failed"):
-        allocator.sleep(offload_tags=("weights",))
+        sleep(offload_tags=("weights",))
     torch.cuda.empty_cache()
     assert emptied == [1]
