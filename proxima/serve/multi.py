@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 
 from proxima.errors import UserError
-from proxima.serve.argv import option_name
 from proxima.serve import multi_config
+from proxima.serve.argv import option_name
 from proxima.serve.multi_config import ENGINE_HOST, engine_command, engine_env, free_port
 from proxima.serve.router import (FAILED, READY, RESTARTING, STARTING, STOPPED, Backend,
                                   Router)
@@ -456,8 +456,8 @@ def run(argv: list[str]) -> int:
     facts = check_engines_options(plan)
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
-    from proxima.serve import autosize
     from proxima.memory.policy_options import PolicyOptions
+    from proxima.serve import autosize
     from proxima.serve.sleepwake import gpu_demand, gpu_room
 
     total, _, uuid = autosize.gpu_facts(facts)

@@ -14,8 +14,8 @@ import logging
 from typing import Iterable
 
 from proxima.errors import UserError
-from proxima.serve.argv import given
 from proxima.models import DEMO_SERVED_MODEL_NAME, TINY_LLAMA_DIR
+from proxima.serve.argv import given
 
 log = logging.getLogger("proxima.serve")
 
