@@ -28,3 +28,15 @@ def flag_value(argv: list[str], i: int, inline: str | None, missing: str) -> tup
     if i + 1 < len(argv):
         return argv[i + 1], i + 1
     raise UserError(missing)
+
+
+def last_value(argv: list[str], option: str) -> str | None:
+    """The value of the last ``option`` (``--dash-form``) in ``argv``, in any vLLM spelling
+    (``--opt V``, ``--opt=V``, ``--o_pt V``): as argparse keeps the last; None where the
+    option is absent or its value missing."""
+    found = None
+    for i, token in enumerate(argv):
+        flag, eq, inline = token.partition("=")
+        if option_name(flag) == option:
+            found = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found

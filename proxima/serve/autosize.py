@@ -17,7 +17,7 @@ from typing import Callable
 from proxima.config import parse_size
 from proxima.errors import UserError
 from proxima.serve import sizing
-from proxima.serve.argv import flag_value, given, option_name
+from proxima.serve.argv import flag_value, given, last_value
 
 log = logging.getLogger("proxima.serve")
 
@@ -215,16 +215,6 @@ def _nvml_free(uuid: str) -> Callable[[], int | None]:
     return free
 
 
-def _option(argv: list[str], name: str) -> str | None:
-    """The last value of ``--name`` in ``argv`` (any vLLM spelling), or None."""
-    found = None
-    for i, token in enumerate(argv):
-        flag, eq, inline = token.partition("=")
-        if option_name(flag) == name:
-            found = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return found
-
-
 def model_sizes(models) -> list[tuple[str, int | None, int, int]]:
     """``(name, nonkv or None, weights, kv_min)`` of each ``(name, path, argv)``: the non-KV
     memory and weights on one GPU from its config.json (None and 0 without one), --dtype,
@@ -232,11 +222,11 @@ def model_sizes(models) -> list[tuple[str, int | None, int, int]]:
     :data:`sizing.DEFAULT_KV_MIN`)."""
     rows = []
     for name, path, argv in models:
-        tp = _option(argv, "--tensor-parallel-size")
-        weights = model_weights(path, _option(argv, "--dtype"),
-                                _option(argv, "--quantization"),
+        tp = last_value(argv, "--tensor-parallel-size")
+        weights = model_weights(path, last_value(argv, "--dtype"),
+                                last_value(argv, "--quantization"),
                                 int(tp) if tp and tp.isdigit() else 1)
-        least = _option(argv, "--kv-min")
+        least = last_value(argv, "--kv-min")
         rows.append((name, None if weights is None else sizing.nonkv_estimate(weights),
                      weights or 0,
                      sizing.DEFAULT_KV_MIN if least is None
@@ -249,8 +239,8 @@ def check_alone(model: str | None, argv: list[str], elastic: dict, gpu_bytes: in
     minimum, before the GPU is probed (UserError, one line, when it does not)."""
     if not model:
         return
-    tp = _option(argv, "--tensor-parallel-size")
-    nonkv = model_nonkv(model, _option(argv, "--dtype"), _option(argv, "--quantization"),
+    tp = last_value(argv, "--tensor-parallel-size")
+    nonkv = model_nonkv(model, last_value(argv, "--dtype"), last_value(argv, "--quantization"),
                         int(tp) if tp and tp.isdigit() else 1)
     if nonkv is None:
         return

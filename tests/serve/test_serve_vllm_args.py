@@ -109,3 +109,16 @@ def test_an_option_is_named_as_vllm_spells_it(token, name):
     assert argv.option_name(token) == name
     assert argv.given(["x", token], "--gpu-memory-utilization") is (
         name == "--gpu-memory-utilization")
+
+
+@pytest.mark.parametrize("words, value", [
+    (["m", "--dtype", "half"], "half"),
+    (["m", "--dtype=half", "--dtype", "bfloat16"], "bfloat16"),   # argparse keeps the last
+    (["m", "--dtype", "bfloat16", "--dtype=half"], "half"),
+    (["m", "--max-model-len", "512"], None),
+    (["m", "--dtype"], None),                                       # its value missing
+])
+def test_the_last_value_of_an_option_in_any_spelling(words, value):
+    assert argv.last_value(words, "--dtype") == value
+    assert argv.last_value([w.replace("--dtype", "--d_type") for w in words],
+                           "--d-type") == value
