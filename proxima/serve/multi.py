@@ -456,19 +456,33 @@ def run(argv: list[str]) -> int:
     facts = check_engines_options(plan)
     for engine in engines:
         log.info("model %s: %s", engine.backend.name, " ".join(engine.command[2:]))
-    from proxima.memory.policy_options import PolicyOptions
     from proxima.serve import autosize
     from proxima.serve.sleepwake import gpu_demand, gpu_room
 
     total, _, uuid = autosize.gpu_facts(facts)
-    # a wake leaves free what an engine's KV map leaves: the forward's activations' room
-    room = gpu_room(uuid, keep_free=int(PolicyOptions.gpu_free_low * total) if total else 0)
+    # a wake leaves free what the engines' KV maps leave: the forward's activations' room
+    room = gpu_room(uuid, keep_free=int(wake_margin(plan) * total) if total else 0)
     together, why = start_side_by_side(plan, facts)
     log.info("the engines start %s (%s)", "side by side" if together else "one after another",
              why)
     return asyncio.run(serve(engines, host, port, api_keys=api_keys(plan), side_by_side=together,
                              sleep_options={"make_room": room, "demand": gpu_demand(uuid),
                                             "capacity": plan_residency(plan, facts, engines)}))
+
+
+def wake_margin(plan: multi_config.MultiPlan) -> float:
+    """The share of the GPU a wake leaves free: the largest ``gpu_free_low`` among the models
+    (each one's ``--elastic-options``, else the policy's 5 %), as every engine's KV map
+    leaves its own share free for its forward's activations."""
+    from proxima.memory.policy_options import PolicyOptions
+    from proxima.serve.serve_flags import take_elastic_options
+
+    shares = []
+    for spec in plan.models:
+        _, elastic = take_elastic_options(["--elastic", *plan.common, *spec.args,
+                                           *spec.elastic_args()])
+        shares.append(float(elastic.get("gpu_free_low", PolicyOptions.gpu_free_low)))
+    return max(shares, default=PolicyOptions.gpu_free_low)
 
 
 def start_side_by_side(plan: multi_config.MultiPlan, facts: dict) -> tuple[bool, str]:

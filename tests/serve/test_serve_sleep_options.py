@@ -154,3 +154,16 @@ def test_a_bare_enable_sleep_mode_with_elastic_is_refused_before_anything_starts
     _, _, _, engines = multi.prepare(["--model", f"a={TINY} --sleep-after 60",
                                       "--port", str(free_port())])
     assert "--sleep-mode" in engines[0].command
+
+
+def test_a_wake_leaves_free_the_largest_share_any_model_keeps_free():
+    """A wake's margin is each engine's ``gpu_free_low`` (the share its KV map leaves free):
+    the policy's 5 % where no model gives one, else the largest any model gives, the
+    options for every model counted for each."""
+    assert multi.wake_margin(plan_of("--model", f"a={TINY}", "--model", f"b={TINY}")) == 0.05
+    one = plan_of("--model", f"a={TINY} --elastic-options gpu_free_low=0.12",
+                  "--model", f"b={TINY}")
+    assert multi.wake_margin(one) == 0.12
+    lower = plan_of("--model", f"a={TINY}", "--model", f"b={TINY}",
+                    "--elastic-options", "gpu_free_low=0.02")
+    assert multi.wake_margin(lower) == 0.02
