@@ -222,15 +222,15 @@ class ProximaElasticConnector(KVConnectorBase_V1, SupportsHMA):
                 self._check_view(memory, name, view)
         self._memory = memory
         if self.options.sleep_mode:
-            # a model that sleeps: its first sleep copies only, and its wake finds torch's
-            # cache where it was (docs in sleep_memory)
+            # a model that sleeps: its sleeps release the weights without a copy, and its
+            # wake finds torch's cache where it was (docs in sleep_memory)
             try:
-                sleep_memory.keep_cache_across_sleep()
-                sleep_memory.pin_for_sleep()
+                sleep_memory.set_up_sleep(keep_weights=sleep_memory.weights_stay(
+                    self._vllm_config))
             except Exception as exc:  # noqa: BLE001 - vLLM's sleep as it is
-                logger.warning("Proxima: this engine's sleeps are vLLM's own (%s: %s): the "
-                               "first pins host memory (seconds), and each empties torch's "
-                               "GPU cache", type(exc).__name__, exc)
+                logger.warning("Proxima: this engine's sleeps are vLLM's own (%s: %s): each "
+                               "copies the weights to the host and empties torch's GPU "
+                               "cache", type(exc).__name__, exc)
         if self.options.map_in_background:
             from proxima.memory.background import BackgroundOps
 
