@@ -184,8 +184,8 @@ class SleepWake:
 
     def _demand_candidates(self, now: float) -> list:
         return [b for b in self._candidates(None, {})
-                if now - b.last_request >= min(b.sleep_after, self.demand_idle_s)
-                and now >= b.sleep_retry_at and now - b.woke_at >= self.wake_hold_s]
+                if now >= b.last_request + min(b.sleep_after, self.demand_idle_s)
+                and now >= b.sleep_retry_at and now >= b.woke_at + self.wake_hold_s]
 
     def for_demand(self, now: float, wanted: list[tuple[int, int]]):
         """The model to put to sleep now for the other engines' unmet demand ``wanted``
@@ -241,9 +241,11 @@ class SleepWake:
             backend.name, "its engine refused")
 
     def due(self, backend, now: float) -> bool:
+        # deadlines are instants (last request + sleep_after): a difference of two clock
+        # readings rounds, and read a model idle for 60 s as idle for 59.99999999999977
         return bool(backend.sleep_after and backend.ready and backend.sleep_state == AWAKE
                     and backend.in_flight == 0 and backend.name not in self._sleeps
-                    and now - backend.last_request >= backend.sleep_after
+                    and now >= backend.last_request + backend.sleep_after
                     and now >= backend.sleep_retry_at)
 
     async def _sleep(self, backend, release: bool = False) -> None:
