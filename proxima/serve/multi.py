@@ -287,15 +287,13 @@ def _group_alive(pgid: int) -> bool:
 def prepare(argv: list[str]) -> tuple[multi_config.MultiPlan, str, int, list[Engine]]:
     """Every check that needs no engine; UserError (one line) on bad input."""
     from proxima.serve import validate
-    from proxima.serve.serve_flags import check_bare_sleep_mode, take_elastic_options
+    from proxima.serve.serve_flags import check_bare_sleep_mode
 
     plan = multi_config.parse_command_line(argv)
     multi_config.check_plan(plan, validate.check_model)
     for spec in plan.models:
         try:
-            argv, elastic = take_elastic_options(["--elastic", *plan.common, *spec.args,
-                                                  *spec.elastic_args()])
-            check_bare_sleep_mode(argv, elastic)
+            check_bare_sleep_mode(*model_options(plan, spec))
         except UserError as exc:
             raise UserError(f"model {spec.name!r}: {exc}") from None
     # every engine runs elastic: the switches are checked as they will be there
@@ -432,20 +430,27 @@ def check_engines_options(plan: multi_config.MultiPlan) -> dict:
     return facts
 
 
+def model_options(plan: multi_config.MultiPlan,
+                  spec: multi_config.ModelSpec) -> tuple[list[str], dict]:
+    """A model's engine options as its ``proxima serve --elastic`` reads them (the options for
+    every model, then its own, then its sizing and sleep flags): vLLM's part, and the elastic
+    options Proxima takes out (UserError on a bad value)."""
+    from proxima.serve.serve_flags import take_elastic_options
+
+    return take_elastic_options(["--elastic", *plan.common, *spec.args, *spec.elastic_args()])
+
+
 def _option_sets(plan: multi_config.MultiPlan):
     """(label, vllm serve argv): the options for every model first, then each model's;
     Proxima's own (--kv-min, --kv-max, --elastic-options) taken out, as the engine's
     proxima serve takes them out before vLLM's parser sees the rest."""
     from proxima.serve.serve_flags import take_elastic_options
 
-    def vllm_only(tokens):
-        return take_elastic_options(["--elastic", *tokens])[0]
-
-    common = vllm_only(plan.common)
+    common = take_elastic_options(["--elastic", *plan.common])[0]
     if common:
         yield "the options for every model", [plan.models[0].path, *common]
     for spec in plan.models:
-        yield f"model {spec.name!r}", [spec.path, *vllm_only([*plan.common, *spec.args])]
+        yield f"model {spec.name!r}", [spec.path, *model_options(plan, spec)[0]]
 
 
 def run(argv: list[str]) -> int:
@@ -475,14 +480,10 @@ def wake_margin(plan: multi_config.MultiPlan) -> float:
     (each one's ``--elastic-options``, else the policy's 5 %), as every engine's KV map
     leaves its own share free for its forward's activations."""
     from proxima.memory.policy_options import PolicyOptions
-    from proxima.serve.serve_flags import take_elastic_options
 
-    shares = []
-    for spec in plan.models:
-        _, elastic = take_elastic_options(["--elastic", *plan.common, *spec.args,
-                                           *spec.elastic_args()])
-        shares.append(float(elastic.get("gpu_free_low", PolicyOptions.gpu_free_low)))
-    return max(shares, default=PolicyOptions.gpu_free_low)
+    return max((float(model_options(plan, spec)[1].get("gpu_free_low",
+                                                       PolicyOptions.gpu_free_low))
+                for spec in plan.models), default=PolicyOptions.gpu_free_low)
 
 
 def start_side_by_side(plan: multi_config.MultiPlan, facts: dict) -> tuple[bool, str]:
