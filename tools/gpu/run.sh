@@ -48,7 +48,8 @@
 #   serve-tests  tests/gpu/test_serve_gpu.py (issue 5)
 #   serve-multi-tests  tests/gpu/test_serve_multi_gpu.py (issue 36: two models, one endpoint;
 #                then one sleep/wake cycle of a --sleep-after model: $OUT/sleep_wake.{json,log};
-#                PROXIMA_SLEEP_MODEL=$PWD/tools/gpu/dummy-llama for 8B-sized weights)
+#                PROXIMA_SLEEP_MODEL=$PWD/tools/gpu/dummy-llama for 8B-sized weights;
+#                PYTEST_K=sleeps runs the sleep/wake test alone)
 #   three-models issue 36 (tools/gpu/three_models.py): three models behind one `proxima serve`
 #                against three stock servers; TM_BUDGET seconds (default: all left), TM_ARGS more
 #   compaction-proof   issue 14's driver (tools/gpu/compaction_proof.py): identity under off,
@@ -178,7 +179,7 @@ task() {
     serve-tests) timed serve-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" -m gpu \
                    tests/gpu/test_serve_gpu.py -x -q -p no:cacheprovider -rA ;;
     serve-multi-tests) timed serve-multi-tests "$(( $(left) - 5 ))" python3 -m pytest -o addopts="" \
-                   -m gpu tests/gpu/test_serve_multi_gpu.py -q -p no:cacheprovider -rA ;;
+                   -m gpu tests/gpu/test_serve_multi_gpu.py -q -p no:cacheprovider -rA ${PYTEST_K:+-k "$PYTEST_K"} ;;
     three-models) timed three-models "$(( $(left) - 5 ))" python3 tools/gpu/three_models.py \
                      --out "$OUT" --budget "${TM_BUDGET:-$(( $(left) - 25 ))}" ${TM_ARGS:-} ;;
     compaction-proof) timed compaction-proof "$(( $(left) - 5 ))" python3 tools/gpu/compaction_proof.py \
