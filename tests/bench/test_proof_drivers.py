@@ -1303,6 +1303,22 @@ def _te_file(path, c, **settings):
     return str(path)
 
 
+def test_driver_b_tells_a_burst_the_budget_cut_from_a_servers_errors():
+    """s40: stock's last burst ran into the call's budget with 66 requests still running,
+    and the run said "errors in static". Requests still running when the budget (not
+    --burst-timeout) ended their burst are the driver's cut, not the server's failures."""
+    te = _two_engines()
+    cut = {"errors": 66, "timed_out": 66}
+    assert te.budget_cut(cut, left=36.2, burst_timeout=150.0)
+    assert not te.budget_cut(cut, left=150.0, burst_timeout=150.0)   # its own timeout: errors
+    assert not te.budget_cut({"errors": 2, "timed_out": 0}, left=36.2, burst_timeout=150.0)
+    assert te.served_errors({**cut, "cut_by_budget": True}) == 0
+    assert te.served_errors({"errors": 5, "timed_out": 3, "cut_by_budget": True}) == 2
+    assert te.served_errors(cut) == 66
+    assert not te.full_burst({**cut, "cut_by_budget": True, "requests": 160,
+                              "output_tokens": 48128, "shape": "4000:512:160"})
+
+
 def test_driver_b_pools_abba_runs_over_calls(tmp_path):
     """Issue 33's protocol: static then elastic in one call, elastic then static in the next
     (and single, the upper bound, in a third). The pool is over the (round, engine) bursts
@@ -1586,6 +1602,11 @@ def test_driver_b_separate_endpoints_are_one_proxima_serve_per_engine(tmp_path, 
         assert [(m.name, m.sleep_after, m.port) for m in plan.models] == [
             (key, 600.0, args.port + 10 + i)]
     assert "2 side by side" in te.setup_seconds("endpoint", args)[1]
+    # s40: two endpoints (each copying 8B's weights to host memory) were healthy after 171 s;
+    # after static, 224 s of the budget was left, and the plan's 205 s let them start
+    args.rounds = 2
+    need, line = te.setup_seconds("endpoint", args)
+    assert need > 224 and "170s of start-up, 2 side by side" in line, line
     args.start = "sequential"
     assert "2 one after the other" in te.setup_seconds("endpoint", args)[1]
     done = run("two_engines.py", tmp_path / "dry", "--budget", "150", "--requests", "8",
