@@ -20,13 +20,15 @@ log line per sleep and per wake, with the seconds it took. An engine that restar
 starts awake.
 
 For another engine's demand (``demand``: the GPU's ledger): a model that may sleep, has
-been idle for ``DEMAND_IDLE_S`` (or its ``sleep_after``, if shorter) and was not woken in
-the last ``WAKE_HOLD_S``, is put to sleep before its ``sleep_after`` when another engine on
-the GPU posts unmet demand (it wants memory the GPU cannot give: a busy model's KV, a wake's
-weights), its KV given back at once ("model X sleeps for the GPU's other engines: Y GiB
-wanted"). One at a time, the least recently used first. Its next request wakes it as
-usual. The hold keeps a model that has requests now and then from being slept and woken
-over and over while another is busy.
+been idle for ``DEMAND_IDLE_S`` (or its ``sleep_after``, if shorter), and for
+``HELD_IDLE_S`` if it was woken in the last ``WAKE_HOLD_S``, is put to sleep before its
+``sleep_after`` when another engine on the GPU posts unmet demand (it wants memory the GPU
+cannot give: a busy model's KV, a wake's weights), its KV given back at once ("model X
+sleeps for the GPU's other engines: Y GiB wanted"). One at a time, the least recently used
+first. Its next request wakes it as usual. The hold keeps a model that has requests now
+and then (less than ``HELD_IDLE_S`` apart) from being slept and woken over and over while
+another is busy; a model woken for one burst and idle through the next one's is still
+slept for it.
 
 More models than fit at once (``capacity``: what the GPU has for the models, with each
 backend's ``awake_bytes`` / ``asleep_bytes`` from :mod:`proxima.serve.residency`): before
@@ -62,7 +64,11 @@ RETRY_AFTER_S = "10"
 # bursts between two 8B engines on an H100: 1.420x a static split and 0.947 of one engine
 # holding the GPU with 2 s, 1.313x and 0.877 with 10 s (docs/benchmarks.md)
 DEMAND_IDLE_S = 2.0
-WAKE_HOLD_S = 60.0              # ... but not within this long of its last wake
+WAKE_HOLD_S = 60.0              # ... but within this long of its last wake, only once idle
+# this long: alternating bursts shorter than the hold (42 s prefill-heavy ones on an H100)
+# ran 9 % slower beside a model woken 20 s before and idle since, held awake with its
+# weights, than beside one that slept (docs/results/h100-2026-12-07-s40)
+HELD_IDLE_S = 10.0
 
 
 class WakeFailed(Exception):
@@ -81,12 +87,14 @@ class SleepWake:
                  wake_timeout: float = WAKE_TIMEOUT_S, sleep_timeout: float = SLEEP_TIMEOUT_S,
                  retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None,
                  capacity: int | None = None, demand: DemandFn | None = None,
-                 demand_idle_s: float = DEMAND_IDLE_S, wake_hold_s: float = WAKE_HOLD_S):
+                 demand_idle_s: float = DEMAND_IDLE_S, wake_hold_s: float = WAKE_HOLD_S,
+                 held_idle_s: float = HELD_IDLE_S):
         self.router = router
         self.make_room = make_room
         self.demand = demand
         self.demand_idle_s = demand_idle_s
         self.wake_hold_s = wake_hold_s
+        self.held_idle_s = held_idle_s
         self.capacity = capacity            # bytes the models may hold (None: not counted)
         self._room = asyncio.Lock()         # one wake or start makes room at a time
         self.wake_timeout = wake_timeout
@@ -184,8 +192,14 @@ class SleepWake:
 
     def _demand_candidates(self, now: float) -> list:
         return [b for b in self._candidates(None, {})
-                if now >= b.last_request + min(b.sleep_after, self.demand_idle_s)
-                and now >= b.sleep_retry_at and now >= b.woke_at + self.wake_hold_s]
+                if now >= b.last_request + min(b.sleep_after, self._idle_s(b, now))
+                and now >= b.sleep_retry_at]
+
+    def _idle_s(self, backend, now: float) -> float:
+        """How long ``backend`` must have been idle to sleep for another's demand: longer
+        within the hold after its last wake."""
+        held = now < backend.woke_at + self.wake_hold_s
+        return max(self.demand_idle_s, self.held_idle_s) if held else self.demand_idle_s
 
     def for_demand(self, now: float, wanted: list[tuple[int, int]]):
         """The model to put to sleep now for the other engines' unmet demand ``wanted``

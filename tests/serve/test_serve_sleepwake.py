@@ -278,14 +278,14 @@ def test_a_wake_leaves_the_gpus_free_margin_free(tmp_path):
 
 
 def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
-    """Before its sleep_after: a model that may sleep, idle DEMAND_IDLE_S and not woken
-    within WAKE_HOLD_S, is chosen when another engine on the GPU wants memory it cannot
+    """Before its sleep_after: a model that may sleep, idle DEMAND_IDLE_S (HELD_IDLE_S if
+    woken within WAKE_HOLD_S), is chosen when another engine on the GPU wants memory it cannot
     get; never for its own demand, never with a request in flight, one at a time, the
     least recently used first."""
     from types import SimpleNamespace
 
     from proxima.serve.router import READY, Backend
-    from proxima.serve.sleepwake import DEMAND_IDLE_S, WAKE_HOLD_S, SleepWake
+    from proxima.serve.sleepwake import DEMAND_IDLE_S, HELD_IDLE_S, WAKE_HOLD_S, SleepWake
 
     GiB = 2**30
     a = Backend(name="a", url="http://127.0.0.1:8101", sleep_after=600, state=READY, pid=11)
@@ -308,10 +308,16 @@ def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
     a.woke_at, c.woke_at = t - 1, t - WAKE_HOLD_S
     assert sw.for_demand(t + DEMAND_IDLE_S, busy) is c                   # a woke just now
     c.sleep_state = "asleep"
-    assert sw.for_demand(t + WAKE_HOLD_S - 1.1, busy) is None
-    assert sw.for_demand(t + WAKE_HOLD_S - 1, busy) is a
+    assert DEMAND_IDLE_S < HELD_IDLE_S < WAKE_HOLD_S - 1
+    assert sw.for_demand(t + HELD_IDLE_S - 0.1, busy) is None           # held, idle < 10 s
+    # woken for its burst, then idle through another's (s40: 42 s bursts, held 60 s)
+    assert sw.for_demand(t + HELD_IDLE_S, busy) is a
+    a.last_request = t2 = t + 20                      # requests now and then: held again
+    assert sw.for_demand(t2 + HELD_IDLE_S - 0.1, busy) is None
+    a.woke_at = t2 - WAKE_HOLD_S                      # the hold over: DEMAND_IDLE_S again
+    assert sw.for_demand(t2 + DEMAND_IDLE_S, busy) is a
     sw._sleeps["a"] = None                                               # a falling asleep
-    assert sw.for_demand(t + WAKE_HOLD_S, busy) is None
+    assert sw.for_demand(t2 + WAKE_HOLD_S, busy) is None
     # a short sleep_after is its own bound on the idle time
     d = Backend(name="d", url="http://127.0.0.1:8104", sleep_after=2, state=READY, pid=14)
     sw = SleepWake(SimpleNamespace(backends={"d": d}), demand=lambda: [])
