@@ -758,7 +758,7 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
             row[f"{name}_bursts"] = len(bursts)
             row.setdefault("preemptions", []).append(sum(b["preemptions"] or 0 for b in bursts))
             row.setdefault("prefix_hit_rate", []).append(hit_rate(bursts))
-            row.setdefault("errors", []).append(sum(b["errors"] for b in bursts))
+            row.setdefault("errors", []).append(sum(served_errors(b) for b in bursts))
         row["ratio"] = (round(row["elastic_tok_s"] / row["static_tok_s"], 3)
                         if row["static_tok_s"] and row["elastic_tok_s"] else None)
         rows.append(row)
