@@ -211,10 +211,11 @@ for attempt in range(6):
     alone = [(v["files"][0], n) for v, n in zip(vols, sizes) if n > limit and len(v["files"]) == 1]
     if alone:   # one file over the limit by itself: no repacking makes it fit
         name, n = alone[0]
-        raise SystemExit(f"ERROR: {name} alone compresses to {n / 2**20:.1f} MiB, more than the "
-                         f"{limit / 2**20:.1f} MiB a volume may have (--chunk-mib, or what the working "
-                         "tree leaves of a device call's 64 MiB): make the tree smaller (move docs/results/ out of it, for the staging and for "
-                         "the device call that carries this volume), then stage again")
+        raise SystemExit(f"ERROR: {name} alone compresses to {n / 2**20:.1f} MiB, more than "
+                         f"the {limit / 2**20:.1f} MiB a volume may have (--chunk-mib, or what "
+                         "the working tree leaves of a device call's 64 MiB): make the tree "
+                         "smaller (move docs/results/ out of it, for the staging and for the "
+                         "device call that carries this volume), then stage again")
     target = int(target * 0.85)
     print(f"   a volume came out at {max(sizes)} bytes > {limit}; repacking with target {target}")
 else:
