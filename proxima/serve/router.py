@@ -82,7 +82,8 @@ class Backend:
     wakes: int = 0
     wake_failures: int = 0
     last_wake_s: float | None = None
-    woke_at: float = float("-inf")   # monotonic: when its last wake ended
+    held: bool = False                  # its last wake came soon after its last request:
+    # it sleeps for another's demand only after a longer idle (sleepwake.HELD_IDLE_S)
 
     @property
     def ready(self) -> bool:

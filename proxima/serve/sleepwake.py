@@ -20,15 +20,16 @@ log line per sleep and per wake, with the seconds it took. An engine that restar
 starts awake.
 
 For another engine's demand (``demand``: the GPU's ledger): a model that may sleep, has
-been idle for ``DEMAND_IDLE_S`` (or its ``sleep_after``, if shorter), and for
-``HELD_IDLE_S`` if it was woken in the last ``WAKE_HOLD_S``, is put to sleep before its
-``sleep_after`` when another engine on the GPU posts unmet demand (it wants memory the GPU
-cannot give: a busy model's KV, a wake's weights), its KV given back at once ("model X
-sleeps for the GPU's other engines: Y GiB wanted"). One at a time, the least recently used
-first. Its next request wakes it as usual. The hold keeps a model that has requests now
-and then (less than ``HELD_IDLE_S`` apart) from being slept and woken over and over while
-another is busy; a model woken for one burst and idle through the next one's is still
-slept for it.
+been idle for ``DEMAND_IDLE_S`` (or its ``sleep_after``, if shorter), is put to sleep
+before its ``sleep_after`` when another engine on the GPU posts unmet demand (it wants memory
+the GPU cannot give: a busy model's KV, a wake's weights), its KV given back at once ("model
+X sleeps for the GPU's other engines: Y GiB wanted"). One at a time, the least recently used
+first. Its next request wakes it as usual. A model whose last wake came less than
+``HELD_IDLE_S`` after its last request before that sleep (its requests come now and then, a
+few seconds apart: that sleep was a mistake) must be idle ``HELD_IDLE_S`` to sleep for
+demand, until a wake after a longer gap: it is not slept and woken over and over while
+another is busy. A model woken for one burst and idle through the next one's (alternating
+bursts) sleeps for it after ``DEMAND_IDLE_S``.
 
 More models than fit at once (``capacity``: what the GPU has for the models, with each
 backend's ``awake_bytes`` / ``asleep_bytes`` from :mod:`proxima.serve.residency`): before
@@ -64,10 +65,11 @@ RETRY_AFTER_S = "10"
 # bursts between two 8B engines on an H100: 1.420x a static split and 0.947 of one engine
 # holding the GPU with 2 s, 1.313x and 0.877 with 10 s (docs/benchmarks.md)
 DEMAND_IDLE_S = 2.0
-WAKE_HOLD_S = 60.0              # ... but within this long of its last wake, only once idle
-# this long: alternating bursts shorter than the hold (42 s prefill-heavy ones on an H100)
-# ran 9 % slower beside a model woken 20 s before and idle since, held awake with its
-# weights, than beside one that slept (docs/results/h100-2026-12-07-s40)
+# ... but this long for a model whose last sleep a request undid less than this long after
+# its last one. Not a hold after every wake: alternating bursts on an H100 ran 9 % slower
+# beside a model held awake 60 s after its wake (s40), and a 15 s burst of short requests
+# went 10 s without the memory of a model held 10 s idle after its wake, 0.779 of static's
+# on the same requests (docs/results/h100-2026-12-08-s41)
 HELD_IDLE_S = 10.0
 
 
@@ -87,13 +89,11 @@ class SleepWake:
                  wake_timeout: float = WAKE_TIMEOUT_S, sleep_timeout: float = SLEEP_TIMEOUT_S,
                  retry_s: float = SLEEP_RETRY_S, tick_s: float | None = None,
                  capacity: int | None = None, demand: DemandFn | None = None,
-                 demand_idle_s: float = DEMAND_IDLE_S, wake_hold_s: float = WAKE_HOLD_S,
-                 held_idle_s: float = HELD_IDLE_S):
+                 demand_idle_s: float = DEMAND_IDLE_S, held_idle_s: float = HELD_IDLE_S):
         self.router = router
         self.make_room = make_room
         self.demand = demand
         self.demand_idle_s = demand_idle_s
-        self.wake_hold_s = wake_hold_s
         self.held_idle_s = held_idle_s
         self.capacity = capacity            # bytes the models may hold (None: not counted)
         self._room = asyncio.Lock()         # one wake or start makes room at a time
@@ -145,7 +145,10 @@ class SleepWake:
         """Wait until ``backend``'s model is awake (waking it if asleep): None, or why it
         could not be woken (one line)."""
         self._forget_restart(backend)
-        backend.last_request = time.monotonic()
+        now = time.monotonic()
+        if backend.sleep_state in (ASLEEP, FALLING_ASLEEP):     # this request wakes it
+            backend.held = now - backend.last_request < self.held_idle_s
+        backend.last_request = now
         if not backend.sleep_after or backend.sleep_state == AWAKE:
             return None
         falling = self._sleeps.get(backend.name)
@@ -192,14 +195,14 @@ class SleepWake:
 
     def _demand_candidates(self, now: float) -> list:
         return [b for b in self._candidates(None, {})
-                if now >= b.last_request + min(b.sleep_after, self._idle_s(b, now))
+                if now >= b.last_request + min(b.sleep_after, self._idle_s(b))
                 and now >= b.sleep_retry_at]
 
-    def _idle_s(self, backend, now: float) -> float:
+    def _idle_s(self, backend) -> float:
         """How long ``backend`` must have been idle to sleep for another's demand: longer
-        within the hold after its last wake."""
-        held = now < backend.woke_at + self.wake_hold_s
-        return max(self.demand_idle_s, self.held_idle_s) if held else self.demand_idle_s
+        when its last sleep was undone by a request a short while after its last one."""
+        return max(self.demand_idle_s, self.held_idle_s) if backend.held \
+            else self.demand_idle_s
 
     def for_demand(self, now: float, wanted: list[tuple[int, int]]):
         """The model to put to sleep now for the other engines' unmet demand ``wanted``
@@ -312,8 +315,7 @@ class SleepWake:
             raise
         backend.sleep_state = AWAKE
         backend.wakes += 1
-        backend.woke_at = time.monotonic()
-        backend.last_wake_s = backend.woke_at - began
+        backend.last_wake_s = time.monotonic() - began
         backend.last_request = time.monotonic()
         log.info("model %s: awake in %.2f s (room %.2f s, wake %.2f s)", backend.name,
                  backend.last_wake_s, room_s, backend.last_wake_s - room_s)

@@ -279,13 +279,15 @@ def test_a_wake_leaves_the_gpus_free_margin_free(tmp_path):
 
 def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
     """Before its sleep_after: a model that may sleep, idle DEMAND_IDLE_S (HELD_IDLE_S if
-    woken within WAKE_HOLD_S), is chosen when another engine on the GPU wants memory it cannot
-    get; never for its own demand, never with a request in flight, one at a time, the
-    least recently used first."""
+    its last sleep was undone by a request less than HELD_IDLE_S after its last one), is
+    chosen when another engine on the GPU wants memory it cannot get; never for its own
+    demand, never with a request in flight, one at a time, the least recently used first."""
+    import asyncio
+    import time
     from types import SimpleNamespace
 
     from proxima.serve.router import READY, Backend
-    from proxima.serve.sleepwake import DEMAND_IDLE_S, HELD_IDLE_S, WAKE_HOLD_S, SleepWake
+    from proxima.serve.sleepwake import ASLEEP, DEMAND_IDLE_S, HELD_IDLE_S, SleepWake
 
     GiB = 2**30
     a = Backend(name="a", url="http://127.0.0.1:8101", sleep_after=600, state=READY, pid=11)
@@ -304,20 +306,46 @@ def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
     end = sw.begin(a)
     assert sw.for_demand(start + 99, busy) is c                          # a is serving
     end()
-    a.last_request = t = start + 100                  # its request ended (after its wake)
-    a.woke_at, c.woke_at = t - 1, t - WAKE_HOLD_S
-    assert sw.for_demand(t + DEMAND_IDLE_S, busy) is c                   # a woke just now
-    c.sleep_state = "asleep"
-    assert DEMAND_IDLE_S < HELD_IDLE_S < WAKE_HOLD_S - 1
-    assert sw.for_demand(t + HELD_IDLE_S - 0.1, busy) is None           # held, idle < 10 s
-    # woken for its burst, then idle through another's (s40: 42 s bursts, held 60 s)
+    c.sleep_state = ASLEEP
+
+    def woken_after(backend, gap: float) -> None:
+        """``backend`` asleep, a request ``gap`` s after its last one (its wake: a real
+        awake() with the engine's answer stood in for)."""
+        async def woke(_backend) -> None:
+            _backend.sleep_state = "awake"
+        backend.sleep_state = ASLEEP
+        backend.last_request = time.monotonic() - gap
+        sw._wake = woke
+        assert asyncio.run(sw.awake(backend)) is None
+        assert backend.sleep_state == "awake"
+
+    assert DEMAND_IDLE_S < HELD_IDLE_S
+    # alternating bursts: woken for its burst long after its last request, idle through
+    # the other's burst: sleeps for it after DEMAND_IDLE_S (s41: held 10 s, the other's
+    # 15 s burst of short requests ran 10 s without its memory)
+    woken_after(a, HELD_IDLE_S + 5)
+    t = a.last_request
+    assert sw.for_demand(t + DEMAND_IDLE_S - 0.1, busy) is None
+    assert sw.for_demand(t + DEMAND_IDLE_S, busy) is a
+    # requests now and then: woken 3 s after its last one, that sleep was a mistake: it
+    # sleeps for demand only once idle HELD_IDLE_S ...
+    woken_after(a, 3.0)
+    t = a.last_request
+    assert sw.for_demand(t + DEMAND_IDLE_S, busy) is None
+    assert sw.for_demand(t + HELD_IDLE_S - 0.1, busy) is None
     assert sw.for_demand(t + HELD_IDLE_S, busy) is a
-    a.last_request = t2 = t + 20                      # requests now and then: held again
+    # ... and stays so while it is awake and after later requests, until a wake after a
+    # gap of HELD_IDLE_S or more
+    a.last_request = t2 = t + 20
     assert sw.for_demand(t2 + HELD_IDLE_S - 0.1, busy) is None
-    a.woke_at = t2 - WAKE_HOLD_S                      # the hold over: DEMAND_IDLE_S again
-    assert sw.for_demand(t2 + DEMAND_IDLE_S, busy) is a
+    woken_after(a, HELD_IDLE_S)
+    assert sw.for_demand(a.last_request + DEMAND_IDLE_S, busy) is a
+    # a request to an awake model does not change it (only a wake tells a gap)
+    a.held = True
+    a.last_request = time.monotonic() - 1.0
+    assert asyncio.run(sw.awake(a)) is None and a.held is True
     sw._sleeps["a"] = None                                               # a falling asleep
-    assert sw.for_demand(t2 + WAKE_HOLD_S, busy) is None
+    assert sw.for_demand(a.last_request + 99, busy) is None
     # a short sleep_after is its own bound on the idle time
     d = Backend(name="d", url="http://127.0.0.1:8104", sleep_after=2, state=READY, pid=14)
     sw = SleepWake(SimpleNamespace(backends={"d": d}), demand=lambda: [])
@@ -329,14 +357,15 @@ def test_a_model_sleeps_for_the_demand_another_engine_posts_in_the_gpus_ledger(
     """The real endpoint and the GPU's real ledger file: an engine posts unmet demand (as a
     busy elastic engine whose grow the GPU cannot back does); the idle model that may sleep
     is put to sleep long before its sleep_after, its KV given back at once; its next request
-    wakes it and is answered, and within the hold it is not slept again for the same demand."""
+    wakes it and is answered, and, woken so soon after its last request, it is not slept again
+    for the same demand after the short idle."""
     from proxima.memory.ledger import Ledger, ledger_path
     from proxima.serve.sleepwake import gpu_demand
 
     GiB = 2**30
     ep = endpoint({"alpha": [], "beta": []}, sleep_after={"alpha": 600},
                   sleep_options={"demand": gpu_demand("GPU-demand", str(tmp_path)),
-                                 "demand_idle_s": 0.3, "wake_hold_s": 30.0})
+                                 "demand_idle_s": 0.3})
     assert complete(ep, "alpha").status_code == 200
     beta_port = int(ep.engines["beta"].backend.url.rsplit(":", 1)[1])
     busy = Ledger(ledger_path("GPU-demand", tmp_path), model="beta", port=beta_port)
@@ -350,7 +379,7 @@ def test_a_model_sleeps_for_the_demand_another_engine_posts_in_the_gpus_ledger(
     import time
 
     time.sleep(1.0)                                              # the demand is still there
-    assert ep.engines["alpha"].backend.sleep_state == "awake"   # held: woken just now
+    assert ep.engines["alpha"].backend.sleep_state == "awake"   # held: woken soon after its last request
     assert sum("sleeps for the GPU's other engines" in r for r in logged) == 1
     busy.close()
 
@@ -364,7 +393,7 @@ def test_two_endpoints_on_one_gpu_sleep_for_each_others_demand(endpoint, logged,
     from proxima.serve.sleepwake import gpu_demand
 
     GiB = 2**30
-    options = {"demand_idle_s": 0.3, "wake_hold_s": 30.0}
+    options = {"demand_idle_s": 0.3}
     one = endpoint({"alpha": []}, sleep_after={"alpha": 600}, sleep_options={
         "demand": gpu_demand("GPU-two", str(tmp_path)), **options})
     two = endpoint({"beta": []}, sleep_after={"beta": 600}, sleep_options={
