@@ -1303,6 +1303,26 @@ def _te_file(path, c, **settings):
     return str(path)
 
 
+def test_driver_b_compares_a_cut_setup_on_the_bursts_both_served():
+    """s41: static's short bursts did not fit the call; the endpoint's summary then said 1.967x
+    static, its four bursts (two of them short, fast ones) over static's two prefill-heavy
+    ones. A ratio against a cut setup is taken on the bursts both served in full."""
+    te = _two_engines()
+    prefill = [_te_burst(0, "A", 40.0, tokens=80000), _te_burst(0, "B", 40.0, tokens=80000)]
+    short = [_te_burst(1, "A", 10.0, tokens=100000), _te_burst(1, "B", 10.0, tokens=100000)]
+    endpoint = {"bursts": prefill + short, "aggregate_output_tokens_per_s": 3600.0}
+    static = {"bursts": [dict(b, wall_s=50.0) for b in prefill],
+              "aggregate_output_tokens_per_s": 1600.0, "cut_short": "only 46s left"}
+    assert te.paired(endpoint, static) == (1.25, 2)            # not 3600 / 1600
+    whole = {"bursts": [dict(b, wall_s=b["wall_s"] * 2) for b in prefill + short],
+             "aggregate_output_tokens_per_s": 1800.0}
+    assert te.paired(endpoint, whole) == (2.0, None)           # both whole: the schedules
+    running = dict(whole, bursts=[dict(whole["bursts"][0], cut_by_budget=True),
+                                  *whole["bursts"][1:]])
+    assert te.paired(endpoint, running) == (None, 0)           # the first burst cut: none
+    assert te.paired(endpoint, None) == (None, 0)
+
+
 def test_driver_b_tells_a_burst_the_budget_cut_from_a_servers_errors():
     """s40: stock's last burst ran into the call's budget with 66 requests still running,
     and the run said "errors in static". Requests still running when the budget (not

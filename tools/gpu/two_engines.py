@@ -785,6 +785,30 @@ def served_errors(burst: dict) -> int:
     return burst["errors"] - (burst.get("timed_out", 0) if burst.get("cut_by_budget") else 0)
 
 
+def paired(a: dict | None, b: dict | None) -> tuple[float | None, int | None]:
+    """Setup ``a``'s output tokens/s over ``b``'s, and on how many bursts: over the whole
+    schedules (None) where both ran every burst in full, else over the bursts both served
+    before either was cut short (the same requests in the same order: a whole run against a
+    cut one would compare other work), burst time only. (None, 0): no burst to compare."""
+    if not (a and b and a.get("aggregate_output_tokens_per_s")
+            and b.get("aggregate_output_tokens_per_s")):
+        return None, 0
+    ab, bb = a.get("bursts", []), b.get("bursts", [])
+    if len(ab) == len(bb) and not (a.get("cut_short") or b.get("cut_short")) \
+            and not any(x.get("cut_by_budget") for x in ab + bb):
+        return round(a["aggregate_output_tokens_per_s"] / b["aggregate_output_tokens_per_s"],
+                     3), None
+    n = 0
+    for x, y in zip(ab, bb):
+        if x.get("cut_by_budget") or y.get("cut_by_budget"):
+            break
+        n += 1
+
+    def rate(bursts: list) -> float:
+        return sum(x["output_tokens"] for x in bursts[:n]) / sum(x["wall_s"] for x in bursts[:n])
+    return (round(rate(ab) / rate(bb), 3), n) if n else (None, 0)
+
+
 def full_burst(burst: dict, output: int | None = None) -> bool:
     """A burst every request of which ended within it (none still running at its timeout)
     with all its ``output`` tokens (ignore_eos: fewer is an answer cut short, which a driver
@@ -1411,10 +1435,11 @@ def main() -> int:
     # fails only where a setup did not finish or had errors
     judged = bool(unfinished or errored or cut) or {"static", "elastic"} <= set(order)
     passed = False
-    if s and e and s.get("aggregate_output_tokens_per_s") and e.get("aggregate_output_tokens_per_s"):
-        ratio = e["aggregate_output_tokens_per_s"] / s["aggregate_output_tokens_per_s"]
+    ratio, on = paired(e, s)
+    if ratio is not None:
         passed = ratio >= 1.3 and e["errors"] == 0 and s["errors"] == 0 and not cut
-        summary = {"ratio": round(ratio, 3), "static_tok_s": s["aggregate_output_tokens_per_s"],
+        summary = {"ratio": ratio, **({"ratio_on_bursts": on} if on else {}),
+                   "static_tok_s": s["aggregate_output_tokens_per_s"],
                    "elastic_tok_s": e["aggregate_output_tokens_per_s"],
                    "errors": [s["errors"], e["errors"]],
                    "preemptions": [s["preemptions"], e["preemptions"]],
@@ -1436,19 +1461,12 @@ def main() -> int:
         summary["single"] = {
             "tok_s": one["aggregate_output_tokens_per_s"], "errors": one["errors"],
             "ttft_p50_s": one["ttft_p50_s"], "ttft_p99_s": one["ttft_p99_s"],
-            "elastic_to_single": round(e["aggregate_output_tokens_per_s"]
-                                       / one["aggregate_output_tokens_per_s"], 3)
-            if e and e.get("aggregate_output_tokens_per_s") else None,
-            "static_to_single": round(s["aggregate_output_tokens_per_s"]
-                                      / one["aggregate_output_tokens_per_s"], 3)
-            if s and s.get("aggregate_output_tokens_per_s") else None}
+            "elastic_to_single": paired(e, one)[0], "static_to_single": paired(s, one)[0]}
     ep = results.get("endpoint")
     if ep and ep.get("aggregate_output_tokens_per_s"):
         # one endpoint whose idle models sleep: what their weights' memory adds
         def to(other):
-            r = results.get(other) or {}
-            return round(ep["aggregate_output_tokens_per_s"] / r["aggregate_output_tokens_per_s"],
-                         3) if r.get("aggregate_output_tokens_per_s") else None
+            return paired(ep, results.get(other))[0]
         events = endpoint_events(ep)
         summary["endpoint"] = {
             "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
@@ -1456,6 +1474,7 @@ def main() -> int:
             "ttft_p99_s": ep["ttft_p99_s"], "sleep_after_s": ep.get("sleep_after"),
             "endpoints": ep.get("endpoints", "one"), "direct": ep.get("direct", False),
             "to_static": to("static"), "to_elastic": to("elastic"), "to_single": to("single"),
+            **({"to_static_on_bursts": paired(ep, s)[1]} if paired(ep, s)[1] else {}),
             "sleeps": sum(1 for ev in events if ev[1] == "asleep"),
             "wake_s": [ev[2] for ev in events if ev[1] == "awake"]}
     if s and e and args.contexts and len(args.contexts) > 1:
@@ -1473,9 +1492,7 @@ def main() -> int:
         summary["compacted"] = {
             "tok_s": c["aggregate_output_tokens_per_s"], "errors": c["errors"],
             "preemptions": c["preemptions"],
-            "ratio_to_static": round(c["aggregate_output_tokens_per_s"]
-                                     / s["aggregate_output_tokens_per_s"], 3)
-            if s and s.get("aggregate_output_tokens_per_s") else None,
+            "ratio_to_static": paired(c, s)[0],
             "idle_engine_mapped_bytes_per_burst": idle_total(c),
             "idle_engine_mapped_bytes_per_burst_without": idle_total(e) if e else None,
             "bytes_returned": [c.get(f"elastic_{k}", {}).get("bytes_returned") for k in keys],
