@@ -742,6 +742,18 @@ def ttft_figures(rows: list[dict]) -> dict:
             "ttft_p99_s": [r["ttft_p99_s"] for r in rows]}
 
 
+def burst_rate(bursts) -> float | None:
+    """Output tokens/s of ``bursts`` together: their tokens over their summed wall time."""
+    bursts = list(bursts)
+    wall = sum(b["wall_s"] for b in bursts)
+    return sum(b["output_tokens"] for b in bursts) / wall if wall else None
+
+
+def rounded_rate(bursts) -> float | None:
+    rate = burst_rate(bursts)
+    return round(rate, 1) if rate is not None else None
+
+
 def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> list[dict]:
     """Each ``--contexts`` or ``--shapes`` workload's figures (``key``), static against
     elastic: output tokens over the summed wall time of its bursts, TTFT p50/p99,
@@ -752,9 +764,7 @@ def per_workload(static: dict, elastic: dict, specs, key: str = "contexts") -> l
         for name, r in (("static", static), ("elastic", elastic)):
             row[f"{name}_ttft"] = (r.get("ttft_by_workload") or {}).get(spec)
             bursts = [b for b in r["bursts"] if b.get(key) == spec]
-            wall = sum(b["wall_s"] for b in bursts)
-            row[f"{name}_tok_s"] = (round(sum(b["output_tokens"] for b in bursts) / wall, 1)
-                                    if wall else None)
+            row[f"{name}_tok_s"] = rounded_rate(bursts)
             row[f"{name}_bursts"] = len(bursts)
             row.setdefault("preemptions", []).append(sum(b["preemptions"] or 0 for b in bursts))
             row.setdefault("prefix_hit_rate", []).append(hit_rate(bursts))
@@ -803,10 +813,7 @@ def paired(a: dict | None, b: dict | None) -> tuple[float | None, int | None]:
         if x.get("cut_by_budget") or y.get("cut_by_budget"):
             break
         n += 1
-
-    def rate(bursts: list) -> float:
-        return sum(x["output_tokens"] for x in bursts[:n]) / sum(x["wall_s"] for x in bursts[:n])
-    return (round(rate(ab) / rate(bb), 3), n) if n else (None, 0)
+    return (round(burst_rate(ab[:n]) / burst_rate(bb[:n]), 3), n) if n else (None, 0)
 
 
 def full_burst(burst: dict, output: int | None = None) -> bool:
@@ -840,11 +847,6 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
     def keys_of(name):
         return set().union(*(set(f) for _, f, _ in per[name])) if per[name] else set()
 
-    def rate(bursts):
-        bursts = list(bursts)
-        wall = sum(b["wall_s"] for b in bursts)
-        return round(sum(b["output_tokens"] for b in bursts) / wall, 1) if wall else None
-
     def ratio(a, b):
         return round(a / b, 3) if a and b else None
 
@@ -870,7 +872,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
             chosen = [f[k] for _, f, _ in per[n] for k in sorted(keys) if k in f]
             if not chosen:
                 continue
-            row[n] = {"bursts": len(chosen), "tok_s": rate(chosen),
+            row[n] = {"bursts": len(chosen), "tok_s": rounded_rate(chosen),
                       "errors": sum(b["errors"] for b in chosen),
                       "preemptions": sum(b.get("preemptions") or 0 for b in chosen),
                       **ttft_figures(chosen)}
@@ -884,9 +886,9 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
         runs_of = {n: [(lab, f) for lab, f, _ in per[n]] for n in ("static", "elastic",
                                                                     "endpoint")}
         row["pairs"] = kit.run_pairs(("elastic", runs_of["elastic"]),
-                                     ("static", runs_of["static"]), rate,
+                                     ("static", runs_of["static"]), rounded_rate,
                                      lambda k, b: label(b) == w)
-        row["spread"] = {n: kit.run_spread(runs_of[n], rate,
+        row["spread"] = {n: kit.run_spread(runs_of[n], rounded_rate,
                                            lambda k, b: k in both and label(b) == w)
                          for n in ("static", "elastic", "endpoint") if runs_of[n]}
         if "endpoint" in row:       # the one endpoint whose idle models sleep
@@ -897,7 +899,7 @@ def pool(runs: list[tuple[str, dict]], output: int | None = None) -> dict:
                 row["endpoint_to_single"] = ratio(row["endpoint"]["tok_s"],
                                                   row["single"]["tok_s"])
             row["endpoint_pairs"] = kit.run_pairs(("endpoint", runs_of["endpoint"]),
-                                                  ("static", runs_of["static"]), rate,
+                                                  ("static", runs_of["static"]), rounded_rate,
                                                   lambda k, b: label(b) == w)
         out["workloads"].append(row)
     return out
@@ -1467,6 +1469,7 @@ def main() -> int:
         # one endpoint whose idle models sleep: what their weights' memory adds
         def to(other):
             return paired(ep, results.get(other))[0]
+        on_static = paired(ep, s)[1]
         events = endpoint_events(ep)
         summary["endpoint"] = {
             "tok_s": ep["aggregate_output_tokens_per_s"], "errors": ep["errors"],
@@ -1474,7 +1477,7 @@ def main() -> int:
             "ttft_p99_s": ep["ttft_p99_s"], "sleep_after_s": ep.get("sleep_after"),
             "endpoints": ep.get("endpoints", "one"), "direct": ep.get("direct", False),
             "to_static": to("static"), "to_elastic": to("elastic"), "to_single": to("single"),
-            **({"to_static_on_bursts": paired(ep, s)[1]} if paired(ep, s)[1] else {}),
+            **({"to_static_on_bursts": on_static} if on_static else {}),
             "sleeps": sum(1 for ev in events if ev[1] == "asleep"),
             "wake_s": [ev[2] for ev in events if ev[1] == "awake"]}
     if s and e and args.contexts and len(args.contexts) > 1:
