@@ -287,7 +287,7 @@ def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
     from types import SimpleNamespace
 
     from proxima.serve.router import READY, Backend
-    from proxima.serve.sleepwake import ASLEEP, DEMAND_IDLE_S, HELD_IDLE_S, SleepWake
+    from proxima.serve.sleepwake import ASLEEP, AWAKE, DEMAND_IDLE_S, HELD_IDLE_S, SleepWake
 
     GiB = 2**30
     a = Backend(name="a", url="http://127.0.0.1:8101", sleep_after=600, state=READY, pid=11)
@@ -312,12 +312,12 @@ def test_an_idle_sleeper_sleeps_for_another_engines_unmet_demand_not_its_own():
         """``backend`` asleep, a request ``gap`` s after its last one (its wake: a real
         awake() with the engine's answer stood in for)."""
         async def woke(_backend) -> None:
-            _backend.sleep_state = "awake"
+            _backend.sleep_state = AWAKE
         backend.sleep_state = ASLEEP
         backend.last_request = time.monotonic() - gap
         sw._wake = woke
         assert asyncio.run(sw.awake(backend)) is None
-        assert backend.sleep_state == "awake"
+        assert backend.sleep_state == AWAKE
 
     assert DEMAND_IDLE_S < HELD_IDLE_S
     # alternating bursts: woken for its burst long after its last request, idle through
@@ -379,7 +379,8 @@ def test_a_model_sleeps_for_the_demand_another_engine_posts_in_the_gpus_ledger(
     import time
 
     time.sleep(1.0)                                              # the demand is still there
-    assert ep.engines["alpha"].backend.sleep_state == "awake"   # held: woken soon after its last request
+    # held: woken soon after its last request
+    assert ep.engines["alpha"].backend.sleep_state == "awake"
     assert sum("sleeps for the GPU's other engines" in r for r in logged) == 1
     busy.close()
 
